@@ -1,0 +1,583 @@
+"""The block table of one namespace: hash → slot, states, pins, LRU, eviction.
+
+Invariants (checked by ``tests/kvstore/test_store_state_machine.py`` after
+every step of random interleavings):
+
+- ``free + ready + writing == capacity``; a slot belongs to at most one block.
+- A block is in the LRU iff it is READY with no pins; WRITING blocks are never
+  returned by a lookup; pinned blocks are never evicted.
+- Recency order is consistent with the prefix tree: a block in the LRU is
+  always more recently used than every descendant of it in the LRU, because
+  each touch moves the touched blocks *and their ancestors* to the most
+  recent end, deepest first. So the LRU's eviction end is always a leaf and
+  chains are evicted from their tails: leaves before parents.
+- A block whose parent was removed can no longer be reached by any lookup
+  (its hash chains through the parent): when it enters the LRU it goes to
+  the eviction end, so it is reclaimed before anything else.
+
+Pins and writes are recorded in the lease as well as in the block, so ending
+a lease costs O(what it holds).
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections.abc import Iterable, Iterator, Sequence
+
+from kvstore.block import Block, BlockState
+from kvstore.errors import InvalidArgument, LimitExceeded, NotWriter, StaleSlot
+from kvstore.events import CacheEvent, EventKind
+from kvstore.layout import NamespaceSpec
+from kvstore.lease import Lease
+from kvstore.lru import LRUList
+from kvstore.results import (
+    BlockInfo,
+    BlockRef,
+    ClearReport,
+    LookupResult,
+    MissReason,
+    NamespaceStats,
+    ReserveEntry,
+    ReserveResult,
+    ReserveStatus,
+    TenantCounters,
+)
+from kvstore.types import HASH_BYTES, SHARED_SCOPE, BlockHash, SlotId, TenantId
+
+
+class BlockTable:
+    """All blocks of one namespace and the slots of its pool."""
+
+    def __init__(
+        self,
+        spec: NamespaceSpec,
+        capacity: int,
+        *,
+        shared: bool = False,
+        events: list[CacheEvent] | None = None,
+        max_pins_per_lease: int = 0,
+    ) -> None:
+        """Create an empty table.
+
+        Args:
+            spec: the namespace (model, layout, scheme).
+            capacity: number of slots in the pool; never exceeded.
+            shared: when True all tenants share one scope (operator's choice).
+            events: list to append events to (the store's); a private one if None.
+            max_pins_per_lease: bound on one lease's pins (0 = unbounded).
+        """
+        if capacity <= 0:
+            raise InvalidArgument(f"capacity must be a positive number of blocks, got {capacity}")
+        self.spec = spec
+        self.namespace = spec.namespace_id
+        self.capacity = capacity
+        self.shared = shared
+        self.block_size = spec.layout.block_size
+        self.max_pins_per_lease = max_pins_per_lease
+        self._events = events if events is not None else []
+        self._scopes: dict[TenantId, dict[BlockHash, Block]] = {}
+        # Free slots as a stack: the most recently freed slot is reused first
+        # (its memory is warm in the caches of whoever touched it last).
+        self._free: list[SlotId] = [SlotId(s) for s in range(capacity - 1, -1, -1)]
+        self._generation = array("Q", bytes(8 * capacity))
+        self._lru = LRUList()
+        self._writing = 0
+        self._pinned = 0
+        self._evictions = 0
+        self._resident: dict[TenantId, int] = {}
+        self._counters: dict[TenantId, TenantCounters] = {}
+
+    # --- queries -------------------------------------------------------------
+
+    def scope_of(self, tenant: TenantId) -> TenantId:
+        """The scope a tenant's blocks live in."""
+        return SHARED_SCOPE if self.shared else tenant
+
+    def __len__(self) -> int:
+        """Resident blocks (READY or WRITING)."""
+        return self.capacity - len(self._free)
+
+    def generation(self, slot: SlotId) -> int:
+        """Current generation of a slot."""
+        return int(self._generation[slot])
+
+    def check_slot(self, tenant: TenantId, ref: BlockRef) -> Block:
+        """The READY or WRITING block that ``ref`` names, or `StaleSlot`.
+
+        Used by the byte-streaming RPCs to make sure a slot is still what the
+        caller thinks it is before reading or writing it.
+        """
+        block = self._scopes.get(self.scope_of(tenant), {}).get(ref.hash)
+        if block is None or block.slot != ref.slot or block.generation != ref.generation:
+            raise StaleSlot(
+                f"slot {ref.slot} generation {ref.generation} no longer holds block "
+                f"{ref.hash.hex()[:16]}"
+            )
+        return block
+
+    # --- lookup ----------------------------------------------------------------
+
+    def lookup(
+        self,
+        tenant: TenantId,
+        chain: Sequence[BlockHash],
+        now: float,
+        *,
+        lease: Lease | None = None,
+        query_tokens: int | None = None,
+    ) -> LookupResult:
+        """Longest run of READY blocks from the start of ``chain``.
+
+        With ``lease`` the hits are pinned under it in the same step, so no
+        eviction can slip between "found" and "pinned".
+
+        Args:
+            tenant: the caller's tenant.
+            chain: block hashes from the first block of the prompt on.
+            now: current time.
+            lease: pin the hits under this lease (must belong to ``tenant``).
+            query_tokens: tokens of the whole query, for token accounting
+                (defaults to ``len(chain) * block_size``).
+        """
+        _check_chain(chain)
+        blocks = self._scopes.get(self.scope_of(tenant), {})
+        hits: list[Block] = []
+        prev: Block | None = None
+        reason = MissReason.NONE
+        for h in chain:
+            block = blocks.get(h)
+            if block is None or block.state is not BlockState.READY:
+                reason = MissReason.ABSENT if block is None else MissReason.IN_FLIGHT
+                break
+            if block.parent is not prev:
+                # The parent record was replaced (evicted, then stored again):
+                # the hash proves this is the chain's parent, so relink.
+                block.parent = prev
+            hits.append(block)
+            prev = block
+        if lease is not None and hits:
+            self._check_pin_bound(lease, len(hits))
+            pins = lease.pins_in(self.namespace)
+            for block in hits:
+                self._pin(block)
+                pins[block] = pins.get(block, 0) + 1
+            lease.pin_total += len(hits)
+        for block in hits:
+            block.hits += 1
+            block.last_used = now
+        if lease is None:
+            self._touch(hits, now)
+        self._count_lookup(tenant, len(chain), len(hits), reason, query_tokens)
+        return LookupResult(
+            blocks=tuple(BlockRef(b.hash, b.slot, b.generation) for b in hits),
+            pinned=lease is not None,
+            miss_reason=reason,
+        )
+
+    # --- write path --------------------------------------------------------
+
+    def reserve(self, lease: Lease, chain: Sequence[BlockHash], now: float) -> ReserveResult:
+        """Allocate slots for the blocks of ``chain`` that nobody has.
+
+        Per block, in order: READY → HIT; WRITING under another lease →
+        IN_FLIGHT; WRITING under this lease → RESERVED again (idempotent);
+        absent → a free slot, or the least recently used evictable block's
+        slot, or NO_ROOM for it and every later block. Blocks of the chain
+        that are hits are protected from eviction for the duration of the
+        call, so reserving a tail never evicts its own prefix.
+        """
+        _check_chain(chain)
+        scope = self.scope_of(lease.tenant)
+        blocks = self._scopes.setdefault(scope, {})
+        writes = lease.writes_in(self.namespace)
+        entries: list[ReserveEntry] = []
+        protected: list[Block] = []
+        prev: Block | None = None
+        removed: list[Block] = []
+        try:
+            for depth, h in enumerate(chain):
+                block = blocks.get(h)
+                if block is not None:
+                    if block.parent is not prev:
+                        block.parent = prev
+                    if block.state is BlockState.READY:
+                        self._pin(block)
+                        protected.append(block)
+                        entries.append(
+                            ReserveEntry(h, ReserveStatus.HIT, block.slot, block.generation)
+                        )
+                    elif block.writer == lease.lease_id:
+                        entries.append(
+                            ReserveEntry(h, ReserveStatus.RESERVED, block.slot, block.generation)
+                        )
+                    else:
+                        entries.append(ReserveEntry(h, ReserveStatus.IN_FLIGHT))
+                    prev = block
+                    continue
+                slot = self._allocate(removed)
+                if slot is None:
+                    entries.extend(
+                        ReserveEntry(rest, ReserveStatus.NO_ROOM) for rest in chain[depth:]
+                    )
+                    break
+                block = Block(
+                    hash=h,
+                    scope=scope,
+                    slot=slot,
+                    generation=int(self._generation[slot]),
+                    parent=prev,
+                    depth=depth,
+                    writer=lease.lease_id,
+                    created=now,
+                    last_used=now,
+                )
+                blocks[h] = block
+                writes.add(block)
+                self._writing += 1
+                self._resident[scope] = self._resident.get(scope, 0) + 1
+                entries.append(ReserveEntry(h, ReserveStatus.RESERVED, slot, block.generation))
+                prev = block
+        finally:
+            for block in protected:
+                self._unpin(block)
+            self._touch(protected, now)
+            self._emit_removed(removed, now)
+        return ReserveResult(tuple(entries))
+
+    def commit(self, lease: Lease, hashes: Sequence[BlockHash], now: float) -> int:
+        """Make blocks this lease wrote READY; returns how many changed state.
+
+        The call is validated whole before anything changes: a hash that is
+        not WRITING under this lease raises `NotWriter` and commits nothing.
+        A hash already READY is accepted (a retried commit) and not counted.
+        """
+        _check_chain(hashes)
+        blocks = self._scopes.get(self.scope_of(lease.tenant), {})
+        writes = lease.writes_in(self.namespace)
+        todo: list[Block] = []
+        for h in hashes:
+            block = blocks.get(h)
+            if block is not None and block.state is BlockState.WRITING and block in writes:
+                todo.append(block)
+            elif block is None or block.state is not BlockState.READY:
+                raise NotWriter(
+                    f"block {h.hex()[:16]} is not being written under lease {lease.lease_id}"
+                    " (never reserved, aborted, or the lease expired)"
+                )
+        todo = list(dict.fromkeys(todo))
+        if not todo:
+            return 0
+        for block in todo:
+            block.state = BlockState.READY
+            block.writer = None
+            writes.discard(block)
+            block.last_used = now
+        self._writing -= len(todo)
+        counters = self._counters_for(lease.tenant)
+        counters.stored_blocks += len(todo)
+        self._touch(todo, now)
+        self._emit_stored(todo, now)
+        return len(todo)
+
+    def abort(self, lease: Lease, hashes: Sequence[BlockHash], now: float) -> int:
+        """Free blocks this lease reserved and will not write; returns how many.
+
+        Hashes that are not WRITING under this lease are ignored (they may
+        have been aborted already, or freed with an expired lease).
+        """
+        _check_chain(hashes)
+        blocks = self._scopes.get(self.scope_of(lease.tenant), {})
+        writes = lease.writes_in(self.namespace)
+        freed = 0
+        for h in hashes:
+            block = blocks.get(h)
+            if block is not None and block in writes:
+                writes.discard(block)
+                self._drop_writing(block)
+                freed += 1
+        return freed
+
+    # --- pins ----------------------------------------------------------------
+
+    def release(self, lease: Lease, hashes: Sequence[BlockHash], now: float) -> int:
+        """Drop one of this lease's pins on each named block; returns how many.
+
+        A block this lease does not pin (never pinned, or already released)
+        is skipped: a release never touches another lease's pins and never
+        drives a count below zero.
+        """
+        _check_chain(hashes)
+        blocks = self._scopes.get(self.scope_of(lease.tenant), {})
+        pins = lease.pins.get(self.namespace, {})
+        released: list[Block] = []
+        for h in hashes:
+            block = blocks.get(h)
+            count = pins.get(block) if block is not None else None
+            if block is None or count is None:
+                continue
+            if count == 1:
+                del pins[block]
+            else:
+                pins[block] = count - 1
+            self._unpin(block)
+            released.append(block)
+        lease.pin_total -= len(released)
+        self._touch(released, now)
+        return len(released)
+
+    def drop_lease(self, lease: Lease, now: float) -> tuple[int, int]:
+        """Release every pin and abort every write of a lease in this namespace.
+
+        Returns:
+            (pins dropped, writes aborted). Cost: O(what the lease holds here).
+        """
+        pins = lease.pins.pop(self.namespace, {})
+        released: list[Block] = []
+        dropped = 0
+        for block, count in pins.items():
+            for _ in range(count):
+                self._unpin(block)
+            dropped += count
+            released.append(block)
+        lease.pin_total -= dropped
+        self._touch(released, now)
+        writes = lease.writes.pop(self.namespace, set())
+        for block in writes:
+            self._drop_writing(block)
+        return dropped, len(writes)
+
+    # --- eviction -------------------------------------------------------------
+
+    def evict(self, n: int, now: float) -> int:
+        """Evict up to ``n`` unpinned READY blocks, leaves first; returns how many."""
+        if n < 0:
+            raise InvalidArgument(f"cannot evict a negative number of blocks ({n})")
+        removed: list[Block] = []
+        for _ in range(n):
+            if not self._evict_one(removed):
+                break
+        self._emit_removed(removed, now)
+        return len(removed)
+
+    def clear(self, now: float) -> ClearReport:
+        """Remove every READY unpinned block; pinned and WRITING blocks stay.
+
+        Pinned blocks are in use by a runner that has their memory mapped;
+        they are dropped when released. Returns what was removed and kept.
+        """
+        removed: list[Block] = []
+        while self._lru.first() is not None:
+            block = self._lru.first()
+            assert block is not None
+            self._remove(block)
+            removed.append(block)
+        self._emit_removed(removed, now)
+        self._events.append(CacheEvent(EventKind.CLEARED, self.namespace, SHARED_SCOPE, (), at=now))
+        return ClearReport(
+            removed=len(removed), kept_pinned=self._pinned, kept_writing=self._writing
+        )
+
+    # --- inspection -----------------------------------------------------------
+
+    def iter_blocks(self) -> Iterator[BlockInfo]:
+        """Snapshot of every resident block, scope by scope."""
+        for scope_blocks in list(self._scopes.values()):
+            for b in list(scope_blocks.values()):
+                yield BlockInfo(
+                    hash=b.hash,
+                    parent=b.parent.hash if b.parent is not None else None,
+                    scope=b.scope,
+                    slot=b.slot,
+                    generation=b.generation,
+                    state=b.state,
+                    refcount=b.refcount,
+                    hits=b.hits,
+                    depth=b.depth,
+                    created=b.created,
+                    last_used=b.last_used,
+                )
+
+    def lru_order(self) -> list[BlockHash]:
+        """Hashes of evictable blocks, next victim first (for tests and tools)."""
+        return [b.hash for b in self._lru]
+
+    def stats(self) -> NamespaceStats:
+        """Occupancy and per-tenant counters (copies)."""
+        free = len(self._free)
+        return NamespaceStats(
+            namespace=self.namespace,
+            model_id=self.spec.model_id,
+            block_size=self.block_size,
+            block_bytes=self.spec.layout.block_bytes,
+            capacity=self.capacity,
+            free=free,
+            ready=self.capacity - free - self._writing,
+            writing=self._writing,
+            pinned=self._pinned,
+            evictable=len(self._lru),
+            evictions=self._evictions,
+            tenants={
+                t: TenantCounters(**{f: getattr(c, f) for f in TenantCounters.__slots__})
+                for t, c in self._counters.items()
+            },
+            resident_by_tenant=dict(self._resident),
+        )
+
+    # --- internals --------------------------------------------------------------
+
+    def _check_pin_bound(self, lease: Lease, more: int) -> None:
+        limit = self.max_pins_per_lease
+        if limit and lease.pin_total + more > limit:
+            raise LimitExceeded(
+                f"lease {lease.lease_id} would hold {lease.pin_total + more} pins, over the "
+                f"limit of {limit}; release blocks you no longer read"
+            )
+
+    def _pin(self, block: Block) -> None:
+        if block.refcount == 0:
+            if block in self._lru:
+                self._lru.remove(block)
+            self._pinned += 1
+        block.refcount += 1
+
+    def _unpin(self, block: Block) -> None:
+        if block.refcount <= 0:
+            raise RuntimeError(f"bug: unpinning block {block.hash.hex()[:16]} with no pins")
+        block.refcount -= 1
+        if block.refcount == 0:
+            self._pinned -= 1
+
+    def _touch(self, touched: Iterable[Block], now: float) -> None:
+        """Mark blocks and their ancestors most recently used, deepest first.
+
+        Blocks that are READY and unpinned end up in the LRU; orphans (parent
+        removed) go to its eviction end instead. Cost: O(blocks + ancestors
+        not already visited).
+        """
+        visited: dict[Block, None] = {}
+        for block in touched:
+            node: Block | None = block
+            while node is not None and node not in visited and node.state is not BlockState.FREE:
+                visited[node] = None
+                node = node.parent
+        if not visited:
+            return
+        lru = self._lru
+        for node in sorted(visited, key=_depth, reverse=True):
+            if node.last_used < now:
+                node.last_used = now
+            if node.state is not BlockState.READY or node.refcount:
+                continue
+            if node in lru:
+                lru.remove(node)
+            if node.orphaned:
+                lru.appendleft(node)
+            else:
+                lru.append(node)
+
+    def _allocate(self, removed: list[Block]) -> SlotId | None:
+        if not self._free and not self._evict_one(removed):
+            return None
+        return self._free.pop()
+
+    def _evict_one(self, removed: list[Block]) -> bool:
+        victim = self._lru.first()
+        if victim is None:
+            return False
+        self._remove(victim)
+        self._evictions += 1
+        removed.append(victim)
+        return True
+
+    def _remove(self, block: Block) -> None:
+        """Free a READY unpinned block's slot and forget it."""
+        assert block.state is BlockState.READY and block.refcount == 0, "evicting a live block"
+        self._lru.remove(block)
+        self._forget(block)
+
+    def _drop_writing(self, block: Block) -> None:
+        assert block.state is BlockState.WRITING
+        self._writing -= 1
+        self._forget(block)
+
+    def _forget(self, block: Block) -> None:
+        scope_blocks = self._scopes[block.scope]
+        del scope_blocks[block.hash]
+        if not scope_blocks:
+            del self._scopes[block.scope]
+        block.state = BlockState.FREE
+        block.writer = None
+        self._generation[block.slot] += 1
+        self._free.append(block.slot)
+        self._resident[block.scope] -= 1
+        if not self._resident[block.scope]:
+            del self._resident[block.scope]
+
+    def _counters_for(self, tenant: TenantId) -> TenantCounters:
+        counters = self._counters.get(tenant)
+        if counters is None:
+            counters = self._counters[tenant] = TenantCounters()
+        return counters
+
+    def _count_lookup(
+        self, tenant: TenantId, asked: int, hit: int, reason: MissReason, query_tokens: int | None
+    ) -> None:
+        c = self._counters_for(tenant)
+        c.lookups += 1
+        c.hit_blocks += hit
+        c.miss_blocks += asked - hit
+        hit_tokens = hit * self.block_size
+        total = query_tokens if query_tokens is not None else asked * self.block_size
+        c.hit_tokens += hit_tokens
+        c.miss_tokens += max(0, total - hit_tokens)
+        if reason is MissReason.ABSENT:
+            c.miss_absent += 1
+        elif reason is MissReason.IN_FLIGHT:
+            c.miss_in_flight += 1
+
+    def _emit_stored(self, blocks: list[Block], now: float) -> None:
+        # One event per run of consecutive chain blocks, so a consumer can
+        # rebuild the tree: each event says which hash its first block follows.
+        run: list[Block] = []
+        for block in sorted(blocks, key=_depth):
+            if run and (block.parent is not run[-1] or block.scope != run[-1].scope):
+                self._emit_run(run, now)
+                run = []
+            run.append(block)
+        if run:
+            self._emit_run(run, now)
+
+    def _emit_run(self, run: list[Block], now: float) -> None:
+        first = run[0]
+        self._events.append(
+            CacheEvent(
+                EventKind.STORED,
+                self.namespace,
+                first.scope,
+                tuple(b.hash for b in run),
+                parent=first.parent.hash if first.parent is not None else None,
+                at=now,
+            )
+        )
+
+    def _emit_removed(self, removed: list[Block], now: float) -> None:
+        by_scope: dict[TenantId, list[BlockHash]] = {}
+        for block in removed:
+            by_scope.setdefault(block.scope, []).append(block.hash)
+        for scope, hashes in by_scope.items():
+            self._events.append(
+                CacheEvent(EventKind.REMOVED, self.namespace, scope, tuple(hashes), at=now)
+            )
+
+
+def _depth(block: Block) -> int:
+    return block.depth
+
+
+def _check_chain(chain: Sequence[BlockHash]) -> None:
+    for h in chain:
+        if not isinstance(h, bytes) or len(h) != HASH_BYTES:
+            raise InvalidArgument(
+                f"every block hash must be {HASH_BYTES} bytes, got "
+                f"{len(h) if isinstance(h, bytes) else type(h).__name__}"
+            )

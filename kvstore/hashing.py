@@ -1,0 +1,246 @@
+"""Chained prefix hashes: the key of every cached block.
+
+A prompt is cut into blocks of ``block_size`` tokens; only full blocks get a
+hash. Block *i* is keyed by::
+
+    h_i = H(h_{i-1} || extra_i || tokens_i)          h_{-1} = root
+
+so a block's hash covers every token before it: two prompts share block *i*
+only when all their tokens up to the end of block *i* match.
+
+Two schemes exist (`HashScheme`):
+
+``kvstore-sha256-v1`` (the default)
+    ``H`` is SHA-256 over a fixed byte encoding::
+
+        parent (32 bytes) || u32le(len(extra)) || extra || tokens as u32le
+
+    Tokens must lie in ``[0, 2**32)``. ``extra`` (LoRA name, multimodal item
+    hashes: anything that changes the KV without changing tokens) is opaque
+    bytes; ``None`` and ``b""`` are the same. The root is::
+
+        SHA-256("kvstore/root/v1\\0" || u32le(len(ns)) || ns || u32le(len(salt)) || salt)
+
+    where ``ns`` is the namespace digest (model + layout + scheme) and
+    ``salt`` the tenant's secret salt, chosen by the server.
+
+``vllm-sha256-cbor``
+    Bit-compatible with vLLM's ``sha256_cbor`` prefix-cache hashes:
+    ``SHA-256(canonical_cbor((parent, tuple(tokens), extra_keys)))`` with
+    root ``SHA-256(canonical_cbor(seed))`` where ``seed`` is the
+    ``PYTHONHASHSEED`` string vLLM runs with. ``extra_keys`` is ``None`` or a
+    tuple of ints/strings/bytes. Tenant isolation then comes from the store's
+    per-tenant scopes alone (the root cannot carry a salt and stay
+    compatible).
+
+This module is the one implementation used by the server (requests that send
+tokens) and by the client (requests that send hashes).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from collections.abc import Sequence
+from enum import StrEnum
+from typing import Union
+
+import numpy as np
+import numpy.typing as npt
+
+from kvstore.errors import InvalidArgument
+from kvstore.types import HASH_BYTES, BlockHash
+
+ExtraKey = Union[int, str, bytes]
+"""One element of a vLLM ``extra_keys`` tuple."""
+
+Extra = Union[bytes, tuple[ExtraKey, ...], None]
+"""Per-block extra input: bytes for the default scheme, a tuple for vLLM's."""
+
+Tokens = Union[Sequence[int], npt.NDArray[np.integer]]
+"""Token ids as a Python sequence or a 1-D integer array."""
+
+_U32 = struct.Struct("<I")
+_ROOT_TAG = b"kvstore/root/v1\0"
+MAX_TOKEN = (1 << 32) - 1
+
+
+class HashScheme(StrEnum):
+    """How a chain of block hashes is computed."""
+
+    KVSTORE_SHA256 = "kvstore-sha256-v1"
+    VLLM_SHA256_CBOR = "vllm-sha256-cbor"
+
+
+def kvstore_root(namespace_digest: bytes, salt: bytes = b"") -> BlockHash:
+    """Root of the default scheme for one namespace and one tenant salt.
+
+    Args:
+        namespace_digest: `NamespaceSpec.digest()` of the namespace.
+        salt: the tenant's secret salt (empty for a shared namespace).
+    """
+    h = hashlib.sha256(_ROOT_TAG)
+    h.update(_U32.pack(len(namespace_digest)))
+    h.update(namespace_digest)
+    h.update(_U32.pack(len(salt)))
+    h.update(salt)
+    return BlockHash(h.digest())
+
+
+def vllm_root(seed: str) -> BlockHash:
+    """vLLM's ``NONE_HASH`` for a given ``PYTHONHASHSEED`` (sha256_cbor)."""
+    return BlockHash(hashlib.sha256(cbor_encode(seed)).digest())
+
+
+def token_bytes(tokens: Tokens) -> bytes:
+    """Encode token ids as little-endian uint32, rejecting out-of-range ids."""
+    arr = np.asarray(tokens)
+    if arr.ndim != 1:
+        raise InvalidArgument(f"tokens must be one-dimensional, got shape {arr.shape}")
+    if arr.size == 0:
+        return b""
+    if not np.issubdtype(arr.dtype, np.integer):
+        raise InvalidArgument(f"tokens must be integers, got dtype {arr.dtype}")
+    if arr.dtype != np.uint32:
+        lo, hi = int(arr.min()), int(arr.max())
+        if lo < 0 or hi > MAX_TOKEN:
+            raise InvalidArgument(f"token ids must lie in [0, 2**32), got range [{lo}, {hi}]")
+    return arr.astype("<u4", copy=False).tobytes()
+
+
+def _check_extras(extras: Sequence[Extra] | None, n_blocks: int) -> Sequence[Extra] | None:
+    if extras is not None and len(extras) < n_blocks:
+        raise InvalidArgument(f"got {len(extras)} extras for {n_blocks} full blocks")
+    return extras
+
+
+def hash_blocks(
+    root: BlockHash,
+    tokens: Tokens,
+    block_size: int,
+    *,
+    scheme: HashScheme = HashScheme.KVSTORE_SHA256,
+    extras: Sequence[Extra] | None = None,
+) -> list[BlockHash]:
+    """Chain hashes of every *full* block of ``tokens``.
+
+    Args:
+        root: `kvstore_root` or `vllm_root` of the namespace (and tenant).
+        tokens: the prompt's token ids; a partial last block is ignored.
+        block_size: tokens per block.
+        scheme: which encoding and hash to use.
+        extras: optional per-block extra input, one per full block.
+
+    Returns:
+        One 32-byte hash per full block, in order.
+    """
+    if block_size <= 0:
+        raise InvalidArgument(f"block_size must be positive, got {block_size}")
+    if len(root) != HASH_BYTES:
+        raise InvalidArgument(f"root must be {HASH_BYTES} bytes, got {len(root)}")
+    if scheme is HashScheme.VLLM_SHA256_CBOR:
+        return _hash_blocks_vllm(root, tokens, block_size, extras)
+    data = token_bytes(tokens)
+    n_blocks = len(data) // (4 * block_size)
+    extras = _check_extras(extras, n_blocks)
+    stride = 4 * block_size
+    view = memoryview(data)
+    sha256 = hashlib.sha256
+    no_extra = _U32.pack(0)
+    parent: bytes = root
+    out: list[BlockHash] = []
+    append = out.append
+    for i in range(n_blocks):
+        extra = extras[i] if extras is not None else None
+        if extra:
+            if not isinstance(extra, bytes):
+                raise InvalidArgument("extras of the kvstore-sha256-v1 scheme must be bytes")
+            h = sha256(parent)
+            h.update(_U32.pack(len(extra)))
+            h.update(extra)
+            h.update(view[i * stride : (i + 1) * stride])
+            parent = h.digest()
+        else:
+            parent = sha256(parent + no_extra + view[i * stride : (i + 1) * stride]).digest()
+        append(BlockHash(parent))
+    return out
+
+
+def _hash_blocks_vllm(
+    root: BlockHash, tokens: Tokens, block_size: int, extras: Sequence[Extra] | None
+) -> list[BlockHash]:
+    ids = np.asarray(tokens)
+    if ids.ndim != 1:
+        raise InvalidArgument(f"tokens must be one-dimensional, got shape {ids.shape}")
+    if ids.size and not np.issubdtype(ids.dtype, np.integer):
+        raise InvalidArgument(f"tokens must be integers, got dtype {ids.dtype}")
+    n_blocks = ids.size // block_size
+    extras = _check_extras(extras, n_blocks)
+    token_list: list[int] = ids.tolist()
+    parent: bytes = root
+    out: list[BlockHash] = []
+    for i in range(n_blocks):
+        extra = extras[i] if extras is not None else None
+        if extra is not None and not isinstance(extra, tuple):
+            raise InvalidArgument("extras of the vllm-sha256-cbor scheme must be tuples or None")
+        encoded = cbor_encode(
+            (parent, tuple(token_list[i * block_size : (i + 1) * block_size]), extra)
+        )
+        parent = hashlib.sha256(encoded).digest()
+        out.append(BlockHash(parent))
+    return out
+
+
+# --- canonical CBOR (RFC 8949 §4.2.1) for the few types vLLM hashes ---------
+
+
+def _cbor_head(major: int, value: int) -> bytes:
+    if value < 24:
+        return bytes((major << 5 | value,))
+    if value < 1 << 8:
+        return bytes((major << 5 | 24, value))
+    if value < 1 << 16:
+        return bytes((major << 5 | 25,)) + value.to_bytes(2, "big")
+    if value < 1 << 32:
+        return bytes((major << 5 | 26,)) + value.to_bytes(4, "big")
+    if value < 1 << 64:
+        return bytes((major << 5 | 27,)) + value.to_bytes(8, "big")
+    raise InvalidArgument(f"integer {value} does not fit CBOR's 64-bit heads")
+
+
+def cbor_encode(value: object) -> bytes:
+    """Canonical CBOR of None, bool, int, str, bytes and tuples/lists of them.
+
+    Matches ``cbor2.dumps(value, canonical=True)`` for these types (the
+    tests check it against cbor2); anything else is an `InvalidArgument`.
+    """
+    out = bytearray()
+    _cbor_into(out, value)
+    return bytes(out)
+
+
+def _cbor_into(out: bytearray, value: object) -> None:
+    if value is None:
+        out.append(0xF6)
+    elif value is True:
+        out.append(0xF5)
+    elif value is False:
+        out.append(0xF4)
+    elif isinstance(value, int):
+        if value >= 0:
+            out += _cbor_head(0, value)
+        else:
+            out += _cbor_head(1, -1 - value)
+    elif isinstance(value, bytes):
+        out += _cbor_head(2, len(value))
+        out += value
+    elif isinstance(value, str):
+        encoded = value.encode("utf-8")
+        out += _cbor_head(3, len(encoded))
+        out += encoded
+    elif isinstance(value, (tuple, list)):
+        out += _cbor_head(4, len(value))
+        for item in value:
+            _cbor_into(out, item)
+    else:
+        raise InvalidArgument(f"cannot CBOR-encode {type(value).__name__} for a block hash")

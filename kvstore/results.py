@@ -1,0 +1,224 @@
+"""Results the store returns: frozen value objects, no live references.
+
+The service turns these into protobuf messages; tests assert on them. They
+never expose `Block` records, so callers cannot mutate the table.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import IntEnum
+
+from kvstore.block import BlockState
+from kvstore.types import BlockHash, LeaseId, NamespaceId, SlotId, TenantId
+
+
+@dataclass(frozen=True, slots=True)
+class BlockRef:
+    """Where one block's bytes live: a slot and the generation it had."""
+
+    hash: BlockHash
+    """The block's chained hash."""
+    slot: SlotId
+    """Slot in the namespace's pool."""
+    generation: int
+    """Slot generation; a different current generation means the slot was reused."""
+
+
+class MissReason(IntEnum):
+    """Why a lookup stopped where it did."""
+
+    NONE = 0
+    """Every block of the chain was a hit."""
+    ABSENT = 1
+    """The next block is not cached (never stored, evicted or cleared)."""
+    IN_FLIGHT = 2
+    """The next block is being written by some lease; retry shortly."""
+
+
+@dataclass(frozen=True, slots=True)
+class LookupResult:
+    """The longest READY prefix of a chain."""
+
+    blocks: tuple[BlockRef, ...]
+    """Hit blocks, from the first block of the chain on."""
+    pinned: bool
+    """True when the hits are pinned under the caller's lease."""
+    miss_reason: MissReason
+    """Why the run of hits ended."""
+
+    @property
+    def hit_blocks(self) -> int:
+        """Number of leading blocks found READY."""
+        return len(self.blocks)
+
+
+class ReserveStatus(IntEnum):
+    """Outcome of `reserve` for one block of the chain."""
+
+    HIT = 0
+    """Already READY: nothing to write."""
+    IN_FLIGHT = 1
+    """Another lease is writing it: do not write, it will appear."""
+    RESERVED = 2
+    """A slot is yours to write, then commit or abort."""
+    NO_ROOM = 3
+    """No free or evictable slot; later blocks are NO_ROOM too."""
+
+
+@dataclass(frozen=True, slots=True)
+class ReserveEntry:
+    """One block of a reservation."""
+
+    hash: BlockHash
+    """The block's chained hash."""
+    status: ReserveStatus
+    """What happened to it."""
+    slot: SlotId | None = None
+    """For RESERVED (and HIT): its slot."""
+    generation: int = 0
+    """The slot's generation for RESERVED and HIT."""
+
+
+@dataclass(frozen=True, slots=True)
+class ReserveResult:
+    """Per-block outcome of a reservation, in chain order."""
+
+    entries: tuple[ReserveEntry, ...]
+    """One entry per block of the chain."""
+
+    @property
+    def reserved(self) -> tuple[ReserveEntry, ...]:
+        """The entries whose slots the caller must write and commit."""
+        return tuple(e for e in self.entries if e.status is ReserveStatus.RESERVED)
+
+    @property
+    def complete(self) -> bool:
+        """True when no block came back NO_ROOM."""
+        return all(e.status is not ReserveStatus.NO_ROOM for e in self.entries)
+
+
+@dataclass(frozen=True, slots=True)
+class ReleaseReport:
+    """What ending a lease (expiry or close) freed."""
+
+    lease_id: LeaseId
+    """The lease that ended."""
+    tenant: TenantId
+    """Its tenant."""
+    pins_dropped: int
+    """Pins released, counting repeats."""
+    writes_aborted: int
+    """WRITING blocks freed."""
+
+
+@dataclass(frozen=True, slots=True)
+class ClearReport:
+    """What `clear` removed and what it had to leave."""
+
+    removed: int
+    """READY unpinned blocks removed."""
+    kept_pinned: int
+    """Pinned blocks left in place (they go when released)."""
+    kept_writing: int
+    """WRITING blocks left in place (they go when committed or aborted)."""
+
+
+@dataclass(frozen=True, slots=True)
+class BlockInfo:
+    """A read-only snapshot of one block for inspection tools."""
+
+    hash: BlockHash
+    """The block's chained hash."""
+    parent: BlockHash | None
+    """The previous block's hash (None at depth 0)."""
+    scope: TenantId
+    """Tenant scope."""
+    slot: SlotId
+    """Slot in the pool."""
+    generation: int
+    """Slot generation."""
+    state: BlockState
+    """WRITING or READY."""
+    refcount: int
+    """Pins, summed over leases."""
+    hits: int
+    """Lookups that returned it."""
+    depth: int
+    """Position in its chain."""
+    created: float
+    """When it was reserved."""
+    last_used: float
+    """Last lookup, commit or release that touched it."""
+
+
+@dataclass(slots=True)
+class TenantCounters:
+    """Cumulative lookup accounting for one tenant in one namespace."""
+
+    lookups: int = 0
+    """Lookup calls."""
+    hit_blocks: int = 0
+    """Blocks returned as hits."""
+    miss_blocks: int = 0
+    """Full blocks asked for and not found."""
+    hit_tokens: int = 0
+    """Tokens covered by hit blocks."""
+    miss_tokens: int = 0
+    """Tokens of the query not covered by hits (partial last block included)."""
+    miss_absent: int = 0
+    """Lookups that stopped on an absent block."""
+    miss_in_flight: int = 0
+    """Lookups that stopped on a block being written."""
+    stored_blocks: int = 0
+    """Blocks this tenant committed."""
+
+
+@dataclass(frozen=True, slots=True)
+class NamespaceStats:
+    """Occupancy and hit accounting of one namespace."""
+
+    namespace: NamespaceId
+    """Namespace id."""
+    model_id: str
+    """Its model id."""
+    block_size: int
+    """Tokens per block."""
+    block_bytes: int
+    """Bytes per block."""
+    capacity: int
+    """Slots in its pool."""
+    free: int
+    """Slots holding nothing."""
+    ready: int
+    """READY blocks."""
+    writing: int
+    """WRITING blocks."""
+    pinned: int
+    """Blocks with at least one pin."""
+    evictable: int
+    """READY unpinned blocks (in the LRU)."""
+    evictions: int
+    """Blocks evicted so far to make room (not counting clears)."""
+    tenants: dict[TenantId, TenantCounters]
+    """Per-tenant counters (copies)."""
+    resident_by_tenant: dict[TenantId, int]
+    """Blocks (READY or WRITING) per tenant scope."""
+
+
+@dataclass(frozen=True, slots=True)
+class ExpiryReport:
+    """What one `Store.expire` call freed."""
+
+    leases: tuple[ReleaseReport, ...]
+    """One report per expired lease."""
+
+    @property
+    def pins_dropped(self) -> int:
+        """Pins dropped over all expired leases."""
+        return sum(r.pins_dropped for r in self.leases)
+
+    @property
+    def writes_aborted(self) -> int:
+        """WRITING blocks freed over all expired leases."""
+        return sum(r.writes_aborted for r in self.leases)

@@ -1,0 +1,270 @@
+"""The store: namespaces, leases and events of one cache node.
+
+This is the facade the service calls. It is synchronous and pure: no I/O, no
+clock reads (every call that needs time takes ``now``), no randomness (lease
+ids are chosen by the caller). One store is driven by one thread or one
+event loop at a time; it holds no lock of its own.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+from kvstore.block_table import BlockTable
+from kvstore.errors import InvalidArgument, LayoutConflict, LimitExceeded, UnknownNamespace
+from kvstore.events import CacheEvent
+from kvstore.layout import NamespaceSpec
+from kvstore.lease import Lease, LeaseTable
+from kvstore.results import (
+    BlockInfo,
+    BlockRef,
+    ClearReport,
+    ExpiryReport,
+    LookupResult,
+    NamespaceStats,
+    ReleaseReport,
+    ReserveResult,
+)
+from kvstore.types import BlockHash, LeaseId, NamespaceId, TenantId
+
+
+@dataclass(frozen=True, slots=True)
+class StoreLimits:
+    """Bounds that keep one client from exhausting the node."""
+
+    max_chain_blocks: int = 65536
+    """Longest chain one call may name (1M tokens at block size 16)."""
+    max_pins_per_lease: int = 0
+    """Pins one lease may hold at once (0 = unbounded)."""
+    max_leases_per_tenant: int = 0
+    """Live leases per tenant (0 = unbounded)."""
+    max_lease_ttl: float = 3600.0
+    """Longest TTL a lease may ask for, in seconds."""
+    max_namespaces: int = 64
+    """Namespaces one node holds."""
+
+
+@dataclass(frozen=True, slots=True)
+class StoreStats:
+    """Node-wide snapshot."""
+
+    namespaces: tuple[NamespaceStats, ...]
+    """Per-namespace stats."""
+    leases: int
+    """Live leases."""
+    leases_expired: int
+    """Leases ended by expiry since start."""
+    pinned_by_leases: int
+    """Pins held over all leases (counting repeats)."""
+    writing_by_leases: int
+    """WRITING blocks held over all leases."""
+
+
+class Store:
+    """Every namespace's block table plus the node's leases and events."""
+
+    def __init__(self, limits: StoreLimits | None = None) -> None:
+        self.limits = limits or StoreLimits()
+        self._tables: dict[NamespaceId, BlockTable] = {}
+        self._by_model: dict[str, NamespaceSpec] = {}
+        self._events: list[CacheEvent] = []
+        self._leases = LeaseTable(
+            max_ttl=self.limits.max_lease_ttl,
+            max_leases_per_tenant=self.limits.max_leases_per_tenant,
+        )
+        self._expired_total = 0
+
+    # --- namespaces -----------------------------------------------------------
+
+    def register_namespace(
+        self, spec: NamespaceSpec, capacity: int, *, shared: bool = False
+    ) -> BlockTable:
+        """Create a namespace with ``capacity`` slots, or return the existing one.
+
+        Idempotent for an identical spec (the capacity of the first
+        registration stays). The same model id with another layout or scheme
+        is a `LayoutConflict`: runners of one model must agree on its KV.
+        """
+        existing = self._by_model.get(spec.model_id)
+        if existing is not None:
+            if existing != spec:
+                raise LayoutConflict(
+                    f"model {spec.model_id!r} is registered with {existing.layout} "
+                    f"scheme {existing.scheme.value}; got {spec.layout} scheme {spec.scheme.value}"
+                )
+            return self._tables[existing.namespace_id]
+        if len(self._tables) >= self.limits.max_namespaces:
+            raise LimitExceeded(
+                f"this node holds its maximum of {self.limits.max_namespaces} namespaces"
+            )
+        table = BlockTable(
+            spec,
+            capacity,
+            shared=shared,
+            events=self._events,
+            max_pins_per_lease=self.limits.max_pins_per_lease,
+        )
+        self._tables[spec.namespace_id] = table
+        self._by_model[spec.model_id] = spec
+        return table
+
+    def table(self, namespace: NamespaceId) -> BlockTable:
+        """The block table of a namespace, or `UnknownNamespace`."""
+        table = self._tables.get(namespace)
+        if table is None:
+            raise UnknownNamespace(f"namespace {namespace!r} is not registered on this node")
+        return table
+
+    def tables(self) -> list[BlockTable]:
+        """Every namespace's table, in registration order."""
+        return list(self._tables.values())
+
+    # --- leases -----------------------------------------------------------------
+
+    def open_lease(self, lease_id: LeaseId, tenant: TenantId, ttl: float, now: float) -> Lease:
+        """Open a lease for ``tenant`` that lives ``ttl`` seconds unless renewed."""
+        return self._leases.open(lease_id, tenant, ttl, now)
+
+    def renew_lease(self, lease_id: LeaseId, tenant: TenantId, now: float) -> Lease:
+        """Extend a live lease to ``now + ttl``; `LeaseExpired` once it ended."""
+        return self._leases.renew(lease_id, tenant, now)
+
+    def lease(self, lease_id: LeaseId, tenant: TenantId, now: float) -> Lease:
+        """A live lease of ``tenant``, or `LeaseExpired` / `UnknownLease`."""
+        return self._leases.get(lease_id, tenant, now)
+
+    def close_lease(self, lease_id: LeaseId, tenant: TenantId, now: float) -> ReleaseReport:
+        """End a lease now: release its pins and abort its writes."""
+        lease = self._leases.get(lease_id, tenant, now)
+        self._leases.remove(lease)
+        return self._drop(lease, now)
+
+    def expire(self, now: float) -> ExpiryReport:
+        """End every lease whose deadline has passed; O(what they hold)."""
+        reports = tuple(self._drop(lease, now) for lease in self._leases.pop_expired(now))
+        self._expired_total += len(reports)
+        return ExpiryReport(reports)
+
+    def next_deadline(self) -> float | None:
+        """When the next lease expires, if any (the service sleeps until then)."""
+        return self._leases.next_deadline()
+
+    def _drop(self, lease: Lease, now: float) -> ReleaseReport:
+        pins = writes = 0
+        for namespace in set(lease.pins) | set(lease.writes):
+            p, w = self._tables[namespace].drop_lease(lease, now)
+            pins += p
+            writes += w
+        return ReleaseReport(lease.lease_id, lease.tenant, pins, writes)
+
+    # --- block operations ---------------------------------------------------
+
+    def _check_len(self, chain: Sequence[BlockHash]) -> None:
+        if len(chain) > self.limits.max_chain_blocks:
+            raise InvalidArgument(
+                f"a call may name at most {self.limits.max_chain_blocks} blocks, got {len(chain)}"
+            )
+
+    def lookup(
+        self,
+        namespace: NamespaceId,
+        tenant: TenantId,
+        chain: Sequence[BlockHash],
+        now: float,
+        *,
+        lease_id: LeaseId | None = None,
+        query_tokens: int | None = None,
+    ) -> LookupResult:
+        """Longest READY prefix of ``chain``; pinned under ``lease_id`` if given."""
+        self._check_len(chain)
+        table = self.table(namespace)
+        lease = self._leases.get(lease_id, tenant, now) if lease_id is not None else None
+        return table.lookup(tenant, chain, now, lease=lease, query_tokens=query_tokens)
+
+    def reserve(
+        self,
+        namespace: NamespaceId,
+        tenant: TenantId,
+        lease_id: LeaseId,
+        chain: Sequence[BlockHash],
+        now: float,
+    ) -> ReserveResult:
+        """Reserve slots for the missing blocks of ``chain`` (see `BlockTable.reserve`)."""
+        self._check_len(chain)
+        table = self.table(namespace)
+        return table.reserve(self._leases.get(lease_id, tenant, now), chain, now)
+
+    def commit(
+        self,
+        namespace: NamespaceId,
+        tenant: TenantId,
+        lease_id: LeaseId,
+        hashes: Sequence[BlockHash],
+        now: float,
+    ) -> int:
+        """Make written blocks READY (see `BlockTable.commit`)."""
+        self._check_len(hashes)
+        table = self.table(namespace)
+        return table.commit(self._leases.get(lease_id, tenant, now), hashes, now)
+
+    def abort(
+        self,
+        namespace: NamespaceId,
+        tenant: TenantId,
+        lease_id: LeaseId,
+        hashes: Sequence[BlockHash],
+        now: float,
+    ) -> int:
+        """Free reserved blocks that will not be written (see `BlockTable.abort`)."""
+        self._check_len(hashes)
+        table = self.table(namespace)
+        return table.abort(self._leases.get(lease_id, tenant, now), hashes, now)
+
+    def release(
+        self,
+        namespace: NamespaceId,
+        tenant: TenantId,
+        lease_id: LeaseId,
+        hashes: Sequence[BlockHash],
+        now: float,
+    ) -> int:
+        """Drop this lease's pins on the named blocks (see `BlockTable.release`)."""
+        self._check_len(hashes)
+        table = self.table(namespace)
+        return table.release(self._leases.get(lease_id, tenant, now), hashes, now)
+
+    def check_slot(self, namespace: NamespaceId, tenant: TenantId, ref: BlockRef) -> None:
+        """Raise `StaleSlot` unless ``ref`` still names a resident block."""
+        self.table(namespace).check_slot(tenant, ref)
+
+    def evict(self, namespace: NamespaceId, n: int, now: float) -> int:
+        """Evict up to ``n`` evictable blocks of a namespace."""
+        return self.table(namespace).evict(n, now)
+
+    def clear(self, namespace: NamespaceId, now: float) -> ClearReport:
+        """Remove every unpinned READY block of a namespace."""
+        return self.table(namespace).clear(now)
+
+    # --- inspection and events ---------------------------------------------
+
+    def iter_blocks(self, namespace: NamespaceId) -> Iterator[BlockInfo]:
+        """Snapshot of a namespace's blocks."""
+        return self.table(namespace).iter_blocks()
+
+    def stats(self) -> StoreStats:
+        """Node-wide snapshot of namespaces and leases."""
+        leases = list(self._leases)
+        return StoreStats(
+            namespaces=tuple(t.stats() for t in self._tables.values()),
+            leases=len(leases),
+            leases_expired=self._expired_total,
+            pinned_by_leases=sum(lease.pin_total for lease in leases),
+            writing_by_leases=sum(lease.write_total for lease in leases),
+        )
+
+    def take_events(self) -> list[CacheEvent]:
+        """Hand over the events accumulated since the last call."""
+        events = self._events[:]
+        self._events.clear()
+        return events

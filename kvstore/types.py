@@ -1,0 +1,30 @@
+"""Distinct id types shared by the core, the pools, the client and the service.
+
+They are `NewType`s, so mypy keeps a slot from being passed where a lease id is
+expected, at no run-time cost.
+"""
+
+from __future__ import annotations
+
+from typing import NewType
+
+BlockHash = NewType("BlockHash", bytes)
+"""32-byte chained prefix hash of one full block (see `kvstore.hashing`)."""
+
+SlotId = NewType("SlotId", int)
+"""Index of a block-sized slot in a namespace's pool, 0 ≤ slot < capacity."""
+
+LeaseId = NewType("LeaseId", int)
+"""Unguessable 63-bit id of a lease; pins and WRITING slots belong to one."""
+
+TenantId = NewType("TenantId", str)
+"""Name of a tenant; blocks of different tenants live in separate scopes."""
+
+NamespaceId = NewType("NamespaceId", str)
+"""16 hex characters derived from model id + KV layout + hash scheme."""
+
+HASH_BYTES = 32
+"""Length of every `BlockHash`."""
+
+SHARED_SCOPE = TenantId("")
+"""The scope of a namespace configured as shared between tenants."""
