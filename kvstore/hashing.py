@@ -43,7 +43,6 @@ import hashlib
 import struct
 from collections.abc import Sequence
 from enum import StrEnum
-from typing import Union
 
 import numpy as np
 import numpy.typing as npt
@@ -51,13 +50,13 @@ import numpy.typing as npt
 from kvstore.errors import InvalidArgument
 from kvstore.types import HASH_BYTES, BlockHash
 
-ExtraKey = Union[int, str, bytes]
+ExtraKey = int | str | bytes
 """One element of a vLLM ``extra_keys`` tuple."""
 
-Extra = Union[bytes, tuple[ExtraKey, ...], None]
+Extra = bytes | tuple[ExtraKey, ...] | None
 """Per-block extra input: bytes for the default scheme, a tuple for vLLM's."""
 
-Tokens = Union[Sequence[int], npt.NDArray[np.integer]]
+Tokens = Sequence[int] | npt.NDArray[np.integer]
 """Token ids as a Python sequence or a 1-D integer array."""
 
 _U32 = struct.Struct("<I")

@@ -1,0 +1,206 @@
+"""Random interleavings of every store operation from several leases.
+
+After every step the invariants of ``kvstore.block_table`` must hold; at the
+end every lease expires and nothing may stay pinned or WRITING.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from kvstore import (
+    BlockState,
+    FailedPrecondition,
+    LeaseId,
+    LimitExceeded,
+    NotFound,
+    NotWriter,
+    Store,
+    StoreLimits,
+    TenantId,
+)
+from kvstore.types import BlockHash
+from tests.kvstore.conftest import NS, SPEC, chain
+
+CAPACITY = 12
+TTL = 5.0
+TENANTS = [TenantId("alice"), TenantId("bob")]
+# Prompts over a tiny alphabet so that chains share prefixes often.
+PROMPTS = st.lists(st.integers(0, 2), min_size=1, max_size=6).map(
+    lambda blocks: [t for b in blocks for t in [b, b + 1, b + 2, b + 3]]
+)
+LEASES = st.integers(0, 3)
+
+
+class StoreMachine(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.store = Store(StoreLimits(max_pins_per_lease=40))
+        self.store.register_namespace(SPEC, capacity=CAPACITY)
+        self.now = 0.0
+        self.next_id = 1
+        self.leases: dict[int, tuple[LeaseId, TenantId]] = {}
+        self.pins: dict[LeaseId, Counter[BlockHash]] = {}
+        for slot in range(4):
+            self._open(slot)
+
+    def _open(self, slot: int) -> None:
+        lease_id = LeaseId(self.next_id)
+        self.next_id += 1
+        tenant = TENANTS[slot % 2]
+        self.store.open_lease(lease_id, tenant, TTL, self.now)
+        self.leases[slot] = (lease_id, tenant)
+        self.pins[lease_id] = Counter()
+
+    def _chain(self, tokens: list[int], slot: int) -> list[BlockHash]:
+        return chain(tokens, salt=self.leases[slot][1].encode())
+
+    # --- rules -------------------------------------------------------------------
+
+    @rule(tokens=PROMPTS, slot=LEASES, pin=st.booleans())
+    def lookup(self, tokens: list[int], slot: int, pin: bool) -> None:
+        lease_id, tenant = self.leases[slot]
+        hashes = self._chain(tokens, slot)
+        try:
+            result = self.store.lookup(
+                NS, tenant, hashes, self.now, lease_id=lease_id if pin else None
+            )
+        except (FailedPrecondition, LimitExceeded):
+            return
+        assert [b.hash for b in result.blocks] == hashes[: result.hit_blocks]
+        states = {i.hash: i.state for i in self.store.iter_blocks(NS) if i.scope == tenant}
+        for ref in result.blocks:
+            assert states[ref.hash] is BlockState.READY, "lookup returned a non-READY block"
+        if pin:
+            self.pins[lease_id].update(b.hash for b in result.blocks)
+
+    @rule(tokens=PROMPTS, slot=LEASES)
+    def reserve(self, tokens: list[int], slot: int) -> None:
+        lease_id, tenant = self.leases[slot]
+        try:
+            self.store.reserve(NS, tenant, lease_id, self._chain(tokens, slot), self.now)
+        except FailedPrecondition:
+            return
+
+    @rule(slot=LEASES, data=st.data())
+    def commit_some(self, slot: int, data: st.DataObject) -> None:
+        lease_id, tenant = self.leases[slot]
+        writing = [
+            i.hash
+            for i in self.store.iter_blocks(NS)
+            if i.state is BlockState.WRITING and i.scope == tenant
+        ]
+        if not writing:
+            return
+        picked = data.draw(st.lists(st.sampled_from(writing), max_size=4))
+        try:
+            self.store.commit(NS, tenant, lease_id, picked, self.now)
+        except (NotWriter, FailedPrecondition):
+            return
+
+    @rule(tokens=PROMPTS, slot=LEASES)
+    def abort(self, tokens: list[int], slot: int) -> None:
+        lease_id, tenant = self.leases[slot]
+        try:
+            self.store.abort(NS, tenant, lease_id, self._chain(tokens, slot), self.now)
+        except FailedPrecondition:
+            return
+
+    @rule(tokens=PROMPTS, slot=LEASES)
+    def release(self, tokens: list[int], slot: int) -> None:
+        lease_id, tenant = self.leases[slot]
+        hashes = self._chain(tokens, slot)
+        try:
+            released = self.store.release(NS, tenant, lease_id, hashes, self.now)
+        except FailedPrecondition:
+            return
+        held = self.pins[lease_id]
+        expected = 0
+        for h in hashes:
+            if held[h] > 0:
+                held[h] -= 1
+                expected += 1
+        assert released == expected
+
+    @rule(n=st.integers(0, 5))
+    def evict(self, n: int) -> None:
+        self.store.evict(NS, n, self.now)
+
+    @rule(dt=st.floats(0.0, 4.0))
+    def advance(self, dt: float) -> None:
+        self.now += dt
+        self._expire()
+
+    @rule(slot=LEASES)
+    def renew_or_reopen(self, slot: int) -> None:
+        lease_id, tenant = self.leases[slot]
+        try:
+            self.store.renew_lease(lease_id, tenant, self.now)
+        except (FailedPrecondition, NotFound):
+            self._expire()
+            self._open(slot)
+
+    @precondition(lambda self: True)
+    @rule(slot=LEASES)
+    def close(self, slot: int) -> None:
+        lease_id, tenant = self.leases[slot]
+        try:
+            report = self.store.close_lease(lease_id, tenant, self.now)
+        except (FailedPrecondition, NotFound):
+            return
+        assert report.pins_dropped == sum(self.pins.pop(lease_id).values())
+        self._open(slot)
+
+    def _expire(self) -> None:
+        for report in self.store.expire(self.now).leases:
+            assert report.pins_dropped == sum(self.pins.pop(report.lease_id).values())
+
+    # --- invariants ------------------------------------------------------------------
+
+    @invariant()
+    def accounting_adds_up(self) -> None:
+        stats = self.store.stats().namespaces[0]
+        assert stats.free + stats.ready + stats.writing == CAPACITY
+        infos = list(self.store.iter_blocks(NS))
+        assert len(infos) == stats.ready + stats.writing
+        assert len({i.slot for i in infos}) == len(infos), "a slot owned by two blocks"
+        assert all(0 <= i.slot < CAPACITY for i in infos)
+        assert all(i.refcount >= 0 for i in infos)
+        evictable = sum(1 for i in infos if i.state is BlockState.READY and i.refcount == 0)
+        assert stats.evictable == evictable
+        assert stats.pinned == sum(1 for i in infos if i.refcount > 0)
+
+    @invariant()
+    def pins_match_the_model_and_pinned_blocks_stay(self) -> None:
+        resident: dict[tuple[str, BlockHash], int] = {
+            (i.scope, i.hash): i.refcount
+            for i in self.store.iter_blocks(NS)
+            if i.state is BlockState.READY
+        }
+        expected: Counter[tuple[str, BlockHash]] = Counter()
+        tenant_of = {lease_id: tenant for lease_id, tenant in self.leases.values()}
+        for lease_id, held in self.pins.items():
+            for h, count in held.items():
+                if count:
+                    expected[(tenant_of[lease_id], h)] += count
+        for key, count in expected.items():
+            assert key in resident, "a pinned block was evicted"
+            assert resident[key] == count
+        assert sum(resident.values()) == sum(expected.values())
+
+    def teardown(self) -> None:
+        self.now += TTL + 1
+        self._expire()
+        stats = self.store.stats()
+        ns = stats.namespaces[0]
+        assert ns.pinned == 0 and ns.writing == 0
+        assert stats.pinned_by_leases == 0 and stats.writing_by_leases == 0
+        assert ns.free + ns.ready == CAPACITY
+
+
+StoreMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+TestStoreMachine = StoreMachine.TestCase
