@@ -36,8 +36,8 @@ def test_each_hash_covers_every_earlier_token() -> None:
 
 
 def test_shared_prefix_gives_shared_hashes() -> None:
-    a = list(range(12)) + [1, 2, 3, 4]
-    b = list(range(12)) + [5, 6, 7, 8]
+    a = [*list(range(12)), 1, 2, 3, 4]
+    b = [*list(range(12)), 5, 6, 7, 8]
     ha, hb = hash_blocks(ROOT, a, 4), hash_blocks(ROOT, b, 4)
     assert ha[:3] == hb[:3]
     assert ha[3] != hb[3]
@@ -74,9 +74,7 @@ def test_default_encoding_is_documented_byte_layout() -> None:
 def test_numpy_and_list_inputs_agree() -> None:
     tokens = list(range(64))
     assert hash_blocks(ROOT, np.array(tokens, dtype=np.int64), 16) == hash_blocks(ROOT, tokens, 16)
-    assert hash_blocks(ROOT, np.array(tokens, dtype=np.uint32), 16) == hash_blocks(
-        ROOT, tokens, 16
-    )
+    assert hash_blocks(ROOT, np.array(tokens, dtype=np.uint32), 16) == hash_blocks(ROOT, tokens, 16)
 
 
 @pytest.mark.parametrize("bad", [[-1, 2, 3, 4], [2**32, 1, 2, 3]])

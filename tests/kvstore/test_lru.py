@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 from kvstore.block import Block
 from kvstore.lru import LRUList
 from kvstore.types import BlockHash, SlotId, TenantId
@@ -18,7 +20,7 @@ def assert_links(lru: LRUList, expected: list[Block]) -> None:
     head = lru._head
     tail = lru._tail
     nodes = [head, *expected, tail]
-    for left, right in zip(nodes, nodes[1:], strict=False):
+    for left, right in itertools.pairwise(nodes):
         assert left.next is right
         assert right.prev is left
     assert head.prev is None and tail.next is None
