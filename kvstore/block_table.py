@@ -25,7 +25,13 @@ from array import array
 from collections.abc import Iterable, Iterator, Sequence
 
 from kvstore.block import Block, BlockState
-from kvstore.errors import InvalidArgument, LimitExceeded, NotWriter, StaleSlot
+from kvstore.errors import (
+    FailedPrecondition,
+    InvalidArgument,
+    LimitExceeded,
+    NotWriter,
+    StaleSlot,
+)
 from kvstore.events import CacheEvent, EventKind
 from kvstore.layout import NamespaceSpec
 from kvstore.lease import Lease
@@ -114,6 +120,36 @@ class BlockTable:
                 f"{ref.hash.hex()[:16]}"
             )
         return block
+
+    def pinned_slot(self, lease: Lease, ref: BlockRef) -> SlotId:
+        """The slot of a READY block that ``lease`` pins, for reading its bytes.
+
+        Raises:
+            StaleSlot: ``ref`` no longer names the block it was issued for.
+            FailedPrecondition: the block is not pinned under this lease.
+        """
+        block = self.check_slot(lease.tenant, ref)
+        if block.state is not BlockState.READY or block not in lease.pins.get(self.namespace, {}):
+            raise FailedPrecondition(
+                f"block {ref.hash.hex()[:16]} is not pinned under lease {lease.lease_id}; "
+                "pin it with a lookup first"
+            )
+        return block.slot
+
+    def writing_slot(self, lease: Lease, block_hash: BlockHash) -> SlotId:
+        """The slot of a block WRITING under ``lease``, for writing its bytes.
+
+        Raises:
+            NotWriter: the block is not reserved under this lease (never
+                reserved, aborted, committed, or the lease expired).
+        """
+        block = self._scopes.get(self.scope_of(lease.tenant), {}).get(block_hash)
+        if block is None or block not in lease.writes.get(self.namespace, ()):
+            raise NotWriter(
+                f"block {block_hash.hex()[:16]} is not reserved under lease {lease.lease_id} "
+                "(reserve it first; it may have been aborted or its lease expired)"
+            )
+        return block.slot
 
     # --- lookup ----------------------------------------------------------------
 
@@ -515,10 +551,9 @@ class BlockTable:
         self._forget(block)
 
     def _forget(self, block: Block) -> None:
-        scope_blocks = self._scopes[block.scope]
-        del scope_blocks[block.hash]
-        if not scope_blocks:
-            del self._scopes[block.scope]
+        # An emptied scope dict is kept: `reserve` holds a reference to it
+        # while it evicts, and inserts into it afterwards.
+        del self._scopes[block.scope][block.hash]
         block.state = BlockState.FREE
         block.writer = None
         self._generation[block.slot] += 1

@@ -26,7 +26,7 @@ from kvstore.results import (
     ReleaseReport,
     ReserveResult,
 )
-from kvstore.types import BlockHash, LeaseId, NamespaceId, TenantId
+from kvstore.types import BlockHash, LeaseId, NamespaceId, SlotId, TenantId
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,14 +86,9 @@ class Store:
         registration stays). The same model id with another layout or scheme
         is a `LayoutConflict`: runners of one model must agree on its KV.
         """
-        existing = self._by_model.get(spec.model_id)
+        existing = self.existing_namespace(spec)
         if existing is not None:
-            if existing != spec:
-                raise LayoutConflict(
-                    f"model {spec.model_id!r} is registered with {existing.layout} "
-                    f"scheme {existing.scheme.value}; got {spec.layout} scheme {spec.scheme.value}"
-                )
-            return self._tables[existing.namespace_id]
+            return existing
         if len(self._tables) >= self.limits.max_namespaces:
             raise LimitExceeded(
                 f"this node holds its maximum of {self.limits.max_namespaces} namespaces"
@@ -108,6 +103,25 @@ class Store:
         self._tables[spec.namespace_id] = table
         self._by_model[spec.model_id] = spec
         return table
+
+    def existing_namespace(self, spec: NamespaceSpec) -> BlockTable | None:
+        """The table already registered for ``spec``'s model id, if any.
+
+        Lets a caller that must allocate memory for a new namespace find out
+        first, without creating anything, whether it exists.
+
+        Raises:
+            LayoutConflict: the model id is registered with another spec.
+        """
+        existing = self._by_model.get(spec.model_id)
+        if existing is None:
+            return None
+        if existing != spec:
+            raise LayoutConflict(
+                f"model {spec.model_id!r} is registered with {existing.layout} "
+                f"scheme {existing.scheme.value}; got {spec.layout} scheme {spec.scheme.value}"
+            )
+        return self._tables[existing.namespace_id]
 
     def table(self, namespace: NamespaceId) -> BlockTable:
         """The block table of a namespace, or `UnknownNamespace`."""
@@ -237,6 +251,25 @@ class Store:
     def check_slot(self, namespace: NamespaceId, tenant: TenantId, ref: BlockRef) -> None:
         """Raise `StaleSlot` unless ``ref`` still names a resident block."""
         self.table(namespace).check_slot(tenant, ref)
+
+    def pinned_slot(
+        self, namespace: NamespaceId, tenant: TenantId, lease_id: LeaseId, ref: BlockRef, now: float
+    ) -> SlotId:
+        """Slot of a block pinned under the lease (see `BlockTable.pinned_slot`)."""
+        table = self.table(namespace)
+        return table.pinned_slot(self._leases.get(lease_id, tenant, now), ref)
+
+    def writing_slot(
+        self,
+        namespace: NamespaceId,
+        tenant: TenantId,
+        lease_id: LeaseId,
+        block_hash: BlockHash,
+        now: float,
+    ) -> SlotId:
+        """Slot of a block WRITING under the lease (see `BlockTable.writing_slot`)."""
+        table = self.table(namespace)
+        return table.writing_slot(self._leases.get(lease_id, tenant, now), block_hash)
 
     def evict(self, namespace: NamespaceId, n: int, now: float) -> int:
         """Evict up to ``n`` evictable blocks of a namespace."""

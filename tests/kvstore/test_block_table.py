@@ -279,3 +279,16 @@ def test_bad_layouts_are_rejected(field: str, value: object) -> None:
     kwargs[field] = value
     with pytest.raises(InvalidArgument):
         KVLayout(**kwargs)  # type: ignore[arg-type]
+
+
+def test_evicting_a_tenants_last_block_while_it_reserves() -> None:
+    # Found by the state machine: the eviction inside reserve emptied the
+    # tenant's scope, and the new block went into a dict nobody held.
+    store = small_store(1)
+    a = Runner(store, 1)
+    first = chain(prompt(1, 1, system_blocks=1, user_blocks=0))
+    a.store_chain(first, now=1.0)
+    other = chain(prompt(2, 1, system_blocks=1, user_blocks=0))
+    assert a.store_chain(other, now=2.0) == 1
+    assert a.hits(other, now=3.0) == 1
+    assert len(list(store.iter_blocks(NS))) == 1

@@ -202,5 +202,5 @@ class StoreMachine(RuleBasedStateMachine):
         assert ns.free + ns.ready == CAPACITY
 
 
-StoreMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+StoreMachine.TestCase.settings = settings(max_examples=300, stateful_step_count=40, deadline=None)
 TestStoreMachine = StoreMachine.TestCase
