@@ -1,0 +1,45 @@
+"""The runner SDK: an async `Client`, a `SyncClient` wrapper and what they return.
+
+Control goes over gRPC; block bytes are read and written in place through
+the node's pool mapped into this process (`kvstore.pool`).
+"""
+
+from __future__ import annotations
+
+from kvstore.client.blocks import BlockSource, BlockSupplier
+from kvstore.client.client import Client
+from kvstore.client.errors import (
+    DeadlineExceeded,
+    PoolEpochChanged,
+    ServerError,
+    ServerUnavailable,
+    Unauthenticated,
+    error_from_rpc,
+    error_from_status,
+)
+from kvstore.client.handles import BlockLocation, Hit, Namespace, StoreResult
+from kvstore.client.lease import LeaseGrant, LeaseKeeper
+from kvstore.client.retry import Backoff, RetryPolicy
+from kvstore.client.sync import SyncClient
+
+__all__ = [
+    "Backoff",
+    "BlockLocation",
+    "BlockSource",
+    "BlockSupplier",
+    "Client",
+    "DeadlineExceeded",
+    "Hit",
+    "LeaseGrant",
+    "LeaseKeeper",
+    "Namespace",
+    "PoolEpochChanged",
+    "RetryPolicy",
+    "ServerError",
+    "ServerUnavailable",
+    "StoreResult",
+    "SyncClient",
+    "Unauthenticated",
+    "error_from_rpc",
+    "error_from_status",
+]

@@ -1,0 +1,78 @@
+"""Turning what a runner hands over (arrays, tensors, bytes) into block bytes.
+
+`BlockSource` is whatever `Client.store` accepts per block. torch is never
+imported here: a tensor is recognised only if the runner already imported
+torch, which it must have to make one.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any, TypeAlias
+
+import numpy as np
+
+from kvstore.errors import InvalidArgument
+
+BlockSource: TypeAlias = Any
+"""One block: bytes-like, a numpy array or a torch tensor (torch is optional, hence Any)."""
+
+BlockSupplier: TypeAlias = Sequence[BlockSource] | Callable[[int], BlockSource]
+"""Blocks by chain index: a sequence, or a callable ``i -> block`` (called lazily)."""
+
+
+def block_at(blocks: BlockSupplier, index: int) -> BlockSource:
+    """The block at chain ``index`` from a sequence or a callable."""
+    if callable(blocks):
+        return blocks(index)
+    if index >= len(blocks):
+        raise InvalidArgument(f"got {len(blocks)} blocks, block {index} of the chain is missing")
+    return blocks[index]
+
+
+def copy_block(source: BlockSource, target: memoryview) -> None:
+    """Copy one block's bytes into ``target`` (exactly as many bytes as it has).
+
+    Raises:
+        InvalidArgument: the block has another size, or is not bytes-like,
+            an array or a tensor.
+    """
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(source, torch.Tensor):
+        flat = source.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
+        _check(flat.numel(), target)
+        torch.frombuffer(target, dtype=torch.uint8).copy_(flat)
+        return
+    if isinstance(source, np.ndarray):
+        data = np.ascontiguousarray(source).reshape(-1).view(np.uint8).data
+    else:
+        try:
+            data = memoryview(source).cast("B")
+        except TypeError as exc:
+            raise InvalidArgument(
+                f"a block must be bytes, a numpy array or a torch tensor, got {type(source)!r}"
+            ) from exc
+    _check(data.nbytes, target)
+    target[:] = data
+
+
+def block_bytes_of(source: BlockSource) -> bytes:
+    """A block's bytes as one `bytes` object (for WriteBlocks)."""
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(source, torch.Tensor):
+        flat = source.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
+        return bytes(flat.numpy().tobytes())
+    if isinstance(source, np.ndarray):
+        return np.ascontiguousarray(source).tobytes()
+    try:
+        return memoryview(source).tobytes()
+    except TypeError as exc:
+        raise InvalidArgument(
+            f"a block must be bytes, a numpy array or a torch tensor, got {type(source)!r}"
+        ) from exc
+
+
+def _check(size: int, target: memoryview) -> None:
+    if size != target.nbytes:
+        raise InvalidArgument(f"a block is {target.nbytes} bytes, got {size}")

@@ -1,0 +1,128 @@
+"""Protobuf messages ↔ kvstore value objects, for the client side.
+
+The service has its own translation (``service/convert.py``); the client
+keeps its own so that the SDK depends on nothing in ``service``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from kvstore.client.handles import BlockLocation, Hit, Namespace
+from kvstore.errors import InvalidArgument
+from kvstore.hashing import Extra, HashScheme, Tokens, token_bytes
+from kvstore.layout import KVLayout
+from kvstore.pool import ArenaSpec, PoolDescriptor
+from kvstore.results import MissReason
+from kvstore.types import BlockHash, NamespaceId, SlotId
+from kvstore.v1 import kvstore_pb2 as pb
+
+_SCHEME_PROTO: dict[HashScheme, pb.HashScheme.ValueType] = {
+    HashScheme.KVSTORE_SHA256: pb.HASH_SCHEME_KVSTORE_SHA256,
+    HashScheme.VLLM_SHA256_CBOR: pb.HASH_SCHEME_VLLM_SHA256_CBOR,
+}
+
+
+def layout_to_proto(layout: KVLayout) -> pb.KVLayout:
+    """The wire form of a KV layout."""
+    return pb.KVLayout(
+        num_layers=layout.num_layers,
+        num_kv_heads=layout.num_kv_heads,
+        head_dim=layout.head_dim,
+        block_size=layout.block_size,
+        dtype=layout.dtype,
+        kv_order=layout.kv_order,
+    )
+
+
+def layout_from_proto(msg: pb.KVLayout) -> KVLayout:
+    """A `KVLayout` from its wire form (``kv_order`` "" is the default order)."""
+    return KVLayout(
+        num_layers=msg.num_layers,
+        num_kv_heads=msg.num_kv_heads,
+        head_dim=msg.head_dim,
+        block_size=msg.block_size,
+        dtype=msg.dtype,
+        kv_order=msg.kv_order or "KV_LAYER_TOKEN_HEAD",
+    )
+
+
+def scheme_to_proto(scheme: HashScheme) -> pb.HashScheme.ValueType:
+    """The enum value of a hash scheme."""
+    return _SCHEME_PROTO[scheme]
+
+
+def scheme_from_proto(value: int) -> HashScheme:
+    """The hash scheme of an enum value (unspecified is the default scheme)."""
+    if value == pb.HASH_SCHEME_VLLM_SHA256_CBOR:
+        return HashScheme.VLLM_SHA256_CBOR
+    return HashScheme.KVSTORE_SHA256
+
+
+def descriptor_from_proto(msg: pb.AttachPoolResponse) -> PoolDescriptor:
+    """The `PoolDescriptor` an ``AttachPool`` response describes."""
+    return PoolDescriptor(
+        kind=msg.kind,
+        epoch=msg.pool_epoch,
+        namespace=NamespaceId(msg.namespace_id),
+        block_bytes=msg.block_bytes,
+        capacity=msg.capacity_blocks,
+        slots_per_arena=msg.slots_per_arena,
+        arenas=tuple(
+            ArenaSpec(
+                index=a.index,
+                size_bytes=a.size_bytes,
+                path=a.path,
+                cuda_ipc_handle=a.cuda_ipc_handle,
+            )
+            for a in msg.arenas
+        ),
+        device=msg.device or "cpu",
+    )
+
+
+def chain_fields(
+    tokens: Tokens | None, hashes: Sequence[bytes] | None, extras: Sequence[Extra] | None
+) -> dict[str, Any]:
+    """The ``tokens`` / ``hashes`` / ``extras`` fields of a Lookup or Reserve request.
+
+    Raises:
+        InvalidArgument: neither or both of tokens and hashes, bad token ids,
+            or extras that are not bytes.
+    """
+    if (tokens is None) == (hashes is None):
+        raise InvalidArgument("give exactly one of tokens or hashes")
+    fields: dict[str, Any] = {}
+    if tokens is not None:
+        fields["tokens"] = memoryview(token_bytes(tokens)).cast("I").tolist()
+    else:
+        fields["hashes"] = list(hashes or ())
+    if extras is not None:
+        if not all(e is None or isinstance(e, bytes) for e in extras):
+            raise InvalidArgument("extras sent to the node must be bytes (or None)")
+        fields["extras"] = [e or b"" for e in extras]
+    return fields
+
+
+def location_from_proto(msg: pb.BlockLocation) -> BlockLocation:
+    """Where one block is."""
+    return BlockLocation(
+        BlockHash(msg.hash), SlotId(msg.slot), msg.generation, msg.arena, msg.offset
+    )
+
+
+def hit_from_proto(ns: Namespace, resp: pb.LookupResponse, lease_generation: int) -> Hit:
+    """A `Hit` of a Lookup response, bound to the namespace's current mapping."""
+    return Hit(
+        namespace=ns,
+        blocks=tuple(location_from_proto(b) for b in resp.blocks),
+        hit_tokens=resp.hit_tokens,
+        query_tokens=resp.query_tokens,
+        pinned=resp.pinned,
+        miss_reason=MissReason(resp.miss_reason),
+        epoch=resp.pool_epoch,
+        chain=tuple(BlockHash(h) for h in resp.chain),
+        mapping=ns.mapping,
+        lease_generation=lease_generation,
+    )

@@ -1,0 +1,193 @@
+"""What the client hands to runners: namespaces, hits and store results.
+
+A `Namespace` is the client's live handle on a registered namespace: its
+layout, its chain root for the caller's tenant and, once attached, the
+mapping of its pool. The client refreshes a handle in place when the node's
+pool epoch changes, so a runner may keep it for the life of the client.
+
+A `Hit` is the answer of a lookup: where the hit blocks are, and zero-copy
+views of them through the mapping it was made with. Its views refuse to
+work once the hit was released or the mapping was dropped (an epoch change
+or the client closing): reading a slot that is no longer pinned could read
+another block's bytes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import numpy as np
+import numpy.typing as npt
+
+from kvstore.client.errors import PoolEpochChanged
+from kvstore.errors import FailedPrecondition
+from kvstore.hashing import Extra, HashScheme, Tokens, hash_blocks
+from kvstore.layout import KVLayout, NamespaceSpec
+from kvstore.pool import PoolMapping
+from kvstore.results import MissReason
+from kvstore.types import BlockHash, NamespaceId, SlotId
+
+if TYPE_CHECKING:
+    import torch
+
+
+@dataclass(slots=True, eq=False)
+class Namespace:
+    """A registered namespace as this client sees it (refreshed on epoch changes)."""
+
+    spec: NamespaceSpec
+    """What was registered: model id, layout, hash scheme."""
+    id: NamespaceId
+    """The node's id of the namespace."""
+    block_bytes: int
+    """Bytes per block."""
+    capacity: int
+    """Slots of its pool on the node."""
+    chain_root: BlockHash
+    """Root of the hash chain for this client's tenant."""
+    shared: bool
+    """True when tenants share blocks in this namespace."""
+    mapping: PoolMapping | None = field(default=None, repr=False)
+    """The attached pool, or None (not attached, or dropped on an epoch change)."""
+    stale: bool = False
+    """True after an epoch change, until the client registers it again."""
+
+    @property
+    def layout(self) -> KVLayout:
+        """The KV layout of every block."""
+        return self.spec.layout
+
+    @property
+    def block_size(self) -> int:
+        """Tokens per block."""
+        return self.spec.layout.block_size
+
+    @property
+    def scheme(self) -> HashScheme:
+        """How block hashes are chained."""
+        return self.spec.scheme
+
+    @property
+    def epoch(self) -> int | None:
+        """Pool epoch of the current mapping, None when not attached."""
+        if self.mapping is None or self.mapping.closed:
+            return None
+        return self.mapping.descriptor.epoch
+
+    def hash(self, tokens: Tokens, extras: Sequence[Extra] | None = None) -> list[BlockHash]:
+        """Chain hashes of every full block of ``tokens``, computed locally."""
+        return hash_blocks(
+            self.chain_root, tokens, self.block_size, scheme=self.scheme, extras=extras
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class BlockLocation:
+    """Where one block's bytes are in the node's pool."""
+
+    hash: BlockHash
+    """The block's chained hash."""
+    slot: SlotId
+    """Slot in the namespace's pool."""
+    generation: int
+    """The slot's generation (stale-handle check on the node)."""
+    arena: int
+    """Arena of the pool holding the slot."""
+    offset: int
+    """Byte offset of the slot in that arena."""
+
+
+@dataclass(slots=True, eq=False)
+class Hit:
+    """The leading READY blocks of a chain, pinned under the client's lease if asked."""
+
+    namespace: Namespace
+    """The namespace looked up."""
+    blocks: tuple[BlockLocation, ...]
+    """Hit blocks from the start of the chain."""
+    hit_tokens: int
+    """Tokens covered by the hit blocks."""
+    query_tokens: int
+    """Tokens in the query."""
+    pinned: bool
+    """True when the hit blocks are pinned (until `Client.release`)."""
+    miss_reason: MissReason
+    """Why the run of hits ended."""
+    epoch: int
+    """Pool epoch of the answer."""
+    chain: tuple[BlockHash, ...] = ()
+    """Every full block's hash of the query (when tokens were sent)."""
+    mapping: PoolMapping | None = field(default=None, repr=False)
+    """The mapping the locations refer to (None when the pool is not mapped)."""
+    lease_generation: int = 0
+    """Which incarnation of the client's lease holds the pins."""
+    released: bool = False
+    """True once the pins were released (or lost with the lease)."""
+
+    @property
+    def hit_blocks(self) -> int:
+        """Number of hit blocks."""
+        return len(self.blocks)
+
+    @property
+    def refs(self) -> tuple[BlockLocation, ...]:
+        """Alias of `blocks`."""
+        return self.blocks
+
+    @property
+    def hashes(self) -> list[BlockHash]:
+        """Hashes of the hit blocks."""
+        return [b.hash for b in self.blocks]
+
+    def _live_mapping(self) -> PoolMapping:
+        if self.pinned and self.released:
+            raise FailedPrecondition("this hit was released; its slots may hold other blocks now")
+        mapping = self.mapping
+        if mapping is None:
+            raise FailedPrecondition(
+                "the pool is not mapped in this process; use Client.read_blocks"
+            )
+        if mapping.closed or mapping.descriptor.epoch != self.epoch:
+            raise PoolEpochChanged(
+                "the pool mapping of this hit was dropped (the node restarted or the client "
+                "closed); look the blocks up again",
+                old=self.epoch,
+            )
+        return mapping
+
+    def buffers(self) -> list[memoryview]:
+        """Writable zero-copy byte views of the hit blocks, in chain order."""
+        mapping = self._live_mapping()
+        return [mapping.buffer(b.slot) for b in self.blocks]
+
+    def numpy_views(self) -> list[npt.NDArray[np.generic]]:
+        """Zero-copy numpy arrays of the hit blocks (``layout.block_shape`` each)."""
+        mapping = self._live_mapping()
+        layout = self.namespace.layout
+        return [mapping.numpy_view(b.slot, layout) for b in self.blocks]
+
+    def torch_views(self) -> list[torch.Tensor]:
+        """Zero-copy CPU tensors of the hit blocks, with the layout's dtype and shape."""
+        mapping = self._live_mapping()
+        layout = self.namespace.layout
+        return [mapping.torch_view(b.slot, layout) for b in self.blocks]
+
+
+@dataclass(frozen=True, slots=True)
+class StoreResult:
+    """What `Client.store` did with each full block of the chain."""
+
+    reserved: int
+    """Blocks this call reserved (and then wrote)."""
+    hit: int
+    """Blocks already cached: nothing to write."""
+    in_flight: int
+    """Blocks another lease is writing: they will appear."""
+    no_room: int
+    """Blocks the pool had no room for."""
+    committed: int
+    """Blocks made READY by this call."""
+    chain: tuple[BlockHash, ...] = ()
+    """Every full block's hash, in chain order."""

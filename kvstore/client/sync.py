@@ -1,0 +1,143 @@
+"""A blocking wrapper of `Client` for runners without an event loop.
+
+`SyncClient` runs a private event loop in a daemon thread and forwards each
+call to the async client there, so gRPC, the lease keepalive and cleanups
+keep running between calls. Hits and namespaces are the async client's
+objects; their views work from any thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Coroutine, Sequence
+from types import TracebackType
+from typing import Any, TypeVar
+
+from kvstore.client.blocks import BlockSupplier
+from kvstore.client.client import Client
+from kvstore.client.handles import Hit, Namespace, StoreResult
+from kvstore.hashing import Extra, HashScheme, Tokens
+from kvstore.layout import KVLayout
+from kvstore.v1 import kvstore_pb2 as pb
+
+T = TypeVar("T")
+
+
+class SyncClient:
+    """Blocking facade of `Client`; takes the same arguments."""
+
+    def __init__(self, target: str, **kwargs: Any) -> None:
+        """Start the loop thread and connect (see `Client` for the arguments)."""
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(
+            target=self._loop.run_forever, name="kvstore-client", daemon=True
+        )
+        self._thread.start()
+        self._client = self._run(self._make(target, kwargs))
+        self._closed = False
+
+    @staticmethod
+    async def _make(target: str, kwargs: dict[str, Any]) -> Client:
+        client = Client(target, **kwargs)
+        await client.connect()
+        return client
+
+    def _run(self, coro: Coroutine[Any, Any, T]) -> T:
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+
+    @property
+    def client(self) -> Client:
+        """The wrapped async client (use only from its loop)."""
+        return self._client
+
+    def register_namespace(
+        self,
+        model_id: str,
+        layout: KVLayout,
+        *,
+        scheme: HashScheme = HashScheme.KVSTORE_SHA256,
+        vllm_seed: str = "",
+        capacity_bytes: int = 0,
+        timeout: float | None = None,
+    ) -> Namespace:
+        """See `Client.register_namespace`."""
+        return self._run(
+            self._client.register_namespace(
+                model_id,
+                layout,
+                scheme=scheme,
+                vllm_seed=vllm_seed,
+                capacity_bytes=capacity_bytes,
+                timeout=timeout,
+            )
+        )
+
+    def lookup(
+        self,
+        ns: Namespace,
+        tokens: Tokens | None = None,
+        *,
+        hashes: Sequence[bytes] | None = None,
+        extras: Sequence[Extra] | None = None,
+        pin: bool = False,
+        timeout: float | None = None,
+    ) -> Hit:
+        """See `Client.lookup`."""
+        return self._run(
+            self._client.lookup(ns, tokens, hashes=hashes, extras=extras, pin=pin, timeout=timeout)
+        )
+
+    def store(
+        self,
+        ns: Namespace,
+        tokens: Tokens | None = None,
+        blocks: BlockSupplier = (),
+        *,
+        hashes: Sequence[bytes] | None = None,
+        extras: Sequence[Extra] | None = None,
+        timeout: float | None = None,
+    ) -> StoreResult:
+        """See `Client.store`."""
+        return self._run(
+            self._client.store(ns, tokens, blocks, hashes=hashes, extras=extras, timeout=timeout)
+        )
+
+    def release(self, hit: Hit, *, timeout: float | None = None) -> int:
+        """See `Client.release`."""
+        return self._run(self._client.release(hit, timeout=timeout))
+
+    def read_blocks(self, hit: Hit, *, timeout: float | None = None) -> list[bytes]:
+        """See `Client.read_blocks`."""
+        return self._run(self._client.read_blocks(hit, timeout=timeout))
+
+    def stats(self, *, timeout: float | None = None) -> pb.StatsResponse:
+        """See `Client.stats`."""
+        return self._run(self._client.stats(timeout=timeout))
+
+    def ping(self, payload: bytes = b"", *, timeout: float | None = None) -> bytes:
+        """See `Client.ping`."""
+        return self._run(self._client.ping(payload, timeout=timeout))
+
+    def close(self) -> None:
+        """Close the client, stop the loop and join its thread; idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._run(self._client.close())
+        finally:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join()
+            self._loop.close()
+
+    def __enter__(self) -> SyncClient:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()

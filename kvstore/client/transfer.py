@@ -1,0 +1,185 @@
+"""Moving block bytes: the store protocol (Reserve → copy → Commit) and gRPC reads.
+
+`store_chain` writes through the pool mapping when the client has one and
+streams the blocks with ``WriteBlocks`` otherwise. Whatever happens after
+the Reserve (a block callable raising, a wrong-sized block, a cancellation,
+a failed Commit), every slot this call reserved is aborted before the error
+propagates, so no slot stays WRITING until the lease expires.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any
+
+from kvstore.client.blocks import BlockSupplier, block_at, block_bytes_of, copy_block
+from kvstore.client.errors import PoolEpochChanged
+from kvstore.client.handles import Hit, Namespace, StoreResult
+from kvstore.errors import FailedPrecondition, InvalidArgument, NotFound
+from kvstore.types import SlotId
+from kvstore.v1 import kvstore_pb2 as pb
+
+if TYPE_CHECKING:
+    from kvstore.client.client import Client
+
+_RESERVED = pb.RESERVE_STATUS_RESERVED
+
+
+async def store_chain(
+    client: Client,
+    ns: Namespace,
+    fields: dict[str, Any],
+    blocks: BlockSupplier,
+    timeout: float | None,
+) -> StoreResult:
+    """Reserve the missing blocks of a chain, write them and commit them (see `Client.store`)."""
+    for attempt in (0, 1):
+        await client._ensure_ready(ns, timeout)
+        lease_id, _ = await client.lease.current()
+        try:
+            resp = await _reserve(client, ns, lease_id, fields, timeout)
+        except (NotFound, FailedPrecondition):
+            # After a node restart the lease (or namespace) is unknown: recover once.
+            if attempt == 0 and await client._recover(True):
+                continue
+            raise
+        break
+    reserved = [(i, e) for i, e in enumerate(resp.entries) if e.status == _RESERVED]
+    hashes = [e.hash for _, e in reserved]
+    committed = 0
+    try:
+        if client._observe_epoch(resp.pool_epoch) or (
+            client.map_pool and resp.pool_epoch != ns.epoch
+        ):
+            raise PoolEpochChanged("the node restarted during a store; store again")
+        if hashes:
+            if client.map_pool:
+                _copy_in(ns, reserved, blocks)
+                req_c = pb.CommitRequest(namespace_id=ns.id, lease_id=lease_id, hashes=hashes)
+                committed = (
+                    await client._call("Commit", req_c, timeout, idempotent=False)
+                ).committed
+            else:
+                committed = await _stream_in(client, ns, lease_id, reserved, blocks, timeout)
+    except BaseException:
+        if hashes:
+            abort = pb.AbortRequest(namespace_id=ns.id, lease_id=lease_id, hashes=hashes)
+            await client._cleanup(
+                client._quietly("abort", client._call("Abort", abort, None, idempotent=False))
+            )
+        raise
+    counts = [0, 0, 0, 0]
+    for entry in resp.entries:
+        counts[entry.status] += 1
+    return StoreResult(
+        reserved=counts[_RESERVED],
+        hit=counts[pb.RESERVE_STATUS_HIT],
+        in_flight=counts[pb.RESERVE_STATUS_IN_FLIGHT],
+        no_room=counts[pb.RESERVE_STATUS_NO_ROOM],
+        committed=committed,
+        chain=tuple(e.hash for e in resp.entries),  # type: ignore[misc]
+    )
+
+
+async def _reserve(
+    client: Client,
+    ns: Namespace,
+    lease_id: int,
+    fields: dict[str, Any],
+    timeout: float | None,
+) -> pb.ReserveResponse:
+    req = pb.ReserveRequest(namespace_id=ns.id, lease_id=lease_id, **fields)
+    call = asyncio.ensure_future(client._call("Reserve", req, timeout, idempotent=False))
+    try:
+        resp: pb.ReserveResponse = await asyncio.shield(call)
+    except asyncio.CancelledError:
+        # The node may reserve before we stop listening: abort what it reserved.
+        client._spawn(_abort_when_done(client, ns.id, lease_id, call))
+        raise
+    return resp
+
+
+def _copy_in(
+    ns: Namespace, reserved: list[tuple[int, pb.ReserveEntry]], blocks: BlockSupplier
+) -> None:
+    mapping = ns.mapping
+    if mapping is None or mapping.closed:
+        raise PoolEpochChanged("the pool mapping was dropped during a store; store again")
+    for index, entry in reserved:
+        slot = SlotId(entry.location.slot)
+        where = mapping.descriptor.locate(slot)
+        if where != (entry.location.arena, entry.location.offset):
+            raise FailedPrecondition(
+                f"the node placed slot {slot} at {entry.location.arena}/{entry.location.offset}, "
+                f"the mapping says {where[0]}/{where[1]}: the pool changed; store again"
+            )
+        copy_block(block_at(blocks, index), mapping.buffer(slot))
+
+
+async def _stream_in(
+    client: Client,
+    ns: Namespace,
+    lease_id: int,
+    reserved: list[tuple[int, pb.ReserveEntry]],
+    blocks: BlockSupplier,
+    timeout: float | None,
+) -> int:
+    # Materialise first: a failing block callable must fail before anything is sent.
+    payloads = [(e.hash, block_bytes_of(block_at(blocks, i))) for i, e in reserved]
+    for _, data in payloads:
+        if len(data) != ns.block_bytes:
+            raise InvalidArgument(f"a block is {ns.block_bytes} bytes, got {len(data)}")
+
+    async def requests() -> AsyncIterator[pb.WriteBlocksRequest]:
+        header = pb.WriteBlocksHeader(namespace_id=ns.id, lease_id=lease_id, commit=True)
+        yield pb.WriteBlocksRequest(header=header)
+        for digest, data in payloads:
+            yield pb.WriteBlocksRequest(block=pb.BlockData(hash=digest, data=data))
+
+    resp = await client._call("WriteBlocks", requests(), timeout, idempotent=False)
+    return int(resp.committed)
+
+
+async def _abort_when_done(
+    client: Client, namespace: str, lease_id: int, call: asyncio.Future[Any]
+) -> None:
+    try:
+        resp = await call
+    except Exception:
+        return
+    hashes = [e.hash for e in resp.entries if e.status == _RESERVED]
+    if hashes:
+        req = pb.AbortRequest(namespace_id=namespace, lease_id=lease_id, hashes=hashes)
+        await client._quietly("abort", client._call("Abort", req, None, idempotent=False))
+
+
+async def read_hit(
+    client: Client,
+    hit: Hit,
+    timeout: float | None,
+) -> list[bytes]:
+    """The bytes of a pinned hit's blocks, streamed with ``ReadBlocks``."""
+    if not hit.pinned or hit.released:
+        raise FailedPrecondition("read_blocks needs a pinned, unreleased hit")
+    lease_id = client.lease.lease_id or 0
+    refs = [pb.BlockRef(hash=b.hash, slot=b.slot, generation=b.generation) for b in hit.blocks]
+    req = pb.ReadBlocksRequest(namespace_id=hit.namespace.id, lease_id=lease_id, blocks=refs)
+    if client._stub is None:
+        raise FailedPrecondition("the client is not connected")
+    by_hash: dict[bytes, bytes] = {}
+    try:
+        stream = client._stub.ReadBlocks(
+            req, timeout=client.timeout if timeout is None else timeout, metadata=client._metadata
+        )
+        async for item in stream:
+            by_hash[item.hash] = item.data
+    except Exception as err:
+        import grpc
+
+        from kvstore.client.errors import error_from_rpc
+
+        if isinstance(err, grpc.RpcError):
+            raise error_from_rpc(err) from err
+        raise
+    return [by_hash[b.hash] for b in hit.blocks]

@@ -1,0 +1,36 @@
+"""Memory pools: the only code in kvstore that touches shared or device memory.
+
+The server creates a `BlockPool` per namespace (`HostPool` on shared-memory
+files; a CUDA pool later) and sends its `PoolDescriptor` to runners, which
+`attach` it once and get zero-copy views of slots.
+"""
+
+from __future__ import annotations
+
+from kvstore.pool.base import (
+    ArenaSpec,
+    BlockPool,
+    PoolDescriptor,
+    PoolMapping,
+    PoolUnavailable,
+    attach,
+)
+from kvstore.pool.host import HostMapping, HostPool, arena_file_name, cleanup_stale
+from kvstore.pool.views import NUMPY_DTYPES, numpy_block_view, torch_block_view, torch_dtype
+
+__all__ = [
+    "NUMPY_DTYPES",
+    "ArenaSpec",
+    "BlockPool",
+    "HostMapping",
+    "HostPool",
+    "PoolDescriptor",
+    "PoolMapping",
+    "PoolUnavailable",
+    "arena_file_name",
+    "attach",
+    "cleanup_stale",
+    "numpy_block_view",
+    "torch_block_view",
+    "torch_dtype",
+]

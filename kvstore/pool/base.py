@@ -1,0 +1,254 @@
+"""Block pools: the memory that holds a namespace's block bytes.
+
+A pool is ``capacity`` block-sized slots carved out of a few large *arenas*.
+The server owns the memory (`BlockPool`); a runner maps each arena once
+(`PoolMapping`) and addresses a block by ``(arena, offset)``, so it pays one
+``mmap`` (or one CUDA IPC open) per arena, never one per block.
+
+Invariants every pool keeps (and `PoolDescriptor` checks):
+
+* slots never straddle arenas: ``slots_per_arena = max(1, arena_bytes //
+  block_bytes)``; arena *a* holds slots ``[a * slots_per_arena, (a + 1) *
+  slots_per_arena)``, and only the last arena may hold fewer;
+* slot *s* lives in arena ``s // slots_per_arena`` at byte offset ``(s %
+  slots_per_arena) * block_bytes``;
+* ``len(arenas) == ceil(capacity / slots_per_arena)``.
+
+Only `kvstore.pool` touches shared or device memory; the rest of the package
+sees `memoryview` objects, numpy arrays and torch tensors handed out here.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from types import TracebackType
+from typing import TYPE_CHECKING
+
+import numpy as np
+import numpy.typing as npt
+
+from kvstore.errors import FailedPrecondition, InvalidArgument
+from kvstore.pool.views import numpy_block_view, torch_block_view
+from kvstore.types import NamespaceId, SlotId
+
+if TYPE_CHECKING:
+    import torch
+
+    from kvstore.layout import KVLayout
+
+POOL_KINDS = ("host", "cuda")
+"""Kinds of pool a descriptor may name."""
+
+
+class PoolUnavailable(FailedPrecondition):
+    """A pool cannot be attached: its memory is gone, resized or not supported here.
+
+    A missing or resized arena file means the server restarted (or dropped the
+    namespace) since the descriptor was issued: ask for a fresh one with
+    ``AttachPool``.
+    """
+
+
+@dataclass(frozen=True, slots=True)
+class ArenaSpec:
+    """One exported arena of a pool."""
+
+    index: int
+    """Position in `PoolDescriptor.arenas`; arena *i* holds slots from ``i * slots_per_arena``."""
+    size_bytes: int
+    """Bytes of the arena (``slots in it * block_bytes``)."""
+    path: str = ""
+    """Host pool: path of the shared-memory file to map."""
+    cuda_ipc_handle: bytes = b""
+    """CUDA pool: the ``cudaIpcMemHandle_t`` of the arena (64 bytes)."""
+
+
+@dataclass(frozen=True, slots=True)
+class PoolDescriptor:
+    """Everything a runner needs to map a namespace's pool (what ``AttachPool`` sends)."""
+
+    kind: str
+    """``"host"`` or ``"cuda"``."""
+    epoch: int
+    """The node's pool epoch (random 63-bit per server start); a change voids mappings."""
+    namespace: NamespaceId
+    """Namespace the pool backs."""
+    block_bytes: int
+    """Bytes of one block (one slot)."""
+    capacity: int
+    """Number of slots."""
+    slots_per_arena: int
+    """Slots in every arena but possibly the last."""
+    arenas: tuple[ArenaSpec, ...]
+    """The arenas, in index order."""
+    device: str = "cpu"
+    """``"cpu"``, or the GPU's UUID for CUDA pools."""
+
+    def __post_init__(self) -> None:
+        if self.kind not in POOL_KINDS:
+            raise InvalidArgument(f"pool kind {self.kind!r} is not one of {POOL_KINDS}")
+        for name in ("block_bytes", "capacity", "slots_per_arena"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise InvalidArgument(f"pool {name} must be a positive integer, got {value!r}")
+        expected = -(-self.capacity // self.slots_per_arena)
+        if len(self.arenas) != expected:
+            raise InvalidArgument(
+                f"a pool of {self.capacity} slots at {self.slots_per_arena} per arena has "
+                f"{expected} arenas, the descriptor lists {len(self.arenas)}"
+            )
+        for i, arena in enumerate(self.arenas):
+            if arena.index != i:
+                raise InvalidArgument(f"arena at position {i} has index {arena.index}")
+            needed = self.slots_in_arena(i) * self.block_bytes
+            if arena.size_bytes < needed:
+                raise InvalidArgument(
+                    f"arena {i} is {arena.size_bytes} bytes, its slots need {needed}"
+                )
+
+    def slots_in_arena(self, index: int) -> int:
+        """Slots held by arena ``index`` (only the last one may hold fewer)."""
+        first = index * self.slots_per_arena
+        return min(self.slots_per_arena, self.capacity - first)
+
+    def locate(self, slot: int) -> tuple[int, int]:
+        """Arena index and byte offset in that arena of ``slot``.
+
+        Raises:
+            InvalidArgument: ``slot`` is not in ``[0, capacity)``.
+        """
+        if not isinstance(slot, int) or isinstance(slot, bool) or not 0 <= slot < self.capacity:
+            raise InvalidArgument(f"slot {slot!r} is out of range [0, {self.capacity})")
+        arena, index = divmod(slot, self.slots_per_arena)
+        return arena, index * self.block_bytes
+
+    @property
+    def total_bytes(self) -> int:
+        """Bytes of all arenas together."""
+        return sum(a.size_bytes for a in self.arenas)
+
+
+class BlockPool(ABC):
+    """Server side of a pool: owns the memory and exports it by `descriptor`.
+
+    `view` hands out zero-copy views; `close` unmaps and frees the memory.
+    A view still referenced when the pool closes keeps its arena mapped (the
+    memory stays valid, it is merely no longer shared), so closing never
+    leaves a dangling pointer.
+    """
+
+    descriptor: PoolDescriptor
+    """What a runner needs to map this pool."""
+
+    def locate(self, slot: SlotId) -> tuple[int, int]:
+        """Arena index and byte offset of ``slot`` (see `PoolDescriptor.locate`)."""
+        return self.descriptor.locate(slot)
+
+    @abstractmethod
+    def view(self, slot: SlotId) -> memoryview:
+        """Writable zero-copy view of one slot, ``block_bytes`` long."""
+
+    def read(self, slot: SlotId) -> bytes:
+        """A copy of one slot's bytes."""
+        return bytes(self.view(slot))
+
+    def write(self, slot: SlotId, data: bytes | bytearray | memoryview) -> None:
+        """Copy ``data`` (exactly ``block_bytes`` long) into ``slot``.
+
+        Raises:
+            InvalidArgument: wrong length or slot out of range.
+        """
+        size = memoryview(data).nbytes
+        if size != self.descriptor.block_bytes:
+            raise InvalidArgument(
+                f"a block is {self.descriptor.block_bytes} bytes, got {size} for slot {slot}"
+            )
+        target = self.view(slot)
+        target[:] = memoryview(data).cast("B")
+
+    @abstractmethod
+    def close(self) -> None:
+        """Unmap and free the memory; idempotent."""
+
+    def __enter__(self) -> BlockPool:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+
+class PoolMapping(ABC):
+    """Runner side of a pool: the arenas mapped into this process."""
+
+    descriptor: PoolDescriptor
+    """The descriptor this mapping was attached with (its epoch included)."""
+
+    @abstractmethod
+    def buffer(self, slot: SlotId) -> memoryview:
+        """Writable zero-copy view of one slot, ``block_bytes`` long."""
+
+    @property
+    @abstractmethod
+    def closed(self) -> bool:
+        """True once `close` ran; a closed mapping hands out nothing."""
+
+    def numpy_view(self, slot: SlotId, layout: KVLayout) -> npt.NDArray[np.generic]:
+        """Zero-copy numpy array of one slot, shaped ``layout.block_shape``.
+
+        ``bfloat16`` has no numpy dtype and comes back as ``uint16`` (the same
+        bits); the float8 dtypes come back as ``uint8``.
+        """
+        self._check_layout(layout)
+        return numpy_block_view(self.buffer(slot), layout)
+
+    def torch_view(self, slot: SlotId, layout: KVLayout) -> torch.Tensor:
+        """Zero-copy CPU tensor of one slot with the layout's exact dtype and shape."""
+        self._check_layout(layout)
+        return torch_block_view(self.buffer(slot), layout)
+
+    def _check_layout(self, layout: KVLayout) -> None:
+        if layout.block_bytes != self.descriptor.block_bytes:
+            raise InvalidArgument(
+                f"layout blocks are {layout.block_bytes} bytes, this pool's are "
+                f"{self.descriptor.block_bytes}"
+            )
+
+    @abstractmethod
+    def close(self) -> None:
+        """Unmap the arenas (views still referenced keep theirs alive); idempotent."""
+
+    def __enter__(self) -> PoolMapping:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+
+def attach(descriptor: PoolDescriptor) -> PoolMapping:
+    """Map a pool described by the server into this process.
+
+    Raises:
+        PoolUnavailable: the pool's memory is gone or resized (the server
+            restarted: ask for a new descriptor), or its kind is not
+            supported in this process (CUDA pools for now).
+    """
+    if descriptor.kind == "host":
+        # Imported here: `host` subclasses the classes of this module.
+        from kvstore.pool.host import HostMapping
+
+        return HostMapping.open(descriptor)
+    raise PoolUnavailable(
+        "CUDA pools need the cuda extra and a GPU (pip install 'kvstore[cuda]'); "
+        f"this build attaches host pools only, got kind {descriptor.kind!r}"
+    )

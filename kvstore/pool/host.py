@@ -1,0 +1,392 @@
+"""Host pools: block slots in shared-memory files that runners ``mmap``.
+
+Design decisions (also in ``docs/pools.md``):
+
+* **Files on tmpfs.** Each arena is one file in ``directory`` (``/dev/shm`` by
+  default), created with ``O_CREAT | O_EXCL | O_NOFOLLOW`` and then
+  ``fchmod``-ed to ``mode`` (``0600`` by default; ``0660`` lets runners of
+  the server's group attach). A mode that grants anything to *other* is
+  refused: prefix-cache contents are tenants' secrets. The file is sized
+  with ``ftruncate`` and mapped ``MAP_SHARED``.
+* **Names carry the creator.** ``{prefix}-{pid}-{epoch:x}-{namespace}-{arena}``:
+  the pid lets `cleanup_stale` remove the files of a server that died
+  without closing its pools (SIGKILL, OOM); the epoch keeps two pools of one
+  process apart and tells a runner that a file belongs to another start.
+* **Arenas, not files per block.** Slots never straddle arenas:
+  ``slots_per_arena = max(1, arena_bytes // block_bytes)``,
+  ``ceil(capacity / slots_per_arena)`` arenas, the last one possibly smaller.
+  A runner opens and maps each arena once.
+* **Pre-faulting.** With ``prefault`` the server reserves the pages with
+  ``posix_fallocate`` (so a full tmpfs is a clear `LimitExceeded` at start,
+  not a SIGBUS at the first write) and populates its page tables with
+  ``madvise(MADV_POPULATE_WRITE)`` (Linux 5.14+), falling back to touching
+  one byte per page. A runner maps with ``MAP_POPULATE`` where the platform
+  has it, else ``madvise(MADV_WILLNEED)``.
+* **Closing is memory safe.** ``mmap.close`` refuses while a view exported
+  from it is alive; such an arena stays mapped until the last view is
+  collected. The file is unlinked regardless, so the name is gone and no new
+  runner can attach to it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import mmap
+import os
+import stat
+import sys
+
+import numpy as np
+
+from kvstore.errors import InvalidArgument, LimitExceeded, PermissionDenied
+from kvstore.pool.base import ArenaSpec, BlockPool, PoolDescriptor, PoolMapping, PoolUnavailable
+from kvstore.types import NamespaceId, SlotId
+
+DEFAULT_DIRECTORY = "/dev/shm"
+"""tmpfs on every Linux host; files there live in memory."""
+
+DEFAULT_ARENA_BYTES = 256 << 20
+"""Arena size: few enough files and maps for a large pool, small enough to fit tmpfs limits."""
+
+_MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
+"""Linux 5.14+: fault in every page writable in one call (Python 3.11 lacks the constant)."""
+
+_OPEN_FLAGS = os.O_RDWR | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+
+
+def arena_file_name(prefix: str, pid: int, epoch: int, namespace: NamespaceId, index: int) -> str:
+    """File name of one arena: ``{prefix}-{pid}-{epoch:x}-{namespace}-{index}``."""
+    return f"{prefix}-{pid}-{epoch:x}-{namespace}-{index}"
+
+
+class _Arena:
+    """One mapped arena and a cached view of all of it (slicing it is cheap)."""
+
+    __slots__ = ("map", "view")
+
+    def __init__(self, mapped: mmap.mmap) -> None:
+        self.map = mapped
+        self.view = memoryview(mapped)
+
+    def close(self) -> None:
+        self.view.release()
+        # BufferError: a caller still holds a view (numpy array, tensor,
+        # memoryview). The mmap object stays alive through that export and
+        # unmaps when the last view is collected; closing now would dangle it.
+        with contextlib.suppress(BufferError):
+            self.map.close()
+
+
+def _populate(mapped: mmap.mmap, *, write: bool) -> None:
+    if write:
+        if sys.platform == "linux":
+            try:
+                mapped.madvise(_MADV_POPULATE_WRITE)
+                return
+            except OSError:
+                pass  # kernel older than 5.14: touch the pages instead
+        pages = np.frombuffer(mapped, dtype=np.uint8)
+        try:
+            pages[:: mmap.PAGESIZE] = 0  # the file is new: its bytes are zero already
+        finally:
+            del pages
+    elif hasattr(mmap, "MADV_WILLNEED"):
+        with contextlib.suppress(OSError):  # only a hint
+            mapped.madvise(mmap.MADV_WILLNEED)
+
+
+def _reserve(fd: int, path: str, size: int) -> None:
+    """Allocate the pages of a file now so that a full tmpfs fails here, loudly."""
+    if not hasattr(os, "posix_fallocate"):
+        return
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError as exc:
+        if exc.errno == errno.ENOSPC:
+            raise LimitExceeded(
+                f"no room for a {size}-byte arena in {os.path.dirname(path)}: "
+                "the shared-memory filesystem is full (raise its size or lower the pool size)"
+            ) from exc
+        if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
+            raise
+
+
+class HostPool(BlockPool):
+    """A namespace's slots in shared-memory files owned by the server."""
+
+    def __init__(self, descriptor: PoolDescriptor, arenas: list[_Arena]) -> None:
+        """Wrap mapped arenas; use `create`."""
+        self.descriptor = descriptor
+        self._arenas = arenas
+        self._closed = False
+
+    @classmethod
+    def create(
+        cls,
+        namespace: NamespaceId,
+        block_bytes: int,
+        capacity: int,
+        epoch: int,
+        *,
+        directory: str = DEFAULT_DIRECTORY,
+        arena_bytes: int = DEFAULT_ARENA_BYTES,
+        prefix: str = "kvstore",
+        mode: int = 0o600,
+        prefault: bool = True,
+    ) -> HostPool:
+        """Create, size and map the arena files of a new pool.
+
+        Args:
+            namespace: the namespace the pool backs (part of the file names).
+            block_bytes: bytes of one block.
+            capacity: number of slots.
+            epoch: the node's pool epoch (part of the file names).
+            directory: where the files go; a tmpfs such as ``/dev/shm``.
+            arena_bytes: target arena size; at least one slot per arena.
+            prefix: file name prefix, shared with `cleanup_stale`.
+            mode: file permissions; nothing for *other* (``mode & 0o007 == 0``).
+            prefault: allocate and fault in every page now.
+
+        Raises:
+            InvalidArgument: a non-positive size, a world-accessible mode or
+                a prefix with a path separator.
+            LimitExceeded: the filesystem has no room for the pool.
+        """
+        if mode & 0o007:
+            raise InvalidArgument(f"pool files must not be world accessible, got mode {mode:o}")
+        if block_bytes <= 0 or capacity <= 0 or arena_bytes <= 0:
+            raise InvalidArgument(
+                f"block_bytes, capacity and arena_bytes must be positive, got "
+                f"{block_bytes}, {capacity}, {arena_bytes}"
+            )
+        if not prefix or "/" in prefix or "\0" in prefix:
+            raise InvalidArgument(f"pool file prefix {prefix!r} must be a plain file name part")
+        if not 0 <= epoch < 1 << 64:
+            raise InvalidArgument(f"epoch must fit in 64 bits, got {epoch}")
+        slots_per_arena = max(1, arena_bytes // block_bytes)
+        n_arenas = -(-capacity // slots_per_arena)
+        pid = os.getpid()
+        arenas: list[_Arena] = []
+        specs: list[ArenaSpec] = []
+        try:
+            for index in range(n_arenas):
+                slots = min(slots_per_arena, capacity - index * slots_per_arena)
+                size = slots * block_bytes
+                name = arena_file_name(prefix, pid, epoch, namespace, index)
+                path = os.path.join(directory, name)
+                arenas.append(_create_arena(path, size, mode, prefault))
+                specs.append(ArenaSpec(index=index, size_bytes=size, path=path))
+        except BaseException:
+            for arena in arenas:
+                arena.close()
+            for spec in specs:
+                _unlink(spec.path)
+            raise
+        descriptor = PoolDescriptor(
+            kind="host",
+            epoch=epoch,
+            namespace=namespace,
+            block_bytes=block_bytes,
+            capacity=capacity,
+            slots_per_arena=slots_per_arena,
+            arenas=tuple(specs),
+        )
+        return cls(descriptor, arenas)
+
+    def view(self, slot: SlotId) -> memoryview:
+        """Writable zero-copy view of one slot, ``block_bytes`` long."""
+        if self._closed:
+            raise PoolUnavailable(f"the pool of namespace {self.descriptor.namespace} is closed")
+        arena, offset = self.descriptor.locate(slot)
+        return self._arenas[arena].view[offset : offset + self.descriptor.block_bytes]
+
+    @property
+    def closed(self) -> bool:
+        """True once `close` ran."""
+        return self._closed
+
+    def close(self) -> None:
+        """Unmap the arenas and unlink their files; idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        for arena in self._arenas:
+            arena.close()
+        for spec in self.descriptor.arenas:
+            _unlink(spec.path)
+        self._arenas = []
+
+
+def _create_arena(path: str, size: int, mode: int, prefault: bool) -> _Arena:
+    """Create and map one arena file; on failure nothing of it is left behind.
+
+    O_EXCL: a name that exists (another pool, a stale file) is never reused
+    or truncated, and is not ours to unlink.
+    """
+    fd = os.open(path, _OPEN_FLAGS | os.O_CREAT | os.O_EXCL, mode)
+    try:
+        try:
+            os.fchmod(fd, mode)  # os.open's mode is filtered by the umask; make it exact
+            os.ftruncate(fd, size)
+            if prefault:
+                _reserve(fd, path, size)
+            prot = mmap.PROT_READ | mmap.PROT_WRITE
+            mapped = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=prot)
+        finally:
+            os.close(fd)  # the mapping keeps the file's memory; the fd is not needed
+        if prefault:
+            _populate(mapped, write=True)
+    except BaseException:
+        _unlink(path)
+        raise
+    return _Arena(mapped)
+
+
+def _unlink(path: str) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+
+
+class HostMapping(PoolMapping):
+    """A host pool's arena files mapped into a runner process."""
+
+    def __init__(self, descriptor: PoolDescriptor, arenas: list[_Arena]) -> None:
+        """Wrap mapped arenas; use `open` (or `kvstore.pool.attach`)."""
+        self.descriptor = descriptor
+        self._arenas = arenas
+        self._closed = False
+
+    @classmethod
+    def open(cls, descriptor: PoolDescriptor) -> HostMapping:
+        """Map every arena of a host pool, read-write and shared.
+
+        Raises:
+            PoolUnavailable: an arena file is missing, is not a regular file
+                or has another size (the server restarted or dropped the
+                namespace: attach again).
+            PermissionDenied: this process may not open the files (run the
+                runner as the server's user, or its group with mode 0660).
+        """
+        if descriptor.kind != "host":
+            raise InvalidArgument(f"HostMapping maps host pools, got kind {descriptor.kind!r}")
+        arenas: list[_Arena] = []
+        try:
+            for spec in descriptor.arenas:
+                arenas.append(_open_arena(spec, descriptor))
+        except BaseException:
+            for arena in arenas:
+                arena.close()
+            raise
+        return cls(descriptor, arenas)
+
+    def buffer(self, slot: SlotId) -> memoryview:
+        """Writable zero-copy view of one slot, ``block_bytes`` long."""
+        if self._closed:
+            raise PoolUnavailable(
+                f"the mapping of namespace {self.descriptor.namespace} "
+                f"(epoch {self.descriptor.epoch:x}) is closed"
+            )
+        arena, offset = self.descriptor.locate(slot)
+        return self._arenas[arena].view[offset : offset + self.descriptor.block_bytes]
+
+    @property
+    def closed(self) -> bool:
+        """True once `close` ran."""
+        return self._closed
+
+    def close(self) -> None:
+        """Unmap the arenas; views still referenced keep theirs alive. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        for arena in self._arenas:
+            arena.close()
+        self._arenas = []
+
+
+def _open_arena(spec: ArenaSpec, descriptor: PoolDescriptor) -> _Arena:
+    if not spec.path:
+        raise InvalidArgument(f"arena {spec.index} of a host pool has no file path")
+    try:
+        fd = os.open(spec.path, _OPEN_FLAGS)
+    except FileNotFoundError as exc:
+        raise PoolUnavailable(
+            f"pool file {spec.path} is gone: the server restarted or dropped namespace "
+            f"{descriptor.namespace} since epoch {descriptor.epoch:x}; attach the pool again"
+        ) from exc
+    except PermissionError as exc:
+        raise PermissionDenied(
+            f"cannot open pool file {spec.path}: run the runner as the server's user "
+            "(or its group, with pool files of mode 0660)"
+        ) from exc
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise PoolUnavailable(f"pool file {spec.path} is a symbolic link; refusing") from exc
+        raise
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise PoolUnavailable(f"pool file {spec.path} is not a regular file")
+        if info.st_size != spec.size_bytes:
+            raise PoolUnavailable(
+                f"pool file {spec.path} is {info.st_size} bytes, the descriptor says "
+                f"{spec.size_bytes}: it belongs to another server start; attach the pool again"
+            )
+        flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+        mapped = mmap.mmap(fd, spec.size_bytes, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    finally:
+        os.close(fd)
+    if not hasattr(mmap, "MAP_POPULATE"):
+        _populate(mapped, write=False)
+    return _Arena(mapped)
+
+
+def _pid_alive(pid: int) -> bool:
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # exists, owned by someone else
+    return True
+
+
+def cleanup_stale(directory: str, prefix: str) -> list[str]:
+    """Remove pool files left by server processes that are no longer alive.
+
+    A file ``{prefix}-{pid}-...`` whose pid names no live process is stale.
+    Files of live processes (this one included), files with other names and
+    files this user may not remove are kept. A recycled pid makes a stale
+    file look live; it is then removed by a later call.
+
+    Args:
+        directory: where pools are created (``HostPool.create``'s directory).
+        prefix: the file name prefix the pools were created with.
+
+    Returns:
+        The paths removed.
+    """
+    removed: list[str] = []
+    head = f"{prefix}-"
+    try:
+        names = sorted(os.listdir(directory))
+    except FileNotFoundError:
+        return removed
+    for name in names:
+        if not name.startswith(head):
+            continue
+        pid_text = name[len(head) :].split("-", 1)[0]
+        if not pid_text.isdigit() or _pid_alive(int(pid_text)):
+            continue
+        path = os.path.join(directory, name)
+        try:
+            if not stat.S_ISREG(os.lstat(path).st_mode):
+                continue
+            os.unlink(path)
+        except (FileNotFoundError, PermissionError):
+            continue
+        removed.append(path)
+    return removed

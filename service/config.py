@@ -1,0 +1,362 @@
+"""The server's configuration: one schema, read from flags, environment and a file.
+
+Precedence, highest first: command-line flags (``--capacity-bytes 2GiB``),
+environment variables (``KVSTORE_CAPACITY_BYTES=2GiB``), a config file
+(``--config kvstore.toml`` or ``KVSTORE_CONFIG``; TOML or JSON, keys are the
+field names), then the defaults below. `load_config` builds a `Config` from
+all of them; a bad value raises `ConfigError` naming the field, the value and
+where it came from. `service.config_docs` turns the schema into docs/config.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import inspect
+import json
+import logging
+import os
+import re
+import secrets
+import socket
+import tomllib
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, fields, replace
+from functools import cache
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+ENV_PREFIX = "KVSTORE_"
+
+
+@dataclass(frozen=True, slots=True)
+class Config:
+    """Everything a cache node reads at start; see docs/config.md."""
+
+    host: str = "127.0.0.1"
+    """Address the gRPC server (and the metrics endpoint) binds to."""
+    port: int = 50051
+    """gRPC port; 0 picks a free one (tests)."""
+    metrics_port: int = 9400
+    """Prometheus metrics port; 0 turns the endpoint off."""
+    capacity_bytes: int = 1 << 30
+    """Node memory budget shared by all namespace pools (sizes like 64MiB, 1GiB, 512M)."""
+    namespace_capacity_bytes: int = 256 << 20
+    """Share a namespace gets when RegisterNamespace asks for 0 bytes; bounded by what is left."""
+    arena_bytes: int = 256 << 20
+    """Size of one shared-memory arena of a pool (one mmap per arena in runners)."""
+    shm_dir: str = "/dev/shm"
+    """Directory (tmpfs) that holds the pool files."""
+    pool_prefix: str = "kvstore"
+    """File name prefix of the pool files; stale files with it are removed at start."""
+    pool_file_mode: int = 0o600
+    """Permission bits of the pool files (0o600, or 0o660 to share with a group)."""
+    pool_prefault: bool = True
+    """Touch every page of a new pool so the first writes do not fault."""
+    lease_ttl_default: float = 30.0
+    """TTL in seconds of a lease that asks for 0."""
+    lease_ttl_max: float = 3600.0
+    """Longest TTL in seconds a lease may ask for."""
+    node_id: str = ""
+    """Name of this node in stats and events; empty means hostname-port."""
+    salt_secret: bytes = b""
+    """Hex secret the tenant salts derive from; empty means random per process."""
+    shared_namespaces: tuple[str, ...] = ()
+    """Model ids whose blocks all tenants share (comma-separated in flags and env)."""
+    grace_seconds: float = 5.0
+    """Seconds in-flight RPCs get to finish on shutdown."""
+    max_message_bytes: int = 64 << 20
+    """Largest gRPC message the server sends or receives."""
+    max_chain_blocks: int = 65536
+    """Most blocks one request may name (tokens are bounded by this times block_size)."""
+    max_namespaces: int = 64
+    """Most namespaces this node holds."""
+    log_level: str = "INFO"
+    """Python logging level: DEBUG, INFO, WARNING, ERROR."""
+
+
+class ConfigError(ValueError):
+    """A configuration value is malformed or out of range."""
+
+
+# --- value parsers ------------------------------------------------------------
+
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?)(b?)\s*$", re.IGNORECASE)
+_SIZE_POWERS = {"": 0, "k": 1, "m": 2, "g": 3, "t": 4}
+
+
+def parse_size(value: object) -> int:
+    """Bytes from an int or a size string: ``"512"``, ``"64MiB"``, ``"1GiB"``, ``"512M"``.
+
+    Binary multiples throughout (``M`` = ``MiB`` = 2**20): memory sizes are
+    what these configure, and nobody means 10**6 bytes of shared memory.
+    """
+    if isinstance(value, bool):
+        raise ValueError("expected a size, got a boolean")
+    if isinstance(value, int):
+        number = value
+    else:
+        match = _SIZE_RE.match(str(value))
+        if match is None:
+            raise ValueError(f"expected a size like 512M, 64MiB or 1GiB, got {value!r}")
+        number = int(float(match.group(1)) * 1024 ** _SIZE_POWERS[match.group(2).lower()])
+    if number < 0:
+        raise ValueError(f"a size cannot be negative, got {value!r}")
+    return number
+
+
+def _parse_int(value: object) -> int:
+    if isinstance(value, bool):
+        raise ValueError("expected an integer, got a boolean")
+    if isinstance(value, int):
+        return value
+    try:
+        return int(str(value).strip(), 0)
+    except ValueError:
+        raise ValueError(f"expected an integer, got {value!r}") from None
+
+
+def _parse_float(value: object) -> float:
+    if isinstance(value, bool):
+        raise ValueError("expected a number, got a boolean")
+    try:
+        return float(value)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        raise ValueError(f"expected a number, got {value!r}") from None
+
+
+def _parse_bool(value: object) -> bool:
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in ("1", "true", "yes", "on"):
+        return True
+    if text in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"expected true or false, got {value!r}")
+
+
+def _parse_str(value: object) -> str:
+    if not isinstance(value, str):
+        raise ValueError(f"expected a string, got {value!r}")
+    return value
+
+
+def _parse_secret(value: object) -> bytes:
+    if isinstance(value, bytes):
+        return value
+    text = str(value).strip()
+    try:
+        secret = bytes.fromhex(text)
+    except ValueError:
+        raise ValueError("expected hex digits (e.g. from `openssl rand -hex 32`)") from None
+    if secret and len(secret) < 16:
+        raise ValueError(f"a salt secret needs at least 16 bytes, got {len(secret)}")
+    return secret
+
+
+def _parse_names(value: object) -> tuple[str, ...]:
+    items = [str(v) for v in value] if isinstance(value, (list, tuple)) else str(value).split(",")
+    return tuple(item.strip() for item in items if item.strip())
+
+
+def _port(value: object) -> int:
+    port = _parse_int(value)
+    if not 0 <= port <= 65535:
+        raise ValueError(f"expected a port in [0, 65535], got {port}")
+    return port
+
+
+def _positive(parse: Callable[[object], int]) -> Callable[[object], int]:
+    def check(value: object) -> int:
+        number = parse(value)
+        if number <= 0:
+            raise ValueError(f"must be positive, got {value!r}")
+        return number
+
+    return check
+
+
+def _positive_float(value: object) -> float:
+    number = _parse_float(value)
+    if not number > 0:
+        raise ValueError(f"must be a positive number of seconds, got {value!r}")
+    return number
+
+
+def _non_negative_float(value: object) -> float:
+    number = _parse_float(value)
+    if number < 0:
+        raise ValueError(f"cannot be negative, got {value!r}")
+    return number
+
+
+def _log_level(value: object) -> str:
+    level = _parse_str(value).upper()
+    if level not in ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"):
+        raise ValueError(f"expected DEBUG, INFO, WARNING, ERROR or CRITICAL, got {value!r}")
+    return level
+
+
+def _file_mode(value: object) -> int:
+    mode = _parse_int(value) if not isinstance(value, str) else int(value, 8)
+    if not 0 <= mode <= 0o777:
+        raise ValueError(f"expected permission bits like 0o600, got {value!r}")
+    return mode
+
+
+_PARSERS: dict[str, Callable[[object], object]] = {
+    "host": _parse_str,
+    "port": _port,
+    "metrics_port": _port,
+    "capacity_bytes": _positive(parse_size),
+    "namespace_capacity_bytes": _positive(parse_size),
+    "arena_bytes": _positive(parse_size),
+    "shm_dir": _parse_str,
+    "pool_prefix": _parse_str,
+    "pool_file_mode": _file_mode,
+    "pool_prefault": _parse_bool,
+    "lease_ttl_default": _positive_float,
+    "lease_ttl_max": _positive_float,
+    "node_id": _parse_str,
+    "salt_secret": _parse_secret,
+    "shared_namespaces": _parse_names,
+    "grace_seconds": _non_negative_float,
+    "max_message_bytes": _positive(parse_size),
+    "max_chain_blocks": _positive(_parse_int),
+    "max_namespaces": _positive(_parse_int),
+    "log_level": _log_level,
+}
+
+
+def field_names() -> list[str]:
+    """The fields of `Config`, in declaration order."""
+    return [f.name for f in fields(Config)]
+
+
+# --- loading ------------------------------------------------------------------
+
+
+def _parse_field(name: str, value: object, source: str) -> object:
+    try:
+        return _PARSERS[name](value)
+    except ValueError as exc:
+        raise ConfigError(f"{name} ({source}): {exc}") from None
+
+
+def _read_file(path: str) -> dict[str, object]:
+    file = Path(path)
+    try:
+        raw = file.read_bytes()
+    except OSError as exc:
+        raise ConfigError(f"cannot read config file {path}: {exc.strerror}") from None
+    try:
+        doc = json.loads(raw) if file.suffix == ".json" else tomllib.loads(raw.decode())
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"config file {path} is not valid TOML or JSON: {exc}") from None
+    if not isinstance(doc, dict):
+        raise ConfigError(f"config file {path} must hold a table of settings")
+    unknown = sorted(set(doc) - set(_PARSERS))
+    if unknown:
+        raise ConfigError(f"config file {path}: unknown settings {unknown}")
+    return doc
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command-line parser: one ``--field-name`` flag per `Config` field."""
+    parser = argparse.ArgumentParser(
+        prog="kvstore-server", description="Run a kvstore cache node (see docs/config.md)."
+    )
+    parser.add_argument("--config", help="TOML or JSON file of settings (or KVSTORE_CONFIG)")
+    docs = field_docs()
+    for name in field_names():
+        parser.add_argument(
+            "--" + name.replace("_", "-"), dest=name, default=None, help=docs.get(name, "")
+        )
+    return parser
+
+
+def load_config(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None) -> Config:
+    """Build the `Config` from flags > environment > config file > defaults.
+
+    Args:
+        argv: command-line arguments without the program name (``sys.argv[1:]`` if None).
+        env: environment variables (``os.environ`` if None).
+
+    Raises:
+        ConfigError: a value is malformed, or the file cannot be read.
+    """
+    env = os.environ if env is None else env
+    args = vars(build_parser().parse_args(argv))
+    values: dict[str, object] = {}
+    config_path = args.pop("config") or env.get(ENV_PREFIX + "CONFIG")
+    if config_path:
+        for name, value in _read_file(config_path).items():
+            values[name] = _parse_field(name, value, f"file {config_path}")
+    for name in field_names():
+        key = ENV_PREFIX + name.upper()
+        if key in env:
+            values[name] = _parse_field(name, env[key], f"environment {key}")
+    for name, value in args.items():
+        if value is not None:
+            flag = "--" + name.replace("_", "-")
+            values[name] = _parse_field(name, value, f"flag {flag}")
+    config = Config(**values)  # type: ignore[arg-type]
+    check(config)
+    return config
+
+
+def check(config: Config) -> None:
+    """Cross-field checks; raises `ConfigError`."""
+    if config.lease_ttl_default > config.lease_ttl_max:
+        raise ConfigError(
+            f"lease_ttl_default ({config.lease_ttl_default}) exceeds "
+            f"lease_ttl_max ({config.lease_ttl_max})"
+        )
+    if config.namespace_capacity_bytes > config.capacity_bytes:
+        log.info("namespace_capacity_bytes exceeds capacity_bytes; namespaces get what is left")
+
+
+def resolve(config: Config) -> Config:
+    """Fill the fields whose default depends on the host: node_id and salt_secret.
+
+    A random salt secret means a restarted node (or another node) derives
+    other tenant salts, so clients' precomputed hashes stop matching; logged
+    as a warning so operators set one.
+    """
+    updates: dict[str, object] = {}
+    if not config.node_id:
+        updates["node_id"] = f"{socket.gethostname()}-{config.port}"
+    if not config.salt_secret:
+        log.warning(
+            "no salt_secret configured: using a random one for this process; tenant hashes "
+            "change on restart and cannot be shared across nodes (set KVSTORE_SALT_SECRET)"
+        )
+        updates["salt_secret"] = secrets.token_bytes(32)
+    return replace(config, **updates) if updates else config  # type: ignore[arg-type]
+
+
+# --- docs ---------------------------------------------------------------------
+
+
+@cache
+def field_docs() -> dict[str, str]:
+    """The one-line docstring of every `Config` field, read from the source."""
+    tree = ast.parse(inspect.getsource(Config))
+    body = tree.body[0]
+    assert isinstance(body, ast.ClassDef)
+    docs: dict[str, str] = {}
+    last: str | None = None
+    for node in body.body:
+        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            last = node.target.id
+        elif (
+            last is not None
+            and isinstance(node, ast.Expr)
+            and isinstance(node.value, ast.Constant)
+            and isinstance(node.value.value, str)
+        ):
+            docs[last] = node.value.value.strip()
+            last = None
+    return docs

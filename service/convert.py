@@ -1,0 +1,174 @@
+"""Protobuf messages to domain values and back; no logic beyond the mapping."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from kvstore.block import BlockState
+from kvstore.events import CacheEvent, EventKind
+from kvstore.hashing import HashScheme
+from kvstore.layout import KVLayout
+from kvstore.pool.base import BlockPool, PoolDescriptor
+from kvstore.results import BlockInfo, BlockRef, NamespaceStats
+from kvstore.v1 import kvstore_pb2 as pb
+from service.errors import FieldError
+
+_SCHEMES = {
+    pb.HASH_SCHEME_UNSPECIFIED: HashScheme.KVSTORE_SHA256,
+    pb.HASH_SCHEME_KVSTORE_SHA256: HashScheme.KVSTORE_SHA256,
+    pb.HASH_SCHEME_VLLM_SHA256_CBOR: HashScheme.VLLM_SHA256_CBOR,
+}
+_SCHEME_PROTO = {
+    HashScheme.KVSTORE_SHA256: pb.HASH_SCHEME_KVSTORE_SHA256,
+    HashScheme.VLLM_SHA256_CBOR: pb.HASH_SCHEME_VLLM_SHA256_CBOR,
+}
+_EVENT_KINDS = {
+    EventKind.STORED: pb.EVENT_KIND_STORED,
+    EventKind.REMOVED: pb.EVENT_KIND_REMOVED,
+    EventKind.CLEARED: pb.EVENT_KIND_CLEARED,
+}
+_BLOCK_STATES = {
+    BlockState.FREE: pb.BLOCK_STATE_FREE,
+    BlockState.WRITING: pb.BLOCK_STATE_WRITING,
+    BlockState.READY: pb.BLOCK_STATE_READY,
+}
+
+ToUnix = Callable[[float], float]
+"""Turns a store time (the server's monotonic clock) into unix seconds."""
+
+
+def layout_from_proto(msg: pb.KVLayout) -> KVLayout:
+    """A `KVLayout` (the core validates the values; kv_order "" is the default)."""
+    if not msg.dtype and not msg.num_layers:
+        raise FieldError("layout", "is required: layers, KV heads, head dim, block size, dtype")
+    return KVLayout(
+        num_layers=msg.num_layers,
+        num_kv_heads=msg.num_kv_heads,
+        head_dim=msg.head_dim,
+        block_size=msg.block_size,
+        dtype=msg.dtype,
+        kv_order=msg.kv_order or "KV_LAYER_TOKEN_HEAD",
+    )
+
+
+def layout_to_proto(layout: KVLayout) -> pb.KVLayout:
+    """The wire form of a layout."""
+    return pb.KVLayout(
+        num_layers=layout.num_layers,
+        num_kv_heads=layout.num_kv_heads,
+        head_dim=layout.head_dim,
+        block_size=layout.block_size,
+        dtype=layout.dtype,
+        kv_order=layout.kv_order,
+    )
+
+
+def scheme_from_proto(value: int) -> HashScheme:
+    """The hash scheme an enum value names."""
+    scheme: HashScheme | None = _SCHEMES.get(value)  # type: ignore[call-overload]
+    if scheme is None:
+        raise FieldError("scheme", f"unknown hash scheme {value}")
+    return scheme
+
+
+def scheme_to_proto(scheme: HashScheme) -> pb.HashScheme.ValueType:
+    """The enum value of a hash scheme."""
+    return _SCHEME_PROTO[scheme]
+
+
+def location(pool: BlockPool, ref: BlockRef) -> pb.BlockLocation:
+    """Where a block's bytes are: slot, generation, arena and offset."""
+    arena, offset = pool.locate(ref.slot)
+    return pb.BlockLocation(
+        hash=ref.hash, slot=ref.slot, generation=ref.generation, arena=arena, offset=offset
+    )
+
+
+def attach_response(descriptor: PoolDescriptor, layout: KVLayout) -> pb.AttachPoolResponse:
+    """What a runner needs to map a pool."""
+    return pb.AttachPoolResponse(
+        kind=descriptor.kind,
+        pool_epoch=descriptor.epoch,
+        namespace_id=descriptor.namespace,
+        block_bytes=descriptor.block_bytes,
+        capacity_blocks=descriptor.capacity,
+        slots_per_arena=descriptor.slots_per_arena,
+        arenas=[
+            pb.Arena(
+                index=a.index,
+                size_bytes=a.size_bytes,
+                path=a.path,
+                cuda_ipc_handle=a.cuda_ipc_handle,
+            )
+            for a in descriptor.arenas
+        ],
+        layout=layout_to_proto(layout),
+        device=descriptor.device,
+    )
+
+
+def block_info(info: BlockInfo, to_unix: ToUnix) -> pb.BlockInfo:
+    """An inspection snapshot of one block."""
+    return pb.BlockInfo(
+        hash=info.hash,
+        parent=info.parent or b"",
+        tenant=info.scope,
+        slot=info.slot,
+        generation=info.generation,
+        state=_BLOCK_STATES[info.state],
+        pins=info.refcount,
+        hits=info.hits,
+        depth=info.depth,
+        created=to_unix(info.created),
+        last_used=to_unix(info.last_used),
+    )
+
+
+def event(ev: CacheEvent, node_id: str, to_unix: ToUnix) -> pb.Event:
+    """The wire form of a cache event."""
+    return pb.Event(
+        kind=_EVENT_KINDS[ev.kind],
+        namespace_id=ev.namespace,
+        hashes=list(ev.hashes),
+        parent=ev.parent or b"",
+        at=to_unix(ev.at),
+        node_id=node_id,
+        tenant=ev.scope,
+    )
+
+
+def namespace_stats(ns: NamespaceStats, layout: KVLayout, shared: bool) -> pb.NamespaceStats:
+    """Occupancy and per-tenant counters of one namespace."""
+    tenants = []
+    for tenant in sorted(set(ns.tenants) | set(ns.resident_by_tenant)):
+        c = ns.tenants.get(tenant)
+        tenants.append(
+            pb.TenantStats(
+                tenant=tenant,
+                lookups=c.lookups if c else 0,
+                hit_blocks=c.hit_blocks if c else 0,
+                miss_blocks=c.miss_blocks if c else 0,
+                hit_tokens=c.hit_tokens if c else 0,
+                miss_tokens=c.miss_tokens if c else 0,
+                miss_absent=c.miss_absent if c else 0,
+                miss_in_flight=c.miss_in_flight if c else 0,
+                stored_blocks=c.stored_blocks if c else 0,
+                resident_blocks=ns.resident_by_tenant.get(tenant, 0),
+            )
+        )
+    return pb.NamespaceStats(
+        namespace_id=ns.namespace,
+        model_id=ns.model_id,
+        block_size=ns.block_size,
+        block_bytes=ns.block_bytes,
+        capacity=ns.capacity,
+        free=ns.free,
+        ready=ns.ready,
+        writing=ns.writing,
+        pinned=ns.pinned,
+        evictable=ns.evictable,
+        evictions=ns.evictions,
+        tenants=tenants,
+        layout=layout_to_proto(layout),
+        shared=shared,
+    )

@@ -1,0 +1,201 @@
+"""Errors to gRPC status codes: one table, one wrapper around every handler.
+
+A client's mistake is a `kvstore.errors.KVStoreError`; `STATUS_OF` maps each
+class to exactly one status code (the most specific class in the exception's
+MRO wins). `FieldError` adds the offending request field, sent as a
+``google.rpc.BadRequest`` field violation in the rich status details.
+Anything else escaping a handler is a bug: logged with its traceback and
+answered ``INTERNAL``, never ``UNKNOWN``.
+
+`guard_unary`, `guard_stream_out` and `guard_stream_in` wrap servicer
+methods; they also time each call and count errors per code (`RpcObserver`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, Protocol, TypeVar
+
+import grpc
+from google.protobuf import any_pb2
+from google.rpc import code_pb2, error_details_pb2, status_pb2
+from grpc_status import rpc_status
+
+from kvstore import errors as core
+
+log = logging.getLogger(__name__)
+
+STATUS_OF: dict[type[core.KVStoreError], grpc.StatusCode] = {
+    core.InvalidArgument: grpc.StatusCode.INVALID_ARGUMENT,
+    core.NotFound: grpc.StatusCode.NOT_FOUND,
+    core.UnknownNamespace: grpc.StatusCode.NOT_FOUND,
+    core.UnknownLease: grpc.StatusCode.NOT_FOUND,
+    core.FailedPrecondition: grpc.StatusCode.FAILED_PRECONDITION,
+    core.LeaseExpired: grpc.StatusCode.FAILED_PRECONDITION,
+    core.NotWriter: grpc.StatusCode.FAILED_PRECONDITION,
+    core.StaleSlot: grpc.StatusCode.FAILED_PRECONDITION,
+    core.AlreadyExists: grpc.StatusCode.ALREADY_EXISTS,
+    core.LayoutConflict: grpc.StatusCode.ALREADY_EXISTS,
+    core.PermissionDenied: grpc.StatusCode.PERMISSION_DENIED,
+    core.LimitExceeded: grpc.StatusCode.RESOURCE_EXHAUSTED,
+}
+"""The one mapping from core error classes to gRPC status codes."""
+
+
+class FieldError(core.InvalidArgument):
+    """Bad input in one named request field (sent as a BadRequest field violation)."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+        self.description = message
+
+
+class ResourceExhausted(core.LimitExceeded):
+    """The node's memory budget cannot hold what was asked for."""
+
+
+def status_code_of(exc: core.KVStoreError) -> grpc.StatusCode:
+    """The status code of a core error: its most specific class in `STATUS_OF`."""
+    for cls in type(exc).__mro__:
+        code = STATUS_OF.get(cls)
+        if code is not None:
+            return code
+    return grpc.StatusCode.INTERNAL  # a KVStoreError subclass nobody mapped: a bug
+
+
+def to_status(exc: core.KVStoreError) -> Any:
+    """A `grpc.Status` for ``exc`` carrying rich details where they help."""
+    code = status_code_of(exc)
+    status = status_pb2.Status(code=code.value[0], message=str(exc))
+    if isinstance(exc, FieldError):
+        detail = any_pb2.Any()
+        detail.Pack(
+            error_details_pb2.BadRequest(
+                field_violations=[
+                    error_details_pb2.BadRequest.FieldViolation(
+                        field=exc.field, description=exc.description
+                    )
+                ]
+            )
+        )
+        status.details.append(detail)
+    return rpc_status.to_status(status)
+
+
+class RpcObserver(Protocol):
+    """Where the guards report each call (the metrics)."""
+
+    def observe_rpc(self, method: str, seconds: float, code: grpc.StatusCode) -> None:
+        """Record one finished call."""
+
+
+class Guarded(Protocol):
+    """A servicer the guards can report through."""
+
+    @property
+    def observer(self) -> RpcObserver:
+        """Receives one report per call."""
+
+
+S = TypeVar("S", bound=Guarded)
+Req = TypeVar("Req")
+Resp = TypeVar("Resp")
+
+_INTERNAL = status_pb2.Status(code=code_pb2.INTERNAL, message="internal error; see server log")
+
+
+async def _fail(context: Any, method: str, exc: BaseException) -> grpc.StatusCode:
+    """Abort the call for ``exc``; returns the code sent. Re-raises what must pass."""
+    if isinstance(exc, core.KVStoreError):
+        status = to_status(exc)
+        code: grpc.StatusCode = status.code
+        await context.abort_with_status(status)
+        return code  # pragma: no cover - abort_with_status raises
+    log.error("bug: %s raised an unexpected exception", method, exc_info=exc)
+    await context.abort_with_status(rpc_status.to_status(_INTERNAL))
+    return grpc.StatusCode.INTERNAL  # pragma: no cover
+
+
+def _passes(exc: BaseException) -> bool:
+    # AbortError carries a status the handler already chose; cancellation and
+    # interpreter exits must propagate untouched.
+    return isinstance(exc, (grpc.aio.AbortError, asyncio.CancelledError)) or not isinstance(
+        exc, Exception
+    )
+
+
+def _code_of(exc: BaseException, context: Any) -> grpc.StatusCode:
+    if isinstance(exc, core.KVStoreError):
+        return status_code_of(exc)
+    if isinstance(exc, asyncio.CancelledError):
+        return grpc.StatusCode.CANCELLED
+    code = context.code()
+    return code if isinstance(code, grpc.StatusCode) else grpc.StatusCode.INTERNAL
+
+
+def guard_unary(
+    method: str,
+) -> Callable[[Callable[[S, Req, Any], Awaitable[Resp]]], Callable[[S, Req, Any], Awaitable[Resp]]]:
+    """Wrap a unary-response handler: map errors, time it, count its status."""
+
+    def wrap(
+        handler: Callable[[S, Req, Any], Awaitable[Resp]],
+    ) -> Callable[[S, Req, Any], Awaitable[Resp]]:
+        @functools.wraps(handler)
+        async def guarded(self: S, request: Req, context: Any) -> Resp:
+            started = time.perf_counter()
+            code = grpc.StatusCode.OK
+            try:
+                return await handler(self, request, context)
+            except BaseException as exc:
+                code = _code_of(exc, context)
+                if _passes(exc):
+                    raise
+                code = await _fail(context, method, exc)
+                raise  # pragma: no cover - _fail raised
+            finally:
+                self.observer.observe_rpc(method, time.perf_counter() - started, code)
+
+        return guarded
+
+    return wrap
+
+
+def guard_stream_out(
+    method: str,
+) -> Callable[
+    [Callable[[S, Req, Any], AsyncIterator[Resp]]], Callable[[S, Req, Any], AsyncIterator[Resp]]
+]:
+    """Wrap a server-streaming handler (an async generator) like `guard_unary`."""
+
+    def wrap(
+        handler: Callable[[S, Req, Any], AsyncIterator[Resp]],
+    ) -> Callable[[S, Req, Any], AsyncIterator[Resp]]:
+        @functools.wraps(handler)
+        async def guarded(self: S, request: Req, context: Any) -> AsyncIterator[Resp]:
+            started = time.perf_counter()
+            code = grpc.StatusCode.OK
+            try:
+                async for item in handler(self, request, context):
+                    yield item
+            except BaseException as exc:
+                code = _code_of(exc, context)
+                if _passes(exc):
+                    raise
+                code = await _fail(context, method, exc)
+                raise  # pragma: no cover
+            finally:
+                self.observer.observe_rpc(method, time.perf_counter() - started, code)
+
+        return guarded
+
+    return wrap
+
+
+guard_stream_in = guard_unary
+"""Client-streaming handlers return one response: the unary guard fits them."""

@@ -1,0 +1,134 @@
+"""Prometheus metrics of one cache node, in its own registry.
+
+Counters and histograms are updated by the servicer as calls happen; the
+occupancy gauges (blocks per state, leases, evictions) are computed from a
+store snapshot at scrape time by `_StoreCollector`. Each `Metrics` has its
+own `CollectorRegistry`, so tests can run several servers in one process.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Iterator
+from wsgiref.simple_server import WSGIServer
+
+import grpc
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import start_http_server as _start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from kvstore.store import StoreStats
+
+log = logging.getLogger(__name__)
+
+Snapshot = Callable[[], StoreStats | None]
+"""Returns a consistent store snapshot (None when it cannot be taken now)."""
+
+
+class _StoreCollector(Collector):
+    """Occupancy gauges computed from a store snapshot at scrape time."""
+
+    def __init__(self, snapshot: Snapshot) -> None:
+        self._snapshot = snapshot
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self._snapshot()
+        if stats is None:
+            return
+        blocks = GaugeMetricFamily(
+            "kvstore_blocks", "Slots of each namespace by state", labels=["namespace", "state"]
+        )
+        capacity = GaugeMetricFamily(
+            "kvstore_capacity_blocks", "Slots of each namespace's pool", labels=["namespace"]
+        )
+        evictions = CounterMetricFamily(
+            "kvstore_evictions", "Blocks evicted to make room", labels=["namespace"]
+        )
+        for ns in stats.namespaces:
+            for state, value in (
+                ("free", ns.free),
+                ("ready", ns.ready),
+                ("writing", ns.writing),
+                ("pinned", ns.pinned),
+            ):
+                blocks.add_metric([ns.namespace, state], value)
+            capacity.add_metric([ns.namespace], ns.capacity)
+            evictions.add_metric([ns.namespace], ns.evictions)
+        yield blocks
+        yield capacity
+        yield evictions
+        yield GaugeMetricFamily("kvstore_leases", "Live leases", value=stats.leases)
+
+
+class Metrics:
+    """The node's metrics; `start_http` serves them on the metrics port."""
+
+    def __init__(self, snapshot: Snapshot | None = None) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        tenant_labels = ["namespace", "tenant", "result"]
+        self.lookup_tokens = Counter(
+            "kvstore_lookup_tokens", "Tokens looked up, by hit or miss", tenant_labels, registry=r
+        )
+        self.lookup_blocks = Counter(
+            "kvstore_lookup_blocks",
+            "Full blocks looked up, by hit or miss",
+            tenant_labels,
+            registry=r,
+        )
+        self.lease_expiries = Counter(
+            "kvstore_lease_expiries", "Leases ended because their TTL passed", registry=r
+        )
+        self.rpc_duration = Histogram(
+            "kvstore_rpc_duration_seconds", "Time to answer an RPC", ["method"], registry=r
+        )
+        self.rpc_errors = Counter(
+            "kvstore_rpc_errors", "RPCs that ended with an error", ["method", "code"], registry=r
+        )
+        self.watch_dropped = Counter(
+            "kvstore_watch_dropped_events", "Events dropped for slow watchers", registry=r
+        )
+        if snapshot is not None:
+            r.register(_StoreCollector(snapshot))
+        self._http: WSGIServer | None = None
+        self._thread: threading.Thread | None = None
+
+    def observe_rpc(self, method: str, seconds: float, code: grpc.StatusCode) -> None:
+        """Record one finished RPC."""
+        self.rpc_duration.labels(method).observe(seconds)
+        if code is not grpc.StatusCode.OK:
+            self.rpc_errors.labels(method, code.name).inc()
+
+    def observe_lookup(
+        self, namespace: str, tenant: str, hit_blocks: int, miss_blocks: int, hit_tokens: int,
+        miss_tokens: int,
+    ) -> None:  # fmt: skip
+        """Record one lookup's hits and misses in blocks and tokens."""
+        self.lookup_blocks.labels(namespace, tenant, "hit").inc(hit_blocks)
+        self.lookup_blocks.labels(namespace, tenant, "miss").inc(miss_blocks)
+        self.lookup_tokens.labels(namespace, tenant, "hit").inc(hit_tokens)
+        self.lookup_tokens.labels(namespace, tenant, "miss").inc(miss_tokens)
+
+    def render(self) -> bytes:
+        """The text exposition of every metric (what a scrape returns)."""
+        return generate_latest(self.registry)
+
+    def start_http(self, host: str, port: int) -> int:
+        """Serve ``/metrics`` on ``host:port`` in a daemon thread; returns the bound port."""
+        server, thread = _start_http_server(port, addr=host, registry=self.registry)
+        self._http, self._thread = server, thread
+        bound: int = server.server_port
+        log.info("metrics on http://%s:%d/metrics", host, bound)
+        return bound
+
+    def stop_http(self) -> None:
+        """Stop the metrics endpoint; idempotent."""
+        if self._http is not None:
+            self._http.shutdown()
+            self._http.server_close()
+            self._http = None
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+            self._thread = None

@@ -1,0 +1,233 @@
+"""The state of one cache node that every servicer method works on.
+
+`Node` bundles the store, the pools, tenancy, events, metrics and the clock.
+It is driven from the server's event loop only (the store has no lock); the
+one exception is `snapshot`, which the metrics thread calls and which hops
+onto the loop to read the store.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import time
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+import kvstore
+from kvstore.block_table import BlockTable
+from kvstore.hashing import HashScheme, hash_blocks
+from kvstore.layout import NamespaceSpec
+from kvstore.pool.base import BlockPool
+from kvstore.results import ExpiryReport
+from kvstore.store import Store, StoreLimits, StoreStats
+from kvstore.types import BlockHash, NamespaceId, TenantId
+from kvstore.v1 import kvstore_pb2 as pb
+from service import convert, validate
+from service.config import Config
+from service.errors import FieldError
+from service.event_hub import EventHub
+from service.metrics import Metrics
+from service.pools import PoolManager
+from service.tenancy import ChainRoots, TenantResolver
+
+log = logging.getLogger(__name__)
+
+Clock = Callable[[], float]
+"""Monotonic seconds; injectable so tests can move time."""
+
+
+class Node:
+    """Store + pools + tenancy + events + metrics of one cache node."""
+
+    def __init__(
+        self,
+        config: Config,
+        *,
+        clock: Clock = time.monotonic,
+        wall: Clock = time.time,
+        epoch: int | None = None,
+    ) -> None:
+        """Build the node's state; ``config`` must be resolved (`service.config.resolve`)."""
+        self.config = config
+        self.clock = clock
+        self.wall = wall
+        self.node_id = config.node_id
+        self.version = kvstore.__version__
+        self.store = Store(
+            StoreLimits(
+                max_chain_blocks=config.max_chain_blocks,
+                max_lease_ttl=config.lease_ttl_max,
+                max_namespaces=config.max_namespaces,
+            )
+        )
+        self.pools = PoolManager(config, epoch)
+        self.tenants = TenantResolver()
+        self.roots = ChainRoots(config.salt_secret)
+        self.events: EventHub[pb.Event] = EventHub()
+        self.loop: asyncio.AbstractEventLoop | None = None
+        """The loop that drives the store; set by the server when it starts."""
+        self.metrics = Metrics(self.snapshot)
+        self.started = clock()
+        self._register_lock = asyncio.Lock()
+
+    @property
+    def epoch(self) -> int:
+        """The pool epoch: random per server start."""
+        return self.pools.epoch
+
+    def now(self) -> float:
+        """The store's notion of now (monotonic seconds)."""
+        return self.clock()
+
+    def to_unix(self, t: float) -> float:
+        """Unix seconds of a store time."""
+        return self.wall() - (self.clock() - t)
+
+    def tenant(self, context: object) -> TenantId:
+        """The caller's tenant, from the call's metadata."""
+        return self.tenants.resolve(context.invocation_metadata())  # type: ignore[attr-defined]
+
+    def is_shared(self, model_id: str) -> bool:
+        """Whether the operator made this model's blocks shared between tenants."""
+        return model_id in self.config.shared_namespaces
+
+    # --- namespaces -------------------------------------------------------------
+
+    async def register(self, spec: NamespaceSpec, requested_bytes: int) -> tuple[BlockTable, bool]:
+        """The namespace's table, creating it and its pool if new.
+
+        Returns:
+            (table, created).
+        """
+        async with self._register_lock:
+            # Same spec: idempotent; another layout: LayoutConflict. Checked
+            # before any pool memory is allocated.
+            existing = self.store.existing_namespace(spec)
+            if existing is not None:
+                return existing, False
+            block_bytes = spec.layout.block_bytes
+            capacity = self.pools.plan_capacity(block_bytes, requested_bytes)
+            pool = await _build_pool(self.pools, spec.namespace_id, block_bytes, capacity)
+            try:
+                table = self.store.register_namespace(
+                    spec, capacity, shared=self.is_shared(spec.model_id)
+                )
+            except BaseException:
+                pool.close()
+                raise
+            self.pools.adopt(spec.namespace_id, pool)
+            return table, True
+
+    def table(self, namespace: NamespaceId) -> BlockTable:
+        """A registered namespace's table (`UnknownNamespace` otherwise)."""
+        return self.store.table(namespace)
+
+    def pool(self, namespace: NamespaceId) -> BlockPool:
+        """A registered namespace's pool."""
+        self.store.table(namespace)
+        return self.pools.get(namespace)
+
+    def root(self, table: BlockTable, tenant: TenantId) -> BlockHash:
+        """The chain root of ``table``'s namespace for ``tenant``."""
+        return self.roots.root(table.spec, tenant, shared=table.shared)
+
+    # --- chains ---------------------------------------------------------------
+
+    def chain(
+        self,
+        table: BlockTable,
+        tenant: TenantId,
+        tokens: Sequence[int],
+        hashes: Sequence[bytes],
+        extras: Sequence[bytes],
+    ) -> tuple[list[BlockHash], int, bool]:
+        """The chain a Lookup or Reserve names, from tokens or from hashes.
+
+        Returns:
+            (chain, tokens in the query, whether tokens were sent).
+        """
+        max_blocks = self.config.max_chain_blocks
+        source = validate.chain_source(tokens, hashes, extras, max_blocks * table.block_size)
+        if source == "hashes":
+            chain = validate.block_hashes(hashes, max_blocks)
+            return chain, len(chain) * table.block_size, False
+        block_extras: list[bytes] | None = None
+        if extras:
+            if table.spec.scheme is HashScheme.VLLM_SHA256_CBOR:
+                raise FieldError("extras", "the vllm scheme takes extra keys only through hashes")
+            block_extras = list(extras)
+        chain = hash_blocks(
+            self.root(table, tenant),
+            np.fromiter(tokens, dtype=np.uint32, count=len(tokens)),
+            table.block_size,
+            scheme=table.spec.scheme,
+            extras=block_extras,
+        )
+        return chain, len(tokens), True
+
+    # --- events, expiry, snapshots ------------------------------------------------
+
+    def publish_events(self) -> None:
+        """Fan out the store's pending events to watchers (later also to Redis)."""
+        for ev in self.store.take_events():
+            self.events.publish(ev.namespace, convert.event(ev, self.node_id, self.to_unix))
+
+    def expire(self) -> ExpiryReport:
+        """End every lease past its deadline; counts them and publishes events."""
+        report = self.store.expire(self.now())
+        if report.leases:
+            self.metrics.lease_expiries.inc(len(report.leases))
+            log.info(
+                "expired %d leases: %d pins dropped, %d writes aborted",
+                len(report.leases),
+                report.pins_dropped,
+                report.writes_aborted,
+            )
+        self.publish_events()
+        return report
+
+    def snapshot(self) -> StoreStats | None:
+        """A store snapshot; safe from any thread (hops onto the loop when needed)."""
+        loop = self.loop
+        if loop is None or _on_loop(loop):
+            return self.store.stats()
+        if loop.is_closed():
+            return None
+
+        async def take() -> StoreStats:
+            return self.store.stats()
+
+        future = asyncio.run_coroutine_threadsafe(take(), loop)
+        try:
+            return future.result(timeout=5)
+        except (concurrent.futures.TimeoutError, RuntimeError):
+            future.cancel()
+            return None
+
+
+def _on_loop(loop: asyncio.AbstractEventLoop) -> bool:
+    """True when the store may be read directly: on the loop, or with the loop stopped."""
+    if not loop.is_running():
+        return True
+    try:
+        return asyncio.get_running_loop() is loop
+    except RuntimeError:
+        return False
+
+
+async def _build_pool(
+    pools: PoolManager, namespace: NamespaceId, block_bytes: int, capacity: int
+) -> BlockPool:
+    """Build a pool in a worker thread (prefaulting takes time); never leak it."""
+    task = asyncio.ensure_future(asyncio.to_thread(pools.build, namespace, block_bytes, capacity))
+    try:
+        return await asyncio.shield(task)
+    except asyncio.CancelledError:
+        # The caller went away: close the pool whenever the thread finishes.
+        task.add_done_callback(
+            lambda t: t.result().close() if not t.cancelled() and t.exception() is None else None
+        )
+        raise

@@ -1,0 +1,125 @@
+"""The node's memory budget, carved into one host pool per namespace.
+
+`PoolManager` creates a `HostPool` when a namespace is registered, sized
+``min(requested or the default share, what is left of the budget)`` rounded
+down to whole blocks, and closes (unlinks) every pool on shutdown. Pool
+files of dead servers are removed at start (`cleanup_stale`). The epoch is
+random per server start, so a runner can tell a restarted node's pools from
+the ones it mapped before.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+
+from kvstore.pool.base import BlockPool
+from kvstore.pool.host import HostPool, cleanup_stale
+from kvstore.types import NamespaceId
+from service.config import Config
+from service.errors import ResourceExhausted
+
+log = logging.getLogger(__name__)
+
+
+def new_epoch() -> int:
+    """A random nonzero 63-bit pool epoch."""
+    return secrets.randbits(63) or 1
+
+
+class PoolManager:
+    """Owns every namespace pool of the node and the memory budget they share."""
+
+    def __init__(self, config: Config, epoch: int | None = None) -> None:
+        self.config = config
+        self.epoch = epoch if epoch is not None else new_epoch()
+        self.capacity_bytes = config.capacity_bytes
+        self._pools: dict[NamespaceId, BlockPool] = {}
+
+    def cleanup(self) -> list[str]:
+        """Remove pool files of server processes that are gone; returns their paths."""
+        removed = cleanup_stale(self.config.shm_dir, self.config.pool_prefix)
+        if removed:
+            log.info("removed %d stale pool files from %s", len(removed), self.config.shm_dir)
+        return removed
+
+    @property
+    def allocated_bytes(self) -> int:
+        """Bytes carved into pools so far."""
+        return sum(p.descriptor.capacity * p.descriptor.block_bytes for p in self._pools.values())
+
+    @property
+    def free_bytes(self) -> int:
+        """Bytes of the budget not yet given to a pool."""
+        return self.capacity_bytes - self.allocated_bytes
+
+    def plan_capacity(self, block_bytes: int, requested_bytes: int) -> int:
+        """Slots a new pool of ``block_bytes`` blocks gets for ``requested_bytes`` (0 = default).
+
+        Raises:
+            ResourceExhausted: not even one block fits in what is left.
+        """
+        want = requested_bytes or self.config.namespace_capacity_bytes
+        grant = min(want, self.free_bytes)
+        blocks = grant // block_bytes
+        if blocks < 1:
+            raise ResourceExhausted(
+                f"no room for a namespace pool: a block is {block_bytes} bytes, "
+                f"{self.free_bytes} of the node's {self.capacity_bytes} bytes are left"
+                + (f" and {requested_bytes} were asked for" if requested_bytes else "")
+            )
+        return blocks
+
+    def build(self, namespace: NamespaceId, block_bytes: int, capacity: int) -> BlockPool:
+        """Create the pool of a namespace with ``capacity`` slots, not yet adopted.
+
+        Touches only the file system and new memory, so it may run in a worker
+        thread (prefaulting a large pool takes a while); `adopt` it afterwards.
+        """
+        return HostPool.create(
+            namespace,
+            block_bytes,
+            capacity,
+            self.epoch,
+            directory=self.config.shm_dir,
+            arena_bytes=self.config.arena_bytes,
+            prefix=self.config.pool_prefix,
+            mode=self.config.pool_file_mode,
+            prefault=self.config.pool_prefault,
+        )
+
+    def adopt(self, namespace: NamespaceId, pool: BlockPool) -> None:
+        """Count a built pool against the budget and own it from now on."""
+        if namespace in self._pools:
+            raise RuntimeError(f"bug: pool of namespace {namespace} created twice")
+        self._pools[namespace] = pool
+        d = pool.descriptor
+        log.info(
+            "namespace %s: pool of %d blocks x %d bytes in %d arenas",
+            namespace,
+            d.capacity,
+            d.block_bytes,
+            len(d.arenas),
+        )
+
+    def discard(self, namespace: NamespaceId) -> None:
+        """Close and forget one pool (a registration that failed after creating it)."""
+        pool = self._pools.pop(namespace, None)
+        if pool is not None:
+            pool.close()
+
+    def get(self, namespace: NamespaceId) -> BlockPool:
+        """The pool of a registered namespace."""
+        pool = self._pools.get(namespace)
+        if pool is None:
+            raise RuntimeError(f"bug: namespace {namespace} is registered without a pool")
+        return pool
+
+    def close(self) -> None:
+        """Close every pool and unlink its files; idempotent."""
+        while self._pools:
+            namespace, pool = self._pools.popitem()
+            try:
+                pool.close()
+            except Exception:
+                log.exception("closing the pool of namespace %s failed", namespace)

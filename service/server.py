@@ -1,0 +1,203 @@
+"""Server bootstrap: gRPC, health, reflection, metrics, lease expiry, shutdown.
+
+`Server` is what tests start (``port=0`` binds a free port); `serve` runs
+one until SIGTERM or SIGINT; `main` is the ``kvstore-server`` command.
+Shutdown order: health NOT_SERVING (load balancers stop sending), event
+streams end, ``server.stop(grace)`` lets in-flight calls finish, then the
+pools are closed and their files unlinked.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import sys
+import time
+from collections.abc import Sequence
+from types import TracebackType
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from kvstore.v1 import kvstore_pb2, kvstore_pb2_grpc
+from service.config import Config, ConfigError, load_config, resolve
+from service.node import Clock, Node
+from service.servicer import KVStoreServicer
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME: str = kvstore_pb2.DESCRIPTOR.services_by_name["KVStore"].full_name
+"""Fully qualified name of the KVStore service (health and reflection use it)."""
+
+EXPIRY_TICK = 1.0
+"""Longest sleep of the lease-expiry task, in seconds."""
+
+
+def _address(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+class Server:
+    """One cache node's gRPC server; ``async with Server(cfg) as s:`` or start/stop."""
+
+    def __init__(
+        self, config: Config, *, clock: Clock = time.monotonic, expiry_tick: float = EXPIRY_TICK
+    ) -> None:
+        """Prepare a server; nothing binds until `start`.
+
+        Args:
+            config: the node's configuration (node_id and salt_secret are
+                resolved here when empty).
+            clock: monotonic clock of the store (tests inject one to move time).
+            expiry_tick: longest sleep of the lease-expiry task.
+        """
+        self.config = resolve(config)
+        self.node = Node(self.config, clock=clock)
+        self.expiry_tick = expiry_tick
+        self.health = health.aio.HealthServicer()
+        self.port = 0
+        self.metrics_port = 0
+        self._grpc: Any = None
+        self._expiry: asyncio.Task[None] | None = None
+
+    @property
+    def address(self) -> str:
+        """``host:port`` the server listens on (after `start`)."""
+        return _address(self.config.host, self.port)
+
+    async def start(self) -> int:
+        """Bind, start serving and report SERVING; returns the bound gRPC port."""
+        if self._grpc is not None:
+            raise RuntimeError("bug: Server.start called twice")
+        node = self.node
+        node.loop = asyncio.get_running_loop()
+        node.pools.cleanup()
+        limit = self.config.max_message_bytes
+        server = grpc.aio.server(
+            options=[
+                ("grpc.max_send_message_length", limit),
+                ("grpc.max_receive_message_length", limit),
+            ]
+        )
+        kvstore_pb2_grpc.add_KVStoreServicer_to_server(KVStoreServicer(node), server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        reflection.enable_server_reflection(
+            (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server
+        )
+        address = _address(self.config.host, self.config.port)
+        try:
+            self.port = server.add_insecure_port(address)
+        except RuntimeError as exc:
+            raise OSError(f"cannot bind the gRPC server to {address}: {exc}") from exc
+        if not self.port:
+            raise OSError(f"cannot bind the gRPC server to {address}")
+        await server.start()
+        self._grpc = server
+        for name in ("", SERVICE_NAME):
+            await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        if self.config.metrics_port:
+            self.metrics_port = node.metrics.start_http(self.config.host, self.config.metrics_port)
+        self._expiry = asyncio.create_task(self._expire_leases(), name="kvstore-lease-expiry")
+        log.info("node %s serving on %s (pool epoch %d)", node.node_id, self.address, node.epoch)
+        return self.port
+
+    async def _expire_leases(self) -> None:
+        """Sleep until the next lease deadline (at most one tick), then expire."""
+        node = self.node
+        while True:
+            deadline = node.store.next_deadline()
+            delay = self.expiry_tick
+            if deadline is not None:
+                delay = min(delay, max(0.0, deadline - node.now()))
+            await asyncio.sleep(delay)
+            try:
+                node.expire()
+            except Exception:
+                log.exception("bug: lease expiry failed")
+
+    async def stop(self, grace: float | None = None) -> None:
+        """Stop serving: NOT_SERVING, end streams, drain for ``grace`` s, close pools."""
+        grace = self.config.grace_seconds if grace is None else grace
+        await self.health.enter_graceful_shutdown()
+        self.node.events.close()
+        if self._expiry is not None:
+            self._expiry.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._expiry
+            self._expiry = None
+        if self._grpc is not None:
+            await self._grpc.stop(grace)
+            self._grpc = None
+        self.node.metrics.stop_http()
+        self.node.pools.close()
+        log.info("node %s stopped", self.node.node_id)
+
+    async def wait_for_termination(self) -> None:
+        """Wait until the gRPC server has stopped."""
+        if self._grpc is not None:
+            await self._grpc.wait_for_termination()
+
+    async def __aenter__(self) -> Server:
+        await self.start()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.stop()
+
+
+async def serve(config: Config, *, ready: asyncio.Event | None = None) -> None:
+    """Run a node until SIGTERM or SIGINT, then shut it down gracefully.
+
+    Prints ``kvstore-server listening on HOST:PORT`` once serving, and sets
+    ``ready`` if given.
+    """
+    server = Server(config)
+    await server.start()
+    stopping = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
+            loop.add_signal_handler(sig, stopping.set)
+    print(f"kvstore-server listening on {server.address}", flush=True)
+    if ready is not None:
+        ready.set()
+    try:
+        await stopping.wait()
+        log.info("shutting down (grace %.1fs)", server.config.grace_seconds)
+    finally:
+        await server.stop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
+                loop.remove_signal_handler(sig)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """The ``kvstore-server`` command: configuration from flags, env and file."""
+    try:
+        config = load_config(argv)
+    except ConfigError as exc:
+        print(f"kvstore-server: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
+    logging.basicConfig(
+        level=config.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    try:
+        asyncio.run(serve(config))
+    except KeyboardInterrupt:  # a second Ctrl-C during shutdown
+        pass
+    except OSError as exc:
+        print(f"kvstore-server: {exc}", file=sys.stderr)
+        raise SystemExit(1) from None
+
+
+if __name__ == "__main__":
+    main()

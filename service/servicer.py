@@ -1,0 +1,118 @@
+"""The KVStore servicer: leases and namespaces here, the rest in the mixins.
+
+Every method only translates: proto in, validated domain values to the
+store, domain results back to proto. Errors leave through the guards of
+`service.errors`, mapped to status codes in one table.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+from typing import Any
+
+from kvstore.hashing import HashScheme
+from kvstore.layout import NamespaceSpec
+from kvstore.types import LeaseId
+from kvstore.v1 import kvstore_pb2 as pb
+from kvstore.v1 import kvstore_pb2_grpc
+from service import convert, validate
+from service.errors import FieldError, guard_unary
+from service.servicer_admin import AdminRpcs
+from service.servicer_blocks import BlockRpcs
+from service.servicer_data import DataRpcs
+
+log = logging.getLogger(__name__)
+
+
+def new_lease_id() -> LeaseId:
+    """An unguessable nonzero 63-bit lease id."""
+    while True:
+        value = secrets.randbits(63)
+        if value:
+            return LeaseId(value)
+
+
+class KVStoreServicer(BlockRpcs, DataRpcs, AdminRpcs, kvstore_pb2_grpc.KVStoreServicer):
+    """The whole KVStore service of one node."""
+
+    # --- leases -----------------------------------------------------------------
+
+    @guard_unary("OpenLease")
+    async def OpenLease(self, request: pb.OpenLeaseRequest, context: Any) -> pb.OpenLeaseResponse:
+        """Open a lease with the asked TTL (0 = the node's default)."""
+        node = self.node
+        tenant = node.tenant(context)
+        ttl = validate.ttl(
+            request.ttl_seconds, node.config.lease_ttl_default, node.config.lease_ttl_max
+        )
+        lease = node.store.open_lease(new_lease_id(), tenant, ttl, node.now())
+        log.debug("lease %d opened for %s (%s)", lease.lease_id, tenant, request.client_name)
+        return pb.OpenLeaseResponse(
+            lease_id=lease.lease_id, ttl_seconds=ttl, pool_epoch=node.epoch, node_id=node.node_id
+        )
+
+    @guard_unary("KeepAlive")
+    async def KeepAlive(self, request: pb.KeepAliveRequest, context: Any) -> pb.KeepAliveResponse:
+        """Extend a live lease by its TTL."""
+        node = self.node
+        tenant = node.tenant(context)
+        now = node.now()
+        lease = node.store.renew_lease(validate.lease_id(request.lease_id), tenant, now)
+        return pb.KeepAliveResponse(ttl_seconds=lease.deadline - now, pool_epoch=node.epoch)
+
+    @guard_unary("CloseLease")
+    async def CloseLease(
+        self, request: pb.CloseLeaseRequest, context: Any
+    ) -> pb.CloseLeaseResponse:
+        """End a lease now: release its pins and abort its writes."""
+        node = self.node
+        tenant = node.tenant(context)
+        report = node.store.close_lease(validate.lease_id(request.lease_id), tenant, node.now())
+        node.publish_events()
+        return pb.CloseLeaseResponse(
+            pins_released=report.pins_dropped, writes_aborted=report.writes_aborted
+        )
+
+    # --- namespaces -----------------------------------------------------------
+
+    @guard_unary("RegisterNamespace")
+    async def RegisterNamespace(
+        self, request: pb.RegisterNamespaceRequest, context: Any
+    ) -> pb.RegisterNamespaceResponse:
+        """Create a namespace and its pool, or return the existing one (idempotent)."""
+        node = self.node
+        tenant = node.tenant(context)
+        if not request.model_id:
+            raise FieldError("model_id", "is required")
+        scheme = convert.scheme_from_proto(request.scheme)
+        if request.vllm_seed and scheme is not HashScheme.VLLM_SHA256_CBOR:
+            raise FieldError("vllm_seed", "is only used by the vllm-sha256-cbor scheme")
+        spec = NamespaceSpec(
+            model_id=request.model_id,
+            layout=convert.layout_from_proto(request.layout),
+            scheme=scheme,
+            vllm_seed=request.vllm_seed,
+        )
+        table, created = await node.register(spec, request.capacity_bytes)
+        return pb.RegisterNamespaceResponse(
+            namespace_id=table.namespace,
+            created=created,
+            capacity_blocks=table.capacity,
+            block_bytes=table.spec.layout.block_bytes,
+            chain_root=node.root(table, tenant),
+            shared=table.shared,
+            layout=convert.layout_to_proto(table.spec.layout),
+            scheme=convert.scheme_to_proto(table.spec.scheme),
+        )
+
+    @guard_unary("AttachPool")
+    async def AttachPool(
+        self, request: pb.AttachPoolRequest, context: Any
+    ) -> pb.AttachPoolResponse:
+        """Describe the pool of a namespace so a runner can map it."""
+        node = self.node
+        node.tenant(context)
+        namespace = self.namespace(request.namespace_id)
+        descriptor = node.pool(namespace).descriptor
+        return convert.attach_response(descriptor, node.table(namespace).spec.layout)

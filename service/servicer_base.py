@@ -1,0 +1,26 @@
+"""What every group of servicer methods shares: the node and the error guard's observer."""
+
+from __future__ import annotations
+
+from kvstore.types import NamespaceId
+from service import validate
+from service.errors import RpcObserver
+from service.node import Node
+
+
+class ServicerBase:
+    """Holds the `Node`; the RPC groups (mixins) translate on top of it."""
+
+    def __init__(self, node: Node) -> None:
+        self.node = node
+
+    @property
+    def observer(self) -> RpcObserver:
+        """Where the error guards report each call (the node's metrics)."""
+        return self.node.metrics
+
+    def namespace(self, value: str) -> NamespaceId:
+        """A well-formed namespace id that is registered here."""
+        namespace = validate.namespace_id(value)
+        self.node.table(namespace)
+        return namespace

@@ -1,0 +1,121 @@
+"""Lookup, Reserve, Commit, Abort, Release: chain operations, translated."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvstore.results import BlockRef, ReserveStatus
+from kvstore.v1 import kvstore_pb2 as pb
+from service import convert, validate
+from service.errors import FieldError, guard_unary
+from service.servicer_base import ServicerBase
+
+_RESERVE_STATUS = {
+    ReserveStatus.HIT: pb.RESERVE_STATUS_HIT,
+    ReserveStatus.IN_FLIGHT: pb.RESERVE_STATUS_IN_FLIGHT,
+    ReserveStatus.RESERVED: pb.RESERVE_STATUS_RESERVED,
+    ReserveStatus.NO_ROOM: pb.RESERVE_STATUS_NO_ROOM,
+}
+
+
+class BlockRpcs(ServicerBase):
+    """The block operations of the KVStore service."""
+
+    @guard_unary("Lookup")
+    async def Lookup(self, request: pb.LookupRequest, context: Any) -> pb.LookupResponse:
+        """Longest cached prefix of a chain, pinned under the lease when asked."""
+        node = self.node
+        tenant = node.tenant(context)
+        namespace = self.namespace(request.namespace_id)
+        lease_id = None
+        if request.pin:
+            if not request.lease_id:
+                raise FieldError("lease_id", "pin=true needs the lease to pin under")
+            lease_id = validate.lease_id(request.lease_id)
+        table = node.table(namespace)
+        chain, query_tokens, from_tokens = node.chain(
+            table, tenant, request.tokens, request.hashes, request.extras
+        )
+        result = node.store.lookup(
+            namespace, tenant, chain, node.now(), lease_id=lease_id, query_tokens=query_tokens
+        )
+        pool = node.pool(namespace)
+        hit_tokens = result.hit_blocks * table.block_size
+        node.metrics.observe_lookup(
+            namespace,
+            tenant,
+            hit_blocks=result.hit_blocks,
+            miss_blocks=len(chain) - result.hit_blocks,
+            hit_tokens=hit_tokens,
+            miss_tokens=max(0, query_tokens - hit_tokens),
+        )
+        return pb.LookupResponse(
+            hit_blocks=result.hit_blocks,
+            hit_tokens=hit_tokens,
+            blocks=[convert.location(pool, ref) for ref in result.blocks],
+            pinned=result.pinned and bool(result.blocks),
+            miss_reason=int(result.miss_reason),  # type: ignore[arg-type]
+            pool_epoch=node.epoch,
+            chain=chain if from_tokens else [],
+            query_tokens=query_tokens,
+        )
+
+    @guard_unary("Reserve")
+    async def Reserve(self, request: pb.ReserveRequest, context: Any) -> pb.ReserveResponse:
+        """Slots for the missing blocks of a chain, owned by the lease."""
+        node = self.node
+        tenant = node.tenant(context)
+        namespace = self.namespace(request.namespace_id)
+        lease_id = validate.lease_id(request.lease_id)
+        table = node.table(namespace)
+        chain, _, _ = node.chain(table, tenant, request.tokens, request.hashes, request.extras)
+        try:
+            result = node.store.reserve(namespace, tenant, lease_id, chain, node.now())
+        finally:
+            node.publish_events()  # a reservation may have evicted blocks
+        pool = node.pool(namespace)
+        entries = []
+        for entry in result.entries:
+            msg = pb.ReserveEntry(hash=entry.hash, status=_RESERVE_STATUS[entry.status])
+            if entry.slot is not None:
+                msg.location.CopyFrom(
+                    convert.location(pool, BlockRef(entry.hash, entry.slot, entry.generation))
+                )
+            entries.append(msg)
+        return pb.ReserveResponse(entries=entries, pool_epoch=node.epoch)
+
+    @guard_unary("Commit")
+    async def Commit(self, request: pb.CommitRequest, context: Any) -> pb.CommitResponse:
+        """Make written blocks READY."""
+        node = self.node
+        tenant = node.tenant(context)
+        namespace = self.namespace(request.namespace_id)
+        lease_id = validate.lease_id(request.lease_id)
+        hashes = validate.block_hashes(request.hashes, node.config.max_chain_blocks)
+        committed = node.store.commit(namespace, tenant, lease_id, hashes, node.now())
+        node.publish_events()
+        return pb.CommitResponse(committed=committed)
+
+    @guard_unary("Abort")
+    async def Abort(self, request: pb.AbortRequest, context: Any) -> pb.AbortResponse:
+        """Free reserved blocks that will not be written."""
+        node = self.node
+        tenant = node.tenant(context)
+        namespace = self.namespace(request.namespace_id)
+        lease_id = validate.lease_id(request.lease_id)
+        hashes = validate.block_hashes(request.hashes, node.config.max_chain_blocks)
+        aborted = node.store.abort(namespace, tenant, lease_id, hashes, node.now())
+        node.publish_events()
+        return pb.AbortResponse(aborted=aborted)
+
+    @guard_unary("Release")
+    async def Release(self, request: pb.ReleaseRequest, context: Any) -> pb.ReleaseResponse:
+        """Drop this lease's pins on the named blocks."""
+        node = self.node
+        tenant = node.tenant(context)
+        namespace = self.namespace(request.namespace_id)
+        lease_id = validate.lease_id(request.lease_id)
+        hashes = validate.block_hashes(request.hashes, node.config.max_chain_blocks)
+        released = node.store.release(namespace, tenant, lease_id, hashes, node.now())
+        node.publish_events()
+        return pb.ReleaseResponse(released=released)

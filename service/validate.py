@@ -1,0 +1,105 @@
+"""Checks of request fields, before anything reaches the store.
+
+Each check returns the domain value or raises `FieldError` naming the field
+and saying what was wrong, which the error guard sends as
+``INVALID_ARGUMENT`` with a ``BadRequest`` field violation.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+
+from kvstore.types import HASH_BYTES, BlockHash, LeaseId, NamespaceId
+from service.errors import FieldError
+
+_NAMESPACE_RE = re.compile(r"^[0-9a-f]{16}$")
+
+DEFAULT_PAGE_SIZE = 100
+"""Blocks per ListBlocks page when the request says 0."""
+
+MAX_PAGE_SIZE = 1000
+"""Most blocks one ListBlocks page may hold."""
+
+
+def namespace_id(value: str, field: str = "namespace_id") -> NamespaceId:
+    """A well-formed namespace id (16 lowercase hex characters, from RegisterNamespace)."""
+    if not value:
+        raise FieldError(field, "is required (RegisterNamespace returns it)")
+    if not _NAMESPACE_RE.match(value):
+        raise FieldError(field, f"{value[:40]!r} is not a namespace id (16 lowercase hex digits)")
+    return NamespaceId(value)
+
+
+def lease_id(value: int, field: str = "lease_id") -> LeaseId:
+    """A nonzero lease id (from OpenLease)."""
+    if value == 0:
+        raise FieldError(field, "is required (OpenLease returns one)")
+    return LeaseId(value)
+
+
+def block_hash(value: bytes, field: str) -> BlockHash:
+    """One 32-byte block hash."""
+    if len(value) != HASH_BYTES:
+        raise FieldError(field, f"a block hash is {HASH_BYTES} bytes, got {len(value)}")
+    return BlockHash(value)
+
+
+def block_hashes(
+    values: Sequence[bytes], max_blocks: int, field: str = "hashes", *, required: bool = True
+) -> list[BlockHash]:
+    """A bounded list of 32-byte hashes; empty only when not ``required``."""
+    if required and not values:
+        raise FieldError(field, "is empty; name at least one block")
+    if len(values) > max_blocks:
+        raise FieldError(field, f"names {len(values)} blocks, at most {max_blocks} per call")
+    return [block_hash(v, f"{field}[{i}]") for i, v in enumerate(values)]
+
+
+def chain_source(
+    tokens: Sequence[int], hashes: Sequence[bytes], extras: Sequence[bytes], max_tokens: int
+) -> str:
+    """Which of ``tokens`` / ``hashes`` a chain request uses: exactly one, bounded.
+
+    Returns:
+        ``"tokens"`` or ``"hashes"``.
+    """
+    if tokens and hashes:
+        raise FieldError("tokens", "send either tokens or hashes, not both")
+    if not tokens and not hashes:
+        raise FieldError("tokens", "send either tokens or hashes; both are empty")
+    if hashes and extras:
+        raise FieldError("extras", "extras go with tokens; hashes already include them")
+    if len(tokens) > max_tokens:
+        raise FieldError("tokens", f"{len(tokens)} tokens exceed the bound of {max_tokens}")
+    return "tokens" if tokens else "hashes"
+
+
+def page_size(value: int) -> int:
+    """ListBlocks page size: 0 means the default, at most `MAX_PAGE_SIZE`."""
+    if value > MAX_PAGE_SIZE:
+        raise FieldError("page_size", f"{value} is over the maximum of {MAX_PAGE_SIZE}")
+    return value or DEFAULT_PAGE_SIZE
+
+
+def page_offset(token: str) -> int:
+    """The offset an opaque ListBlocks page token stands for ("" = first page)."""
+    if not token:
+        return 0
+    if not token.startswith("o") or not token[1:].isdigit():
+        raise FieldError("page_token", "is not a token from a previous ListBlocks page")
+    return int(token[1:])
+
+
+def page_token(offset: int) -> str:
+    """The opaque token of the page starting at ``offset``."""
+    return f"o{offset}"
+
+
+def ttl(value: float, default: float, maximum: float) -> float:
+    """A lease TTL: 0 means ``default``; otherwise in (0, ``maximum``]."""
+    if value == 0:
+        return default
+    if not 0 < value <= maximum:
+        raise FieldError("ttl_seconds", f"must be in (0, {maximum}] seconds, got {value}")
+    return value

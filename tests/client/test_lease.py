@@ -1,0 +1,50 @@
+"""LeaseKeeper without a server: lazy open, renewal, replacement of a lost lease."""
+
+from __future__ import annotations
+
+import asyncio
+
+from kvstore.client import LeaseGrant, LeaseKeeper
+from kvstore.errors import NotFound
+from kvstore.types import LeaseId
+
+
+class FakeNode:
+    def __init__(self) -> None:
+        self.next_id = 1
+        self.live: set[int] = set()
+        self.renewals = 0
+        self.closed: list[int] = []
+
+    async def open(self) -> LeaseGrant:
+        lease = LeaseId(self.next_id)
+        self.next_id += 1
+        self.live.add(lease)
+        return LeaseGrant(lease, ttl=0.06)
+
+    async def renew(self, lease: LeaseId) -> float:
+        if lease not in self.live:
+            raise NotFound(f"no lease {lease}")
+        self.renewals += 1
+        return 0.06
+
+    async def close(self, lease: LeaseId) -> None:
+        self.live.discard(lease)
+        self.closed.append(lease)
+
+
+async def test_open_once_renew_and_replace() -> None:
+    node = FakeNode()
+    keeper = LeaseKeeper(node.open, node.renew, node.close)
+    assert keeper.lease_id is None
+    first = await asyncio.gather(keeper.current(), keeper.current())
+    assert list(first) == [(1, 0), (1, 0)]  # concurrent callers share one open
+    await asyncio.sleep(0.1)
+    assert node.renewals >= 2
+    node.live.clear()  # the node restarted
+    await asyncio.sleep(0.1)
+    assert keeper.lost == 1 and keeper.generation == 1
+    assert await keeper.current() == (2, 1)
+    await keeper.close()
+    await keeper.close()
+    assert node.closed == [2]

@@ -1,0 +1,282 @@
+"""Bad input for every RPC: the right status code, a message that says what was
+wrong, and a server that keeps serving afterwards."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+from google.rpc import error_details_pb2
+from grpc_status import rpc_status
+
+from kvstore.v1 import kvstore_pb2 as pb
+from tests.service.conftest import BLOCK_BYTES, BLOCK_SIZE, LAYOUT, tenant
+
+INVALID = grpc.StatusCode.INVALID_ARGUMENT
+NOT_FOUND = grpc.StatusCode.NOT_FOUND
+PRECONDITION = grpc.StatusCode.FAILED_PRECONDITION
+EXHAUSTED = grpc.StatusCode.RESOURCE_EXHAUSTED
+UNKNOWN_NS = "0123456789abcdef"
+H = b"\x01" * 32
+
+
+async def expect(stub, code: grpc.StatusCode, words: str, call) -> grpc.aio.AioRpcError:
+    """Await ``call``; it must fail with ``code`` and a message containing ``words``."""
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        result = await call if not hasattr(call, "__aiter__") else [m async for m in call]
+        del result
+    assert err.value.code() == code, err.value.details()
+    assert words.lower() in err.value.details().lower(), err.value.details()
+    assert (await stub.Ping(pb.PingRequest(payload=b"ok"))).payload == b"ok"
+    return err.value
+
+
+@pytest.fixture
+async def lease(stub) -> int:
+    return (await stub.OpenLease(pb.OpenLeaseRequest(ttl_seconds=10))).lease_id
+
+
+def layout(**changes) -> pb.KVLayout:
+    msg = pb.KVLayout()
+    msg.CopyFrom(LAYOUT)
+    for key, value in changes.items():
+        setattr(msg, key, value)
+    return msg
+
+
+async def test_leases(stub, lease, clock):
+    await expect(stub, INVALID, "ttl_seconds", stub.OpenLease(pb.OpenLeaseRequest(ttl_seconds=-1)))
+    await expect(stub, INVALID, "3600", stub.OpenLease(pb.OpenLeaseRequest(ttl_seconds=1e6)))
+    await expect(stub, INVALID, "lease_id", stub.KeepAlive(pb.KeepAliveRequest()))
+    await expect(stub, NOT_FOUND, "no lease", stub.KeepAlive(pb.KeepAliveRequest(lease_id=12345)))
+    await expect(stub, NOT_FOUND, "no lease", stub.CloseLease(pb.CloseLeaseRequest(lease_id=7)))
+    # Another tenant's lease looks unknown: lease ids are not shared across tenants.
+    await expect(
+        stub,
+        NOT_FOUND,
+        "no lease",
+        stub.KeepAlive(pb.KeepAliveRequest(lease_id=lease), metadata=tenant("other")),
+    )
+    clock.advance(11)
+    await expect(stub, PRECONDITION, "expired", stub.KeepAlive(pb.KeepAliveRequest(lease_id=lease)))
+    await expect(
+        stub, PRECONDITION, "expired", stub.CloseLease(pb.CloseLeaseRequest(lease_id=lease))
+    )
+
+
+async def test_register_namespace(stub):
+    def reg(**kw):
+        kw.setdefault("model_id", "m")
+        kw.setdefault("layout", LAYOUT)
+        return stub.RegisterNamespace(pb.RegisterNamespaceRequest(**kw))
+
+    await expect(stub, INVALID, "model_id", reg(model_id=""))
+    await expect(stub, INVALID, "layout", reg(layout=pb.KVLayout()))
+    await expect(stub, INVALID, "num_layers", reg(layout=layout(num_layers=0)))
+    await expect(stub, INVALID, "dtype", reg(layout=layout(dtype="float64")))
+    await expect(stub, INVALID, "kv_order", reg(layout=layout(kv_order="sideways")))
+    await expect(stub, INVALID, "scheme", reg(scheme=99))
+    await expect(stub, INVALID, "vllm_seed", reg(scheme=pb.HASH_SCHEME_VLLM_SHA256_CBOR))
+    await expect(stub, INVALID, "vllm_seed", reg(vllm_seed="0"))
+    await expect(stub, INVALID, "1 GiB", reg(layout=layout(num_layers=1 << 20, head_dim=1 << 10)))
+    # The budget is 1 MiB: a namespace asking for all of it leaves nothing for the next.
+    first = await reg(model_id="big", capacity_bytes=1 << 30)
+    assert first.capacity_blocks == (1 << 20) // BLOCK_BYTES
+    await expect(stub, EXHAUSTED, "no room", reg(model_id="next"))
+
+
+async def test_attach_pool(stub):
+    await expect(stub, INVALID, "namespace_id", stub.AttachPool(pb.AttachPoolRequest()))
+    await expect(
+        stub, INVALID, "not a namespace id", stub.AttachPool(pb.AttachPoolRequest(namespace_id="x"))
+    )
+    await expect(
+        stub,
+        NOT_FOUND,
+        "not registered",
+        stub.AttachPool(pb.AttachPoolRequest(namespace_id=UNKNOWN_NS)),
+    )
+
+
+async def test_lookup(stub, namespace, lease, clock):
+    ns = namespace.id
+
+    def look(metadata=None, **kw):
+        kw.setdefault("namespace_id", ns)
+        return stub.Lookup(pb.LookupRequest(**kw), metadata=metadata)
+
+    err = await expect(stub, INVALID, "32 bytes", look(hashes=[b"short"]))
+    status = rpc_status.from_call(err)
+    assert status is not None
+    detail = error_details_pb2.BadRequest()
+    assert status.details[0].Unpack(detail)
+    assert detail.field_violations[0].field == "hashes[0]"
+    await expect(stub, INVALID, "not both", look(tokens=[1, 2, 3, 4], hashes=[H]))
+    await expect(stub, INVALID, "both are empty", look())
+    await expect(stub, INVALID, "extras", look(hashes=[H], extras=[b"lora"]))
+    await expect(stub, INVALID, "pin=true", look(pin=True, hashes=[H]))
+    await expect(stub, INVALID, "extras", look(tokens=list(range(8)), extras=[b"one"]))
+    await expect(stub, NOT_FOUND, "not registered", look(namespace_id=UNKNOWN_NS, hashes=[H]))
+    await expect(stub, INVALID, "namespace_id", look(namespace_id="", hashes=[H]))
+    await expect(stub, NOT_FOUND, "no lease", look(pin=True, lease_id=99, hashes=[H]))
+    # Bounded: at most max_chain_blocks (256) blocks, in hashes or in tokens.
+    await expect(stub, INVALID, "at most 256", look(hashes=[H] * 257))
+    await expect(stub, INVALID, "exceed", look(tokens=[1] * (257 * BLOCK_SIZE)))
+    # Over the message size limit (1 MiB): gRPC itself refuses it.
+    await expect(stub, EXHAUSTED, "", look(tokens=[1 << 31] * 300_000))
+    await expect(stub, INVALID, "tenant", look(hashes=[H], metadata=tenant("bad tenant!")))
+    clock.advance(11)
+    await expect(stub, PRECONDITION, "expired", look(pin=True, lease_id=lease, hashes=[H]))
+
+
+async def test_reserve_commit_abort_release(stub, namespace, lease, clock):
+    ns = namespace.id
+    await expect(
+        stub, INVALID, "lease_id", stub.Reserve(pb.ReserveRequest(namespace_id=ns, hashes=[H]))
+    )
+    await expect(
+        stub,
+        NOT_FOUND,
+        "no lease",
+        stub.Reserve(
+            pb.ReserveRequest(namespace_id=ns, lease_id=lease, hashes=[H]), metadata=tenant("b")
+        ),
+    )
+    await expect(
+        stub,
+        INVALID,
+        "32 bytes",
+        stub.Reserve(pb.ReserveRequest(namespace_id=ns, lease_id=lease, hashes=[b"x" * 33])),
+    )
+    for rpc, req in (
+        (stub.Commit, pb.CommitRequest),
+        (stub.Abort, pb.AbortRequest),
+        (stub.Release, pb.ReleaseRequest),
+    ):
+        await expect(stub, INVALID, "empty", rpc(req(namespace_id=ns, lease_id=lease)))
+        await expect(
+            stub, INVALID, "32 bytes", rpc(req(namespace_id=ns, lease_id=lease, hashes=[b"1"]))
+        )
+        await expect(stub, INVALID, "lease_id", rpc(req(namespace_id=ns, hashes=[H])))
+        await expect(
+            stub,
+            NOT_FOUND,
+            "not registered",
+            rpc(req(namespace_id=UNKNOWN_NS, lease_id=lease, hashes=[H])),
+        )
+        await expect(
+            stub, INVALID, "at most", rpc(req(namespace_id=ns, lease_id=lease, hashes=[H] * 300))
+        )
+    await expect(
+        stub,
+        PRECONDITION,
+        "not being written",
+        stub.Commit(pb.CommitRequest(namespace_id=ns, lease_id=lease, hashes=[H])),
+    )
+    clock.advance(11)
+    await expect(
+        stub,
+        PRECONDITION,
+        "expired",
+        stub.Reserve(pb.ReserveRequest(namespace_id=ns, lease_id=lease, hashes=[H])),
+    )
+
+
+async def test_read_blocks(stub, namespace, lease):
+    ns = namespace.id
+    res = await stub.Reserve(pb.ReserveRequest(namespace_id=ns, lease_id=lease, hashes=[H]))
+    loc = res.entries[0].location
+    await stub.Commit(pb.CommitRequest(namespace_id=ns, lease_id=lease, hashes=[H]))
+    ref = pb.BlockRef(hash=H, slot=loc.slot, generation=loc.generation)
+
+    def read(**kw):
+        kw.setdefault("namespace_id", ns)
+        kw.setdefault("lease_id", lease)
+        return stub.ReadBlocks(pb.ReadBlocksRequest(**kw))
+
+    await expect(stub, INVALID, "empty", read())
+    await expect(stub, INVALID, "lease_id", read(lease_id=0, blocks=[ref]))
+    await expect(stub, INVALID, "32 bytes", read(blocks=[pb.BlockRef(hash=b"1")]))
+    await expect(stub, PRECONDITION, "not pinned", read(blocks=[ref]))
+    stale = pb.BlockRef(hash=H, slot=loc.slot, generation=loc.generation + 1)
+    await expect(stub, PRECONDITION, "no longer holds", read(blocks=[stale]))
+    await expect(stub, NOT_FOUND, "not registered", read(namespace_id=UNKNOWN_NS, blocks=[ref]))
+    await expect(stub, INVALID, "at most 256", read(blocks=[ref] * 300))
+
+
+async def test_write_blocks(stub, namespace, lease):
+    ns = namespace.id
+    header = pb.WriteBlocksRequest(header=pb.WriteBlocksHeader(namespace_id=ns, lease_id=lease))
+
+    def block(hash_=H, size=BLOCK_BYTES):
+        return pb.WriteBlocksRequest(block=pb.BlockData(hash=hash_, data=b"\0" * size))
+
+    await stub.Reserve(pb.ReserveRequest(namespace_id=ns, lease_id=lease, hashes=[H]))
+    await expect(stub, INVALID, "header", stub.WriteBlocks(iter([])))
+    await expect(stub, INVALID, "header", stub.WriteBlocks(iter([block()])))
+    await expect(stub, INVALID, "only the first", stub.WriteBlocks(iter([header, header])))
+    await expect(
+        stub,
+        INVALID,
+        f"{BLOCK_BYTES} bytes, got 3",
+        stub.WriteBlocks(iter([header, block(size=3)])),
+    )
+    await expect(stub, INVALID, "32 bytes", stub.WriteBlocks(iter([header, block(hash_=b"1")])))
+    await expect(
+        stub, PRECONDITION, "not reserved", stub.WriteBlocks(iter([header, block(b"\2" * 32)]))
+    )
+    foreign = pb.WriteBlocksRequest(header=pb.WriteBlocksHeader(namespace_id=ns, lease_id=lease))
+    await expect(
+        stub,
+        NOT_FOUND,
+        "no lease",
+        stub.WriteBlocks(iter([foreign, block()]), metadata=tenant("b")),
+    )
+    no_lease = pb.WriteBlocksRequest(header=pb.WriteBlocksHeader(namespace_id=ns))
+    await expect(stub, INVALID, "lease_id", stub.WriteBlocks(iter([no_lease, block()])))
+    # After all those failures the reservation still works.
+    ok = await stub.WriteBlocks(iter([header, block()]))
+    assert ok.written == 1
+
+
+async def test_inspection_and_admin(stub, namespace):
+    ns = namespace.id
+    await expect(
+        stub,
+        INVALID,
+        "1000",
+        stub.ListBlocks(pb.ListBlocksRequest(namespace_id=ns, page_size=1001)),
+    )
+    await expect(
+        stub,
+        INVALID,
+        "page_token",
+        stub.ListBlocks(pb.ListBlocksRequest(namespace_id=ns, page_token="garbage")),
+    )
+    await expect(stub, INVALID, "namespace_id", stub.ListBlocks(pb.ListBlocksRequest()))
+    await expect(stub, PRECONDITION, "redis", stub.WatchEvents(pb.WatchEventsRequest(cluster=True)))
+    await expect(
+        stub,
+        NOT_FOUND,
+        "not registered",
+        stub.WatchEvents(pb.WatchEventsRequest(namespace_id=UNKNOWN_NS)),
+    )
+    await expect(stub, INVALID, "tenant", stub.Stats(pb.StatsRequest(), metadata=tenant("")))
+    await expect(stub, INVALID, "blocks", stub.Evict(pb.EvictRequest(namespace_id=ns)))
+    await expect(
+        stub,
+        NOT_FOUND,
+        "not registered",
+        stub.Evict(pb.EvictRequest(namespace_id=UNKNOWN_NS, blocks=1)),
+    )
+    await expect(
+        stub, NOT_FOUND, "not registered", stub.Clear(pb.ClearRequest(namespace_id=UNKNOWN_NS))
+    )
+    await expect(stub, EXHAUSTED, "", stub.Ping(pb.PingRequest(payload=b"x" * (2 << 20))))
+
+
+async def test_a_bug_is_internal_not_unknown(stub, kv_server, monkeypatch):
+    def broken():
+        raise KeyError("oops")
+
+    monkeypatch.setattr(kv_server.node.store, "stats", broken)
+    await expect(stub, grpc.StatusCode.INTERNAL, "internal error", stub.Stats(pb.StatsRequest()))

@@ -1,0 +1,55 @@
+"""Lease expiry frees pins and writes; the expiry task runs on its own."""
+
+from __future__ import annotations
+
+import asyncio
+
+from kvstore.v1 import kvstore_pb2 as pb
+from tests.service.conftest import BLOCK_SIZE
+
+
+async def wait_for_stats(stub, predicate, within: float = 5.0) -> pb.StatsResponse:
+    """Poll Stats until ``predicate`` holds (the expiry task runs every few ms)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + within
+    while True:
+        stats = await stub.Stats(pb.StatsRequest())
+        if predicate(stats):
+            return stats
+        assert loop.time() < deadline, f"condition not reached: {stats}"
+        await asyncio.sleep(0.01)
+
+
+async def test_expiry_frees_pins_and_writes(stub, namespace, clock, kv_server):
+    ns = namespace.id
+    lid = (await stub.OpenLease(pb.OpenLeaseRequest(ttl_seconds=5))).lease_id
+    tokens = list(range(2 * BLOCK_SIZE))
+    res = await stub.Reserve(pb.ReserveRequest(namespace_id=ns, lease_id=lid, tokens=tokens))
+    first, second = (e.hash for e in res.entries)
+    await stub.Commit(pb.CommitRequest(namespace_id=ns, lease_id=lid, hashes=[first]))
+    await stub.Lookup(pb.LookupRequest(namespace_id=ns, lease_id=lid, pin=True, hashes=[first]))
+    stats = await stub.Stats(pb.StatsRequest())
+    assert stats.pinned == 1 and stats.writing == 1 and stats.leases == 1
+
+    clock.advance(6)
+    stats = await wait_for_stats(stub, lambda s: s.leases_expired == 1)
+    assert stats.leases == 0 and stats.pinned == 0 and stats.writing == 0
+    (ns_stats,) = stats.namespaces
+    assert ns_stats.pinned == 0 and ns_stats.writing == 0 and ns_stats.ready == 1
+    assert b"kvstore_lease_expiries_total 1.0" in kv_server.node.metrics.render()
+
+    # The write the dead lease held is free for another lease to take.
+    other = (await stub.OpenLease(pb.OpenLeaseRequest())).lease_id
+    again = await stub.Reserve(
+        pb.ReserveRequest(namespace_id=ns, lease_id=other, hashes=[first, second])
+    )
+    assert [e.status for e in again.entries] == [pb.RESERVE_STATUS_HIT, pb.RESERVE_STATUS_RESERVED]
+
+
+async def test_keepalive_keeps_a_lease(stub, clock):
+    lid = (await stub.OpenLease(pb.OpenLeaseRequest(ttl_seconds=5))).lease_id
+    for _ in range(3):
+        clock.advance(3)
+        await stub.KeepAlive(pb.KeepAliveRequest(lease_id=lid))
+    stats = await stub.Stats(pb.StatsRequest())
+    assert stats.leases == 1 and stats.leases_expired == 0
