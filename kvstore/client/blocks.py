@@ -57,6 +57,40 @@ def copy_block(source: BlockSource, target: memoryview) -> None:
     target[:] = data
 
 
+def copy_block_to_tensor(source: BlockSource, target: Any) -> None:
+    """Copy one block's bytes into a tensor of a CUDA pool slot (``target``, any dtype).
+
+    A GPU source is copied device to device; a host source is uploaded. The
+    copy is queued on torch's current stream: the caller synchronises before
+    Commit (`kvstore.pool.PoolMapping.synchronize`).
+
+    Raises:
+        InvalidArgument: the block has another size, or is not bytes-like,
+            an array or a tensor.
+    """
+    import torch
+
+    flat_target = target.reshape(-1).view(torch.uint8)
+    if isinstance(source, torch.Tensor):
+        flat = source.detach().contiguous().reshape(-1).view(torch.uint8)
+    else:
+        if isinstance(source, np.ndarray):
+            array = np.ascontiguousarray(source).reshape(-1).view(np.uint8)
+        else:
+            try:
+                array = np.frombuffer(memoryview(source).cast("B"), dtype=np.uint8)
+            except TypeError as exc:
+                raise InvalidArgument(
+                    f"a block must be bytes, a numpy array or a torch tensor, got {type(source)!r}"
+                ) from exc
+        if not array.flags.writeable:
+            array = array.copy()  # torch refuses (warns on) read-only memory
+        flat = torch.from_numpy(array)
+    if flat.numel() != flat_target.numel():
+        raise InvalidArgument(f"a block is {flat_target.numel()} bytes, got {flat.numel()}")
+    flat_target.copy_(flat)
+
+
 def block_bytes_of(source: BlockSource) -> bytes:
     """A block's bytes as one `bytes` object (for WriteBlocks)."""
     torch = sys.modules.get("torch")

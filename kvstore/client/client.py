@@ -47,7 +47,7 @@ from kvstore.client.transfer import read_hit, store_chain
 from kvstore.errors import FailedPrecondition, KVStoreError, NotFound
 from kvstore.hashing import Extra, HashScheme, Tokens
 from kvstore.layout import KVLayout, NamespaceSpec
-from kvstore.pool import attach
+from kvstore.pool import attach, current_torch_device
 from kvstore.types import BlockHash, LeaseId, NamespaceId
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc
@@ -298,7 +298,9 @@ class Client:
         if self._observe_epoch(descriptor.epoch):
             await self._register(ns.spec, 0, timeout)
         # Mapping a large pool pre-faults its pages: keep the event loop free meanwhile.
-        mapping = await asyncio.to_thread(attach, descriptor)
+        # The runner's GPU is read here: the worker thread's current device would be 0.
+        device = current_torch_device() if descriptor.kind == "cuda" else None
+        mapping = await asyncio.to_thread(attach, descriptor, device=device)
         if ns.mapping is not None:
             ns.mapping.close()
         ns.mapping = mapping

@@ -169,7 +169,10 @@ class Hit:
         return [mapping.numpy_view(b.slot, layout) for b in self.blocks]
 
     def torch_views(self) -> list[torch.Tensor]:
-        """Zero-copy CPU tensors of the hit blocks, with the layout's dtype and shape."""
+        """Zero-copy tensors of the hit blocks, with the layout's dtype and shape.
+
+        CPU tensors for a host pool; tensors on the pool's GPU for a CUDA pool.
+        """
         mapping = self._live_mapping()
         layout = self.namespace.layout
         return [mapping.torch_view(b.slot, layout) for b in self.blocks]

@@ -13,7 +13,13 @@ import asyncio
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
-from kvstore.client.blocks import BlockSupplier, block_at, block_bytes_of, copy_block
+from kvstore.client.blocks import (
+    BlockSupplier,
+    block_at,
+    block_bytes_of,
+    copy_block,
+    copy_block_to_tensor,
+)
 from kvstore.client.errors import PoolEpochChanged
 from kvstore.client.handles import Hit, Namespace, StoreResult
 from kvstore.errors import FailedPrecondition, InvalidArgument, NotFound
@@ -114,7 +120,13 @@ def _copy_in(
                 f"the node placed slot {slot} at {entry.location.arena}/{entry.location.offset}, "
                 f"the mapping says {where[0]}/{where[1]}: the pool changed; store again"
             )
-        copy_block(block_at(blocks, index), mapping.buffer(slot))
+        if mapping.descriptor.kind == "cuda":
+            copy_block_to_tensor(block_at(blocks, index), mapping.torch_view(slot, ns.layout))
+        else:
+            copy_block(block_at(blocks, index), mapping.buffer(slot))
+    # CUDA pools: the copies must be complete before Commit makes the blocks
+    # visible to other processes (docs/cuda.md); host pools return at once.
+    mapping.synchronize()
 
 
 async def _stream_in(

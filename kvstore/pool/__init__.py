@@ -1,7 +1,7 @@
 """Memory pools: the only code in kvstore that touches shared or device memory.
 
 The server creates a `BlockPool` per namespace (`HostPool` on shared-memory
-files; a CUDA pool later) and sends its `PoolDescriptor` to runners, which
+files, `CudaPool` in GPU memory) and sends its `PoolDescriptor` to runners, which
 `attach` it once and get zero-copy views of slots.
 """
 
@@ -15,6 +15,22 @@ from kvstore.pool.base import (
     PoolUnavailable,
     attach,
 )
+from kvstore.pool.cuda import (
+    CudaDevice,
+    CudaMapping,
+    CudaPool,
+    current_torch_device,
+    find_device,
+    open_handles,
+    parse_device,
+)
+from kvstore.pool.cuda_runtime import (
+    CudaCallFailed,
+    CudaRuntime,
+    CupyRuntime,
+    default_runtime,
+    set_default_runtime,
+)
 from kvstore.pool.host import HostMapping, HostPool, arena_file_name, cleanup_stale
 from kvstore.pool.views import NUMPY_DTYPES, numpy_block_view, torch_block_view, torch_dtype
 
@@ -22,6 +38,12 @@ __all__ = [
     "NUMPY_DTYPES",
     "ArenaSpec",
     "BlockPool",
+    "CudaCallFailed",
+    "CudaDevice",
+    "CudaMapping",
+    "CudaPool",
+    "CudaRuntime",
+    "CupyRuntime",
     "HostMapping",
     "HostPool",
     "PoolDescriptor",
@@ -30,6 +52,12 @@ __all__ = [
     "arena_file_name",
     "attach",
     "cleanup_stale",
+    "current_torch_device",
+    "default_runtime",
+    "find_device",
+    "open_handles",
+    "parse_device",
+    "set_default_runtime",
     "numpy_block_view",
     "torch_block_view",
     "torch_dtype",

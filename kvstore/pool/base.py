@@ -208,9 +208,21 @@ class PoolMapping(ABC):
         return numpy_block_view(self.buffer(slot), layout)
 
     def torch_view(self, slot: SlotId, layout: KVLayout) -> torch.Tensor:
-        """Zero-copy CPU tensor of one slot with the layout's exact dtype and shape."""
+        """Zero-copy tensor of one slot with the layout's exact dtype and shape.
+
+        On the CPU for host pools, on the pool's GPU for CUDA pools.
+        """
         self._check_layout(layout)
         return torch_block_view(self.buffer(slot), layout)
+
+    def synchronize(self) -> None:
+        """Wait until writes into the slots issued by this thread are complete.
+
+        Host pools: nothing to wait for (copies into shared memory are done
+        when they return). CUDA pools wait for the copy streams; the client
+        calls this before ``Commit``.
+        """
+        return None  # host memory: a copy is complete when it returns
 
     def _check_layout(self, layout: KVLayout) -> None:
         if layout.block_bytes != self.descriptor.block_bytes:
@@ -235,20 +247,27 @@ class PoolMapping(ABC):
         self.close()
 
 
-def attach(descriptor: PoolDescriptor) -> PoolMapping:
+def attach(descriptor: PoolDescriptor, *, device: str | int | None = None) -> PoolMapping:
     """Map a pool described by the server into this process.
+
+    Args:
+        descriptor: what ``AttachPool`` returned.
+        device: CUDA pools only: the runner's GPU (ordinal of this process,
+            ``"cuda:N"`` or UUID) for the peer-access check; None means the
+            pool's own GPU.
 
     Raises:
         PoolUnavailable: the pool's memory is gone or resized (the server
-            restarted: ask for a new descriptor), or its kind is not
-            supported in this process (CUDA pools for now).
+            restarted: ask for a new descriptor), or this process cannot
+            map its kind (a CUDA pool without cupy or without the pool's GPU).
     """
+    # Imported here: both modules subclass the classes of this one.
     if descriptor.kind == "host":
-        # Imported here: `host` subclasses the classes of this module.
         from kvstore.pool.host import HostMapping
 
         return HostMapping.open(descriptor)
-    raise PoolUnavailable(
-        "CUDA pools need the cuda extra and a GPU (pip install 'kvstore[cuda]'); "
-        f"this build attaches host pools only, got kind {descriptor.kind!r}"
-    )
+    if descriptor.kind == "cuda":
+        from kvstore.pool.cuda import CudaMapping
+
+        return CudaMapping.open(descriptor, device=device)
+    raise PoolUnavailable(f"this build cannot attach pools of kind {descriptor.kind!r}")

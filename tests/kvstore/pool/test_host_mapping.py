@@ -145,8 +145,11 @@ def test_attach_refuses_symlink(pool: HostPool, pool_dir: Path) -> None:
         attach(descriptor)
 
 
-def test_cuda_pool_not_supported_yet(pool: HostPool) -> None:
+def test_cuda_pool_without_cupy_says_what_to_install(
+    pool: HostPool, monkeypatch: pytest.MonkeyPatch
+) -> None:
     d = pool.descriptor
     cuda = PoolDescriptor("cuda", d.epoch, NS, d.block_bytes, d.capacity, 4, d.arenas, "GPU-0")
-    with pytest.raises(PoolUnavailable, match="CUDA pools need the cuda extra and a GPU"):
+    monkeypatch.setitem(sys.modules, "cupy", None)  # as if the cuda extra were not installed
+    with pytest.raises(PoolUnavailable, match=r"pip install 'kvstore\[cuda\]'"):
         attach(cuda)

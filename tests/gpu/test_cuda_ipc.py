@@ -1,0 +1,143 @@
+"""CUDA pools on a real GPU: a server process and runner processes sharing blocks by IPC.
+
+Skipped without cupy or a GPU (see conftest). Each test starts ``python -m
+service --device cuda:0`` and runners from ``tests/gpu/_runner.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from kvstore.errors import FailedPrecondition
+from kvstore.pool import ArenaSpec, PoolDescriptor, PoolUnavailable, attach
+from kvstore.types import NamespaceId
+
+pytestmark = pytest.mark.cuda
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+class Node:
+    def __init__(self, tmp: Path) -> None:
+        self.proc = subprocess.Popen(
+            [
+                sys.executable, "-m", "service", "--device", "cuda:0", "--port", "0",
+                "--metrics-port", "0", "--capacity", "1GiB", "--shm-dir", str(tmp),
+                "--lease-ttl-default", "2",
+            ],
+            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        if not line.startswith("kvstore-server listening on"):
+            self.proc.kill()
+            raise AssertionError(f"server did not start: {line!r} {self.proc.stderr.read()}")
+        self.address = line.split()[-1]
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+@pytest.fixture
+def node(tmp_path: Path) -> Iterator[Node]:
+    n = Node(tmp_path)
+    try:
+        yield n
+    finally:
+        n.stop()
+
+
+def run_runner(mode: str, address: str, seed: int = 1, timeout: float = 120) -> dict:
+    proc = subprocess.run(
+        [sys.executable, "-m", "tests.gpu._runner", mode, address, str(seed)],
+        cwd=ROOT, capture_output=True, text=True, timeout=timeout, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_one_process_stores_another_reads_byte_exact(node: Node) -> None:
+    stored = run_runner("store", node.address, seed=11)
+    assert stored["committed"] == 8
+    read = run_runner("read", node.address, seed=11)
+    assert read == {"hit_blocks": 8, "exact": True, "device": "cuda:0"}
+
+
+def test_killed_runner_does_not_corrupt_the_pool(node: Node) -> None:
+    assert run_runner("store", node.address, seed=21)["committed"] == 8
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tests.gpu._runner", "hang", node.address, "21"],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        assert json.loads(line) == {"pinned": 8, "writing": True}, proc.stderr.read()
+    finally:
+        proc.kill()  # SIGKILL with the pool mapped, 8 pins and reserved, half-written slots
+        proc.wait()
+    assert node.proc.poll() is None, "the node died with its runner"
+    assert run_runner("read", node.address, seed=21)["exact"] is True
+    time.sleep(3)  # the dead runner's lease (TTL 2 s) expires: its reservations are aborted
+    assert run_runner("store", node.address, seed=22)["committed"] == 8
+    assert run_runner("read", node.address, seed=22)["exact"] is True
+
+
+def test_restarted_server_invalidates_old_handles(tmp_path: Path) -> None:
+    first = Node(tmp_path)
+    try:
+        old = run_runner("descriptor", first.address)
+    finally:
+        first.stop()
+    second = Node(tmp_path)
+    try:
+        new = run_runner("descriptor", second.address)
+        assert new["epoch"] != old["epoch"]
+        assert new["device"] == old["device"]
+        descriptor = PoolDescriptor(
+            kind="cuda",
+            epoch=old["epoch"],
+            namespace=NamespaceId("0" * 16),
+            block_bytes=1,
+            capacity=len(old["handles"]),
+            slots_per_arena=1,
+            arenas=tuple(
+                ArenaSpec(index=i, size_bytes=1, cuda_ipc_handle=bytes.fromhex(h))
+                for i, h in enumerate(old["handles"])
+            ),
+            device=old["device"],
+        )
+        # The memory behind the old handles was freed with the old process.
+        with pytest.raises(PoolUnavailable, match="attach the pool again"):
+            attach(descriptor)
+        # ... while fresh runners attach the new pool and work.
+        assert run_runner("store", second.address, seed=31)["committed"] == 8
+        assert run_runner("read", second.address, seed=31)["exact"] is True
+    finally:
+        second.stop()
+
+
+def test_pool_gpu_not_visible_is_a_clear_error(node: Node) -> None:
+    d = run_runner("descriptor", node.address)
+    descriptor = PoolDescriptor(
+        kind="cuda", epoch=d["epoch"], namespace=NamespaceId("0" * 16), block_bytes=1,
+        capacity=1, slots_per_arena=1,
+        arenas=(ArenaSpec(index=0, size_bytes=1, cuda_ipc_handle=bytes.fromhex(d["handles"][0])),),
+        device="GPU-00000000-0000-0000-0000-000000000000",
+    )  # fmt: skip
+    with pytest.raises(FailedPrecondition, match="not visible"):
+        attach(descriptor)

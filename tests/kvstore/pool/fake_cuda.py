@@ -1,0 +1,132 @@
+"""A fake `CudaRuntime` over host memory, for testing the CUDA pool without a GPU.
+
+"Device memory" is numpy arrays; IPC handles are 64-byte tokens in a
+registry. The fake keeps the driver's rules that the pool depends on:
+
+* a handle opens only while its allocation is alive (a freed arena, i.e. a
+  restarted node, fails to open, as ``cudaErrorInvalidResourceHandle``);
+* a handle already open in the process may not be opened again (the
+  older drivers' rule; the pool must cache its opens);
+* closing a pointer that is not open is an error.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import itertools
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from kvstore.pool.cuda_runtime import ERROR_MEMORY_ALLOCATION, CudaCallFailed
+
+INVALID_HANDLE = 400
+INVALID_VALUE = 1
+
+
+@dataclass
+class FakeCudaRuntime:
+    uuids: list[str] = field(default_factory=lambda: ["GPU-00000000-0000-0000-0000-000000000000"])
+    peer: set[tuple[int, int]] = field(default_factory=set)
+    """(device, peer) pairs that may access each other."""
+    total_bytes: int = 1 << 20
+    current: int = 0
+    allocations: dict[int, tuple[np.ndarray, int]] = field(default_factory=dict)
+    handles: dict[bytes, int] = field(default_factory=dict)
+    opened: dict[int, bytes] = field(default_factory=dict)
+    calls: list[str] = field(default_factory=list)
+    peers_enabled: set[tuple[int, int]] = field(default_factory=set)
+    graveyard: list[np.ndarray] = field(default_factory=list)
+    _serial: itertools.count = field(default_factory=lambda: itertools.count(1))
+
+    # --- devices
+    def device_count(self) -> int:
+        return len(self.uuids)
+
+    def device_uuid(self, device: int) -> str:
+        self._check_device(device)
+        return self.uuids[device]
+
+    def get_device(self) -> int:
+        return self.current
+
+    def set_device(self, device: int) -> None:
+        self._check_device(device)
+        self.current = device
+
+    def mem_get_info(self) -> tuple[int, int]:
+        used = sum(a.nbytes for a, d in self.allocations.values() if d == self.current)
+        return self.total_bytes - used, self.total_bytes
+
+    # --- memory
+    def malloc(self, nbytes: int) -> int:
+        self.calls.append("malloc")
+        if nbytes > self.mem_get_info()[0]:
+            raise CudaCallFailed("malloc", ERROR_MEMORY_ALLOCATION, "out of memory")
+        array = np.full(nbytes, 0xAB, dtype=np.uint8)  # not zeroed, like cudaMalloc
+        ptr = array.ctypes.data
+        self.allocations[ptr] = (array, self.current)
+        return ptr
+
+    def free(self, ptr: int) -> None:
+        self.calls.append("free")
+        array, _ = self.allocations.pop(ptr)
+        self.graveyard.append(array)  # keep the bytes: a stray view must not crash the test
+        for handle, base in list(self.handles.items()):
+            if base == ptr:
+                del self.handles[handle]
+
+    def memset(self, ptr: int, value: int, nbytes: int) -> None:
+        ctypes.memset(ptr, value, nbytes)
+
+    def memcpy(self, dst: int, src: int, nbytes: int) -> None:
+        self.calls.append("memcpy")
+        ctypes.memmove(dst, src, nbytes)
+
+    def synchronize(self) -> None:
+        self.calls.append(f"synchronize:{self.current}")
+
+    # --- IPC
+    def ipc_get_handle(self, ptr: int) -> bytes:
+        self.calls.append("ipc_get_handle")
+        if ptr not in self.allocations:
+            raise CudaCallFailed("ipcGetMemHandle", INVALID_VALUE, "not an allocation base")
+        handle = f"fake-ipc-{next(self._serial)}".encode().ljust(64, b"\0")
+        self.handles[handle] = ptr
+        return handle
+
+    def ipc_open(self, handle: bytes) -> int:
+        self.calls.append("ipc_open")
+        ptr = self.handles.get(handle)
+        if ptr is None:
+            raise CudaCallFailed("ipcOpenMemHandle", INVALID_HANDLE, "invalid resource handle")
+        if ptr in self.opened:
+            raise CudaCallFailed("ipcOpenMemHandle", INVALID_VALUE, "handle already open")
+        self.opened[ptr] = handle
+        return ptr
+
+    def ipc_close(self, ptr: int) -> None:
+        self.calls.append("ipc_close")
+        if ptr not in self.opened:
+            raise CudaCallFailed("ipcCloseMemHandle", INVALID_VALUE, "not open")
+        del self.opened[ptr]
+
+    def can_access_peer(self, device: int, peer: int) -> bool:
+        return (device, peer) in self.peer
+
+    def enable_peer(self, peer: int) -> None:
+        self.peers_enabled.add((self.current, peer))
+
+    def as_tensor(self, ptr: int, nbytes: int, device: int, owner: object) -> torch.Tensor:
+        buffer = (ctypes.c_uint8 * nbytes).from_address(ptr)
+        buffer._owner = owner  # type: ignore[attr-defined]  # the tensor keeps it alive
+        return torch.frombuffer(buffer, dtype=torch.uint8)
+
+    # --- helpers for tests
+    def open_count(self) -> int:
+        return len(self.opened)
+
+    def _check_device(self, device: int) -> None:
+        if not 0 <= device < len(self.uuids):
+            raise CudaCallFailed("setDevice", 101, "invalid device ordinal")
