@@ -986,6 +986,44 @@ class WriteBlocksResponse(_message.Message):
 Global___WriteBlocksResponse: _TypeAlias = WriteBlocksResponse  # noqa: Y015
 
 @_typing.final
+class FetchBlocksRequest(_message.Message):
+    """A peer node's read without a lease: the chain is looked up in the tenant's
+    scope, then each block from `skip` on is checked READY and copied in one
+    step, in chain order; the stream ends at the first block that is gone.
+    `tenant` is trusted: only nodes holding the cluster token may call.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAMESPACE_ID_FIELD_NUMBER: _builtins.int
+    TENANT_FIELD_NUMBER: _builtins.int
+    HASHES_FIELD_NUMBER: _builtins.int
+    SKIP_FIELD_NUMBER: _builtins.int
+    namespace_id: _builtins.str
+    tenant: _builtins.str
+    skip: _builtins.int
+    """leading blocks the caller has: not sent"""
+    @_builtins.property
+    def hashes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bytes]:
+        """the chain from its first block"""
+
+    def __init__(
+        self,
+        *,
+        namespace_id: _builtins.str = ...,
+        tenant: _builtins.str = ...,
+        hashes: _abc.Iterable[_builtins.bytes] | None = ...,
+        skip: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["hashes", b"hashes", "namespace_id", b"namespace_id", "skip", b"skip", "tenant", b"tenant"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___FetchBlocksRequest: _TypeAlias = FetchBlocksRequest  # noqa: Y015
+
+@_typing.final
 class StatsRequest(_message.Message):
     """---- inspection ------------------------------------------------------------------"""
 

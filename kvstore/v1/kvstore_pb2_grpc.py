@@ -94,6 +94,11 @@ class KVStoreStub:
                 request_serializer=kvstore_dot_v1_dot_kvstore__pb2.WriteBlocksRequest.SerializeToString,
                 response_deserializer=kvstore_dot_v1_dot_kvstore__pb2.WriteBlocksResponse.FromString,
                 _registered_method=True)
+        self.FetchBlocks = channel.unary_stream(
+                '/kvstore.v1.KVStore/FetchBlocks',
+                request_serializer=kvstore_dot_v1_dot_kvstore__pb2.FetchBlocksRequest.SerializeToString,
+                response_deserializer=kvstore_dot_v1_dot_kvstore__pb2.BlockData.FromString,
+                _registered_method=True)
         self.Stats = channel.unary_unary(
                 '/kvstore.v1.KVStore/Stats',
                 request_serializer=kvstore_dot_v1_dot_kvstore__pb2.StatsRequest.SerializeToString,
@@ -205,6 +210,14 @@ class KVStoreServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def FetchBlocks(self, request, context):
+        """Node to node: a peer copies READY blocks it found in the Redis directory.
+        Only cache nodes call it (x-kvstore-peer-token when cluster_token is set).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Stats(self, request, context):
         """Inspection.
         """
@@ -306,6 +319,11 @@ def add_KVStoreServicer_to_server(servicer, server):
                     servicer.WriteBlocks,
                     request_deserializer=kvstore_dot_v1_dot_kvstore__pb2.WriteBlocksRequest.FromString,
                     response_serializer=kvstore_dot_v1_dot_kvstore__pb2.WriteBlocksResponse.SerializeToString,
+            ),
+            'FetchBlocks': grpc.unary_stream_rpc_method_handler(
+                    servicer.FetchBlocks,
+                    request_deserializer=kvstore_dot_v1_dot_kvstore__pb2.FetchBlocksRequest.FromString,
+                    response_serializer=kvstore_dot_v1_dot_kvstore__pb2.BlockData.SerializeToString,
             ),
             'Stats': grpc.unary_unary_rpc_method_handler(
                     servicer.Stats,
@@ -662,6 +680,33 @@ class KVStore:
             '/kvstore.v1.KVStore/WriteBlocks',
             kvstore_dot_v1_dot_kvstore__pb2.WriteBlocksRequest.SerializeToString,
             kvstore_dot_v1_dot_kvstore__pb2.WriteBlocksResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def FetchBlocks(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/kvstore.v1.KVStore/FetchBlocks',
+            kvstore_dot_v1_dot_kvstore__pb2.FetchBlocksRequest.SerializeToString,
+            kvstore_dot_v1_dot_kvstore__pb2.BlockData.FromString,
             options,
             channel_credentials,
             insecure,

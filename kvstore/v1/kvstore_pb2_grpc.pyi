@@ -55,6 +55,10 @@ class KVStoreStub:
     ReadBlocks: _grpc.UnaryStreamMultiCallable[_kvstore_pb2.ReadBlocksRequest, _kvstore_pb2.BlockData]
     """Bytes over gRPC, for runners that cannot map the pool."""
     WriteBlocks: _grpc.StreamUnaryMultiCallable[_kvstore_pb2.WriteBlocksRequest, _kvstore_pb2.WriteBlocksResponse]
+    FetchBlocks: _grpc.UnaryStreamMultiCallable[_kvstore_pb2.FetchBlocksRequest, _kvstore_pb2.BlockData]
+    """Node to node: a peer copies READY blocks it found in the Redis directory.
+    Only cache nodes call it (x-kvstore-peer-token when cluster_token is set).
+    """
     Stats: _grpc.UnaryUnaryMultiCallable[_kvstore_pb2.StatsRequest, _kvstore_pb2.StatsResponse]
     """Inspection."""
     ListBlocks: _grpc.UnaryUnaryMultiCallable[_kvstore_pb2.ListBlocksRequest, _kvstore_pb2.ListBlocksResponse]
@@ -84,6 +88,10 @@ class KVStoreAsyncStub(KVStoreStub):
     ReadBlocks: _aio.UnaryStreamMultiCallable[_kvstore_pb2.ReadBlocksRequest, _kvstore_pb2.BlockData]  # type: ignore[assignment]
     """Bytes over gRPC, for runners that cannot map the pool."""
     WriteBlocks: _aio.StreamUnaryMultiCallable[_kvstore_pb2.WriteBlocksRequest, _kvstore_pb2.WriteBlocksResponse]  # type: ignore[assignment]
+    FetchBlocks: _aio.UnaryStreamMultiCallable[_kvstore_pb2.FetchBlocksRequest, _kvstore_pb2.BlockData]  # type: ignore[assignment]
+    """Node to node: a peer copies READY blocks it found in the Redis directory.
+    Only cache nodes call it (x-kvstore-peer-token when cluster_token is set).
+    """
     Stats: _aio.UnaryUnaryMultiCallable[_kvstore_pb2.StatsRequest, _kvstore_pb2.StatsResponse]  # type: ignore[assignment]
     """Inspection."""
     ListBlocks: _aio.UnaryUnaryMultiCallable[_kvstore_pb2.ListBlocksRequest, _kvstore_pb2.ListBlocksResponse]  # type: ignore[assignment]
@@ -182,6 +190,16 @@ class KVStoreServicer(metaclass=_abc_1.ABCMeta):
         request_iterator: _MaybeAsyncIterator[_kvstore_pb2.WriteBlocksRequest],
         context: _ServicerContext,
     ) -> _typing.Union[_kvstore_pb2.WriteBlocksResponse, _abc.Awaitable[_kvstore_pb2.WriteBlocksResponse]]: ...
+
+    @_abc_1.abstractmethod
+    def FetchBlocks(
+        self,
+        request: _kvstore_pb2.FetchBlocksRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_kvstore_pb2.BlockData], _abc.AsyncIterator[_kvstore_pb2.BlockData]]:
+        """Node to node: a peer copies READY blocks it found in the Redis directory.
+        Only cache nodes call it (x-kvstore-peer-token when cluster_token is set).
+        """
 
     @_abc_1.abstractmethod
     def Stats(

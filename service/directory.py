@@ -1,0 +1,245 @@
+"""The block directory: which live nodes hold which blocks, on Redis.
+
+Writes are batched: the node's committed and evicted blocks go into a
+bounded `DirectoryQueue` (synchronous, from `Node.publish_events`); the
+agent drains it every `directory_flush_seconds` into one pipeline of
+``SADD`` / ``SREM`` / ``PEXPIRE`` per (namespace, node) set.
+
+Reads are one round trip: `Directory.locate` runs `LOCATE`, which reads
+Redis ``TIME``, takes the namespace's live nodes (heartbeat deadline in the
+future), and counts for each how long a prefix of the chain its set holds.
+A dead node's entries therefore never win, even in the seconds before its
+sets expire (they carry the node TTL and are refreshed by its heartbeat).
+Every key a script touches is in the namespace's hash slot (see
+`service.redis_keys`), so it runs unchanged on Redis Cluster.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any
+
+from kvstore.types import BlockHash, NamespaceId, TenantId
+from service.redis_keys import Keys, member
+from service.redis_link import LuaScript
+
+LOCATE = LuaScript("""
+-- KEYS[1] ns alive zset, KEYS[2] ns addr hash
+-- ARGV[1] node-set key prefix, ARGV[2] node id to skip, ARGV[3..] chain members
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local live = redis.call('ZRANGEBYSCORE', KEYS[1], now, '+inf')
+local total = #ARGV - 2
+local out = {}
+for _, id in ipairs(live) do
+  if id ~= ARGV[2] then
+    local key = ARGV[1] .. id
+    local held = 0
+    local first = 3
+    while first <= #ARGV do
+      local last = math.min(first + 999, #ARGV)
+      local flags = redis.call('SMISMEMBER', key, unpack(ARGV, first, last))
+      local run = 0
+      for i = 1, #flags do
+        if flags[i] == 1 then run = run + 1 else break end
+      end
+      held = held + run
+      if run < #flags then break end
+      first = last + 1
+    end
+    if held > 0 then
+      local addr = redis.call('HGET', KEYS[2], id) or ''
+      out[#out + 1] = id
+      out[#out + 1] = addr
+      out[#out + 1] = held
+    end
+  end
+end
+return {total, out}
+""")
+
+NS_HEARTBEAT = LuaScript("""
+-- KEYS[1] ns alive zset, KEYS[2] ns addr hash, KEYS[3] this node's set
+-- ARGV[1] node id, ARGV[2] address, ARGV[3] ttl ms
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local ttl = tonumber(ARGV[3])
+redis.call('ZADD', KEYS[1], now + ttl, ARGV[1])
+redis.call('HSET', KEYS[2], ARGV[1], ARGV[2])
+redis.call('PEXPIRE', KEYS[3], ttl)
+local dead = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', '(' .. now)
+for _, id in ipairs(dead) do
+  redis.call('ZREM', KEYS[1], id)
+  redis.call('HDEL', KEYS[2], id)
+end
+return #dead
+""")
+
+
+@dataclass(frozen=True, slots=True)
+class Holder:
+    """A live node that holds a prefix of a chain."""
+
+    node_id: str
+    """The node's id."""
+    address: str
+    """Its gRPC address (where FetchBlocks goes)."""
+    blocks: int
+    """Length of the chain prefix it holds."""
+
+
+class Change(Enum):
+    """What one queued directory change does."""
+
+    ADD = "add"
+    REMOVE = "remove"
+
+
+@dataclass(frozen=True, slots=True)
+class QueuedChange:
+    """Blocks added to or removed from this node's set of one namespace."""
+
+    change: Change
+    namespace: NamespaceId
+    members: tuple[bytes, ...]
+
+
+class DirectoryQueue:
+    """Bounded buffer of directory changes awaiting a flush (bookkeeping only, no I/O).
+
+    Bounded in blocks, not changes: one STORED event may carry a thousand
+    blocks. Past the bound everything queued is dropped and `needs_resync`
+    is set: a full resync rewrites the node's whole entry from the store,
+    which is what the dropped changes would have converged to.
+    """
+
+    def __init__(self, limit_blocks: int) -> None:
+        self.limit = limit_blocks
+        self._changes: deque[QueuedChange] = deque()
+        self.blocks = 0
+        """Blocks in the queue."""
+        self.needs_resync = True
+        """Set at start and after any loss; the agent resyncs before flushing."""
+        self.dropped = 0
+        """Blocks dropped on overflow, ever."""
+
+    def __len__(self) -> int:
+        return len(self._changes)
+
+    def put(
+        self, change: Change, namespace: NamespaceId, scope: TenantId, hashes: Iterable[BlockHash]
+    ) -> None:
+        """Queue one change; on overflow drop everything and ask for a resync."""
+        if self.needs_resync:
+            return  # the resync snapshot will include it
+        members = tuple(member(h, scope) for h in hashes)
+        if not members:
+            return
+        if self.blocks + len(members) > self.limit:
+            self.dropped += self.blocks + len(members)
+            self.clear()
+            self.needs_resync = True
+            return
+        self._changes.append(QueuedChange(change, namespace, members))
+        self.blocks += len(members)
+
+    def take(self, max_blocks: int) -> list[QueuedChange]:
+        """Up to about ``max_blocks`` blocks of changes, oldest first (at least one change)."""
+        taken: list[QueuedChange] = []
+        count = 0
+        while self._changes and (not taken or count + len(self._changes[0].members) <= max_blocks):
+            item = self._changes.popleft()
+            taken.append(item)
+            count += len(item.members)
+        self.blocks -= count
+        return taken
+
+    def clear(self) -> None:
+        """Forget every queued change (a resync snapshot replaces them)."""
+        self._changes.clear()
+        self.blocks = 0
+
+
+class Directory:
+    """Reads and writes of this node's directory entries."""
+
+    def __init__(self, keys: Keys, node_id: str, ttl_ms: int) -> None:
+        self.keys = keys
+        self.node_id = node_id
+        self.ttl_ms = ttl_ms
+
+    def write_changes(self, pipe: Any, changes: Sequence[QueuedChange]) -> None:
+        """Queue the commands of ``changes`` on a pipeline (order kept per set)."""
+        touched: set[NamespaceId] = set()
+        for item in changes:
+            key = self.keys.ns_node(item.namespace, self.node_id)
+            if item.change is Change.ADD:
+                pipe.sadd(key, *item.members)
+                touched.add(item.namespace)
+            else:
+                pipe.srem(key, *item.members)
+        for namespace in touched:
+            # A set created between heartbeats still expires if we die now.
+            pipe.pexpire(self.keys.ns_node(namespace, self.node_id), self.ttl_ms)
+
+    def wipe(self, pipe: Any, namespaces: Iterable[str]) -> None:
+        """Queue the removal of this node's entries in ``namespaces``."""
+        for namespace in namespaces:
+            pipe.delete(self.keys.ns_node(namespace, self.node_id))
+            pipe.zrem(self.keys.ns_alive(namespace), self.node_id)
+            pipe.hdel(self.keys.ns_addr(namespace), self.node_id)
+
+    def write_snapshot(
+        self, pipe: Any, snapshot: dict[NamespaceId, list[bytes]], chunk: int = 1000
+    ) -> None:
+        """Queue this node's full entry (after `wipe`): every READY block it holds."""
+        for namespace, members in snapshot.items():
+            key = self.keys.ns_node(namespace, self.node_id)
+            for start in range(0, len(members), chunk):
+                pipe.sadd(key, *members[start : start + chunk])
+            pipe.pexpire(key, self.ttl_ms)
+            pipe.sadd(self.keys.namespaces, namespace)
+
+    async def heartbeat(self, client: Any, namespaces: Iterable[NamespaceId], address: str) -> None:
+        """Refresh this node's liveness in every namespace it serves (one script each)."""
+        for namespace in namespaces:
+            keys = (
+                self.keys.ns_alive(namespace),
+                self.keys.ns_addr(namespace),
+                self.keys.ns_node(namespace, self.node_id),
+            )
+            await NS_HEARTBEAT(client, keys, (self.node_id, address, self.ttl_ms))
+
+    async def locate(
+        self,
+        client: Any,
+        namespace: NamespaceId,
+        scope: TenantId,
+        chain: Sequence[BlockHash],
+        *,
+        skip_self: bool = True,
+    ) -> list[Holder]:
+        """Live nodes holding a prefix of ``chain`` (longest first), in one round trip."""
+        if not chain:
+            return []
+        keys = (self.keys.ns_alive(namespace), self.keys.ns_addr(namespace))
+        args: list[str | bytes] = [
+            self.keys.ns_node_prefix(namespace),
+            self.node_id if skip_self else "",
+        ]
+        args.extend(member(h, scope) for h in chain)
+        reply = await LOCATE(client, keys, args)
+        flat = reply[1]
+        holders = [
+            Holder(_text(flat[i]), _text(flat[i + 1]), int(flat[i + 2]))
+            for i in range(0, len(flat), 3)
+        ]
+        holders.sort(key=lambda h: (-h.blocks, h.node_id))
+        return holders
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value

@@ -1,0 +1,175 @@
+"""Peer fetch: copy blocks a local lookup missed from a live peer that holds them.
+
+A ``Lookup`` with ``allow_remote`` that stops short of its chain asks the
+directory which live peer holds the longest prefix (`RedisAgent.locate`,
+one round trip). If a peer holds more than we do, we open an internal lease,
+``reserve`` the chain up to what the peer holds (our hits stay hits, the
+missing blocks become WRITING under the internal lease), stream the missing
+blocks from the peer (``FetchBlocks``), write each into its slot, commit
+what arrived, and close the lease (which aborts whatever did not arrive).
+The caller's lookup is then redone against the local store.
+
+- Bounded: at most `peer_fetch_concurrency` fetches run; a lookup that finds
+  them all busy is answered from the local cache at once (never queued).
+- A peer that vanishes mid-fetch, a Redis outage, a timeout, a size
+  mismatch: the blocks that arrived are kept, the rest is a miss, never an
+  error of the caller's lookup.
+- Tenants: the directory is asked with the caller's scope, and the peer
+  reads in the tenant's scope, so a fetch only ever copies the caller's
+  own tenant's blocks (or a shared namespace's).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import secrets
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import grpc
+
+from kvstore.errors import KVStoreError
+from kvstore.results import ReserveStatus
+from kvstore.types import BlockHash, LeaseId, NamespaceId, TenantId
+from kvstore.v1 import kvstore_pb2 as pb
+from kvstore.v1 import kvstore_pb2_grpc
+from service.directory import Holder
+
+if TYPE_CHECKING:
+    from service.node import Node
+    from service.redis_agent import RedisAgent
+
+log = logging.getLogger(__name__)
+
+PEER_TOKEN_HEADER = "x-kvstore-peer-token"
+"""Metadata key of the cluster token a node presents to a peer's FetchBlocks."""
+
+MAX_HOLDERS_TRIED = 2
+"""Peers tried, longest prefix first, before a lookup settles for a miss."""
+
+
+class PeerFetcher:
+    """Copies missing blocks from peers into this node's pools."""
+
+    def __init__(self, node: Node, agent: RedisAgent) -> None:
+        self.node = node
+        self.agent = agent
+        self._slots = asyncio.Semaphore(node.config.peer_fetch_concurrency)
+        self._channels: dict[str, grpc.aio.Channel] = {}
+        token = node.config.cluster_token
+        self._metadata: tuple[tuple[str, str], ...] = ((PEER_TOKEN_HEADER, token),) if token else ()
+        self.fetched_blocks = 0
+        """Blocks copied from peers, ever."""
+        self.failed_fetches = 0
+        """Fetches that ended early (peer gone, timeout, mismatch), ever."""
+
+    async def fetch(
+        self, namespace: NamespaceId, tenant: TenantId, chain: Sequence[BlockHash], have: int
+    ) -> int:
+        """Copy blocks ``chain[have:]`` from the best peer; returns how many arrived."""
+        if have >= len(chain) or self._slots.locked():
+            return 0
+        async with self._slots:
+            try:
+                async with asyncio.timeout(self.node.config.peer_fetch_timeout):
+                    return await self._fetch(namespace, tenant, list(chain), have)
+            except TimeoutError:
+                self.failed_fetches += 1
+                log.info("peer fetch in %s timed out: served locally", namespace)
+                return 0
+            except KVStoreError as exc:  # e.g. the namespace went away meanwhile
+                self.failed_fetches += 1
+                log.info("peer fetch in %s gave up: %s", namespace, exc)
+                return 0
+
+    async def _fetch(
+        self, namespace: NamespaceId, tenant: TenantId, chain: list[BlockHash], have: int
+    ) -> int:
+        scope = self.node.table(namespace).scope_of(tenant)
+        holders = await self.agent.locate(namespace, scope, chain)
+        for holder in holders[:MAX_HOLDERS_TRIED]:
+            if holder.blocks <= have or not holder.address:
+                break  # longest first: nobody further down has more
+            got = await self._copy(holder, namespace, tenant, chain[: holder.blocks])
+            if got:
+                return got
+        return 0
+
+    async def _copy(
+        self, holder: Holder, namespace: NamespaceId, tenant: TenantId, target: list[BlockHash]
+    ) -> int:
+        """Reserve ``target``'s missing blocks, stream them from ``holder``, commit."""
+        node = self.node
+        store = node.store
+        lease_id = LeaseId(secrets.randbits(63) | 1)
+        store.open_lease(lease_id, tenant, node.config.peer_fetch_timeout + 1.0, node.now())
+        written: list[BlockHash] = []
+        try:
+            result = store.reserve(namespace, tenant, lease_id, target, node.now())
+            node.publish_events()  # the reservation may have evicted blocks
+            wanted = {e.hash for e in result.entries if e.status is ReserveStatus.RESERVED}
+            if not wanted:
+                return 0
+            skip = next(
+                i for i, e in enumerate(result.entries) if e.status is ReserveStatus.RESERVED
+            )
+            pool = node.pool(namespace)
+            block_bytes = pool.descriptor.block_bytes
+            request = pb.FetchBlocksRequest(
+                namespace_id=namespace, tenant=tenant, hashes=target, skip=skip
+            )
+            call = self._stub(holder.address).FetchBlocks(
+                request, metadata=self._metadata, timeout=node.config.peer_fetch_timeout
+            )
+            try:
+                async for item in call:
+                    block_hash = BlockHash(item.hash)
+                    if block_hash not in wanted:
+                        continue  # became a local hit, or someone else writes it
+                    if len(item.data) != block_bytes:
+                        log.warning("peer %s sent a %d-byte block", holder.node_id, len(item.data))
+                        break
+                    # Checked and written in one synchronous step (no await between).
+                    slot = store.writing_slot(namespace, tenant, lease_id, block_hash, node.now())
+                    pool.write(slot, item.data)
+                    written.append(block_hash)
+            except grpc.RpcError as err:
+                self.failed_fetches += 1
+                log.info(
+                    "peer %s failed mid-fetch (%s): keeping %d blocks",
+                    holder.node_id,
+                    err.code(),
+                    len(written),
+                )
+            if written:
+                store.commit(namespace, tenant, lease_id, written, node.now())
+                self.fetched_blocks += len(written)
+            return len(written)
+        finally:
+            # Runs on cancellation too: the lease's unwritten reservations are aborted.
+            # Expired meanwhile: expiry already aborted its writes.
+            with contextlib.suppress(KVStoreError):
+                store.close_lease(lease_id, tenant, node.now())
+            node.publish_events()
+
+    def _stub(self, address: str) -> Any:
+        channel = self._channels.get(address)
+        if channel is None:
+            limit = self.node.config.max_message_bytes
+            channel = grpc.aio.insecure_channel(
+                address,
+                options=[
+                    ("grpc.max_receive_message_length", limit),
+                    ("grpc.max_send_message_length", limit),
+                ],
+            )
+            self._channels[address] = channel
+        return kvstore_pb2_grpc.KVStoreStub(channel)
+
+    async def close(self) -> None:
+        """Close every peer channel."""
+        channels, self._channels = self._channels, {}
+        for channel in channels.values():
+            await channel.close()

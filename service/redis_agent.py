@@ -1,0 +1,335 @@
+"""The node's agent on Redis: heartbeat, directory flushes, resync, reconnects.
+
+One background task owns every write to Redis, so ordering is simple:
+
+    loop:
+        if the directory needs a resync: wipe this node's entries, rewrite
+            them from a store snapshot, heartbeat at once
+        every heartbeat_seconds: registry heartbeat + per-namespace liveness
+        flush: queued directory changes and events, one pipeline
+        Redis error: count the node as disconnected, mark for resync, wait
+            Backoff.compute(failures), try again
+
+`Node.publish_events` hands the agent each `CacheEvent` synchronously
+(`publish`); nothing an RPC does ever waits on Redis. While Redis is away,
+directory changes are buffered up to `directory_queue_blocks`, then dropped
+(a resync rewrites them anyway), and events are buffered up to the same bound
+(oldest dropped, counted). A resync happens at start, after every failed
+Redis command, and after an overflow: the node's whole entry is rebuilt from
+its store, so a restarted or cleared node never leaves stale entries.
+
+Reads (`locate`, `live_nodes`) fail fast to "nothing known" while Redis is
+away: a lookup with ``allow_remote`` is then answered from the local cache.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections import deque
+from collections.abc import AsyncIterator, Callable
+from typing import TYPE_CHECKING, Any
+
+from kvstore.block import BlockState
+from kvstore.client.retry import Backoff
+from kvstore.events import CacheEvent, EventKind
+from kvstore.types import BlockHash, NamespaceId, TenantId
+from kvstore.v1 import kvstore_pb2 as pb
+from service import redis_events, redis_link
+from service.directory import Change, Directory, DirectoryQueue, Holder
+from service.peer_fetch import PeerFetcher
+from service.redis_keys import Keys, member
+from service.redis_link import REDIS_ERRORS
+from service.registry import NodeInfo, Registry
+
+if TYPE_CHECKING:
+    from service.node import Node
+
+log = logging.getLogger(__name__)
+
+FLUSH_BATCH_BLOCKS = 20_000
+"""Most blocks of directory changes in one flush pipeline."""
+FLUSH_BATCH_EVENTS = 1_000
+"""Most stream entries in one flush pipeline."""
+
+
+class RedisAgent:
+    """Everything one node does on Redis; started and stopped by the server."""
+
+    def __init__(
+        self,
+        node: Node,
+        address: str,
+        *,
+        connect: Callable[[], Any] | None = None,
+        backoff: Backoff | None = None,
+    ) -> None:
+        """Prepare the agent; nothing connects until `start`.
+
+        Args:
+            node: the node whose store it mirrors.
+            address: gRPC address peers fetch from (advertised in the registry).
+            connect: client factory (tests may swap the transport).
+            backoff: spacing of reconnect attempts.
+        """
+        config = node.config
+        self.node = node
+        self.address = address
+        self.keys = Keys(config.redis_key_prefix)
+        ttl_ms = int(config.node_ttl_seconds * 1000)
+        self.directory = Directory(self.keys, node.node_id, ttl_ms)
+        self.registry = Registry(self.keys, ttl_ms, config.event_stream_maxlen)
+        self.queue = DirectoryQueue(config.directory_queue_blocks)
+        self.backoff = backoff or Backoff(base=0.1, cap=2.0)
+        self._connect = connect or (lambda: redis_link.connect(config))
+        self._events: deque[dict[str, bytes]] = deque()
+        self._events_limit = config.directory_queue_blocks
+        self._events_shed = 0  # dropped from the head since start (see _flush)
+        self.events_dropped = 0
+        """Stream events dropped while Redis was away, ever."""
+        self.connected = False
+        """Whether the last Redis command succeeded."""
+        self.resyncs = 0
+        """Full resyncs done (the first one at start included)."""
+        self.client: Any = None
+        self._synced = asyncio.Event()
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._stopping = False
+
+    # --- producer side (synchronous, on the loop) -----------------------------
+
+    def publish(self, ev: CacheEvent, at_unix: float) -> None:
+        """Queue one store event for the directory and the stream; never blocks."""
+        if ev.kind is EventKind.STORED:
+            self.queue.put(Change.ADD, ev.namespace, ev.scope, ev.hashes)
+        elif ev.kind is EventKind.REMOVED:
+            self.queue.put(Change.REMOVE, ev.namespace, ev.scope, ev.hashes)
+        if len(self._events) >= self._events_limit:
+            self._events.popleft()
+            self._events_shed += 1
+            self.events_dropped += 1
+        self._events.append(redis_events.fields_of(ev, self.node.node_id, at_unix))
+        self._wake.set()
+
+    # --- life cycle -------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Start the background task (Redis may be down: it keeps retrying)."""
+        if self._task is not None:
+            raise RuntimeError("bug: RedisAgent.start called twice")
+        self.client = self._connect()
+        self._task = asyncio.create_task(self._run(), name="kvstore-redis-agent")
+
+    async def stop(self, grace: float = 2.0) -> None:
+        """Flush what is queued, leave the registry, wipe this node's entries, close."""
+        self._stopping = True
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+        if self.client is None:
+            return
+        try:
+            async with asyncio.timeout(grace):
+                await self.registry.leave(self.client, self.node.node_id)
+                pipe = self.client.pipeline(transaction=False)
+                self.directory.wipe(pipe, [t.namespace for t in self.node.store.tables()])
+                await pipe.execute()
+        except REDIS_ERRORS as exc:
+            log.info("could not leave the registry cleanly (%s); entries expire by TTL", exc)
+        finally:
+            await redis_link.close(self.client)
+            self.client = None
+
+    async def wait_synced(self) -> None:
+        """Until the node's entry has been written once (tests, readiness)."""
+        await self._synced.wait()
+
+    # --- the loop ---------------------------------------------------------------
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        config = self.node.config
+        failures = 0
+        next_beat = 0.0
+        while True:
+            try:
+                if self.queue.needs_resync:
+                    await self._resync()
+                    next_beat = 0.0
+                if loop.time() >= next_beat:
+                    await self._heartbeat()
+                    next_beat = loop.time() + config.heartbeat_seconds
+                await self._flush()
+            except REDIS_ERRORS as exc:
+                if self.connected or failures == 0:
+                    log.warning("Redis unavailable (%s): serving the local cache only", exc)
+                self.connected = False
+                self._synced.clear()
+                self.queue.needs_resync = True
+                self.queue.clear()
+                failures += 1
+                await asyncio.sleep(self.backoff.compute(failures))
+                continue
+            except Exception:
+                log.exception("bug: Redis agent step failed")
+                self.queue.needs_resync = True
+                await asyncio.sleep(self.backoff.compute(max(failures, 1)))
+                continue
+            if not self.connected:
+                log.info("Redis reachable: directory of node %s in sync", self.node.node_id)
+            self.connected = True
+            self._synced.set()
+            failures = 0
+            self.backoff.reset()
+            await self._idle(max(0.0, next_beat - loop.time()))
+
+    async def _idle(self, until_beat: float) -> None:
+        """Wait for work (or the next heartbeat), then a short while to gather a batch."""
+        if not self._events and not len(self.queue):
+            self._wake.clear()
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(until_beat):
+                    await self._wake.wait()
+        if self.queue.blocks < FLUSH_BATCH_BLOCKS and len(self._events) < FLUSH_BATCH_EVENTS:
+            await asyncio.sleep(self.node.config.directory_flush_seconds)
+
+    async def _resync(self) -> None:
+        """Rewrite this node's whole directory entry from its store."""
+        client = self.client
+        known = {_text(n) for n in await client.smembers(self.keys.namespaces)}
+        # Snapshot and queue reset in one synchronous step: every change after
+        # it is queued and flushed after this resync, in order.
+        snapshot = self._snapshot()
+        self.queue.clear()
+        self.queue.needs_resync = False
+        pipe = client.pipeline(transaction=False)
+        self.directory.wipe(pipe, known | set(snapshot))
+        self.directory.write_snapshot(pipe, snapshot)
+        await pipe.execute()
+        self.resyncs += 1
+        log.info(
+            "directory resync of node %s: %d blocks in %d namespaces",
+            self.node.node_id,
+            sum(len(m) for m in snapshot.values()),
+            len(snapshot),
+        )
+
+    def _snapshot(self) -> dict[NamespaceId, list[bytes]]:
+        """Every READY block of the store as directory members, per namespace."""
+        snapshot: dict[NamespaceId, list[bytes]] = {}
+        for table in self.node.store.tables():
+            members = [
+                member(info.hash, info.scope)
+                for info in table.iter_blocks()
+                if info.state is BlockState.READY
+            ]
+            snapshot[table.namespace] = members
+        return snapshot
+
+    async def _heartbeat(self) -> None:
+        node = self.node
+        stats = node.store.stats()
+        used = sum((ns.ready + ns.writing) * ns.block_bytes for ns in stats.namespaces)
+        info = NodeInfo(
+            node_id=node.node_id,
+            address=self.address,
+            devices=("cpu",),
+            capacity_bytes=node.pools.capacity_bytes,
+            used_bytes=used,
+            version=node.version,
+            epoch=node.epoch,
+        )
+        joined, dead = await self.registry.heartbeat(self.client, info)
+        if joined:
+            log.info("node %s joined the cluster at %s", node.node_id, self.address)
+        for other in dead:
+            log.info("node %s stopped heartbeating: removed from the registry", other)
+        namespaces = [t.namespace for t in node.store.tables()]
+        await self.directory.heartbeat(self.client, namespaces, self.address)
+
+    async def _flush(self) -> None:
+        """Send queued directory changes and events in one pipeline."""
+        changes = self.queue.take(FLUSH_BATCH_BLOCKS)
+        count = min(len(self._events), FLUSH_BATCH_EVENTS)
+        if not changes and not count:
+            return
+        pipe = self.client.pipeline(transaction=False)
+        self.directory.write_changes(pipe, changes)
+        maxlen = self.node.config.event_stream_maxlen
+        for i in range(count):
+            redis_events.append(pipe, self.keys.events, self._events[i], maxlen)
+        shed = self._events_shed
+        await pipe.execute()
+        # Entries shed from the head while we awaited were among those sent.
+        for _ in range(max(0, count - (self._events_shed - shed))):
+            self._events.popleft()
+
+    # --- reads ------------------------------------------------------------------
+
+    async def locate(
+        self, namespace: NamespaceId, scope: TenantId, chain: list[BlockHash]
+    ) -> list[Holder]:
+        """Live peers holding a prefix of ``chain``, longest first; [] while Redis is away."""
+        if not self.connected or self.client is None:
+            return []
+        try:
+            async with asyncio.timeout(self.node.config.redis_timeout):
+                return await self.directory.locate(self.client, namespace, scope, chain)
+        except REDIS_ERRORS as exc:
+            log.debug("locate failed (%s): answering from the local cache", exc)
+            return []
+
+    async def live_nodes(self) -> list[NodeInfo]:
+        """The registry's live nodes (raises a Redis error while Redis is away)."""
+        return await self.registry.live_nodes(self.client)
+
+    async def watch(self, namespace: str) -> AsyncIterator[pb.Event]:
+        """Subscribe to the cluster stream from now (events of ``namespace``, "" = all).
+
+        Starts after the stream's newest entry; while Redis is away it starts
+        at whatever arrives once Redis is back (and reads on, with backoff).
+        """
+        try:
+            async with asyncio.timeout(self.node.config.redis_timeout):
+                start = await redis_events.last_id(self.client, self.keys.events)
+        except REDIS_ERRORS:
+            start = b"$"
+        # A blocking read must return before the socket timeout counts Redis as down.
+        timeout_ms = int(self.node.config.redis_timeout * 500)
+        block_ms = max(10, min(redis_events.READ_BLOCK_MS, timeout_ms))
+        return redis_events.watch(
+            self.client,
+            self.keys.events,
+            namespace,
+            start,
+            stopping=lambda: self._stopping,
+            block_ms=block_ms,
+        )
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+async def start_cluster(node: Node, address: str) -> None:
+    """Attach and start the Redis agent and the peer fetcher when `redis_url` is set."""
+    if not node.config.redis_url:
+        return
+    agent = RedisAgent(node, node.config.advertise_address or address)
+    node.cluster = agent
+    node.peers = PeerFetcher(node, agent)
+    await agent.start()
+
+
+async def stop_cluster(node: Node) -> None:
+    """Leave the cluster (registry, directory) and close peer channels; idempotent."""
+    agent, peers = node.cluster, node.peers
+    node.cluster = node.peers = None
+    if peers is not None:
+        await peers.close()
+    if agent is not None:
+        await agent.stop()

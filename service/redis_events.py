@@ -1,0 +1,124 @@
+"""The cluster-wide event stream on Redis: encoding, appending, reading.
+
+One Redis stream (``{P}:events``, bounded by ``MAXLEN ~``) carries every
+node's block events (stored / removed / cleared) and the registry's node
+joined / left. Entries are flat fields, readable from any language:
+
+    kind    stored | removed | cleared | node_joined | node_left
+    node    node id
+    at      unix seconds (text)
+    ns      namespace id        (block events)
+    tenant  scope               (block events; "" in shared namespaces)
+    parent  32-byte hash        (stored, when the chain has a parent)
+    hashes  concatenated 32-byte hashes, in chain order
+
+`watch` follows the stream from "now" for ``WatchEvents(cluster=true)``,
+reconnecting with backoff when Redis goes away (events appended meanwhile
+are read once it is back, as long as the stream still holds them).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from kvstore.client.retry import Backoff
+from kvstore.events import CacheEvent, EventKind
+from kvstore.v1 import kvstore_pb2 as pb
+from service.redis_keys import HASH_BYTES
+from service.redis_link import REDIS_ERRORS
+
+log = logging.getLogger(__name__)
+
+_KINDS = {
+    "stored": pb.EVENT_KIND_STORED,
+    "removed": pb.EVENT_KIND_REMOVED,
+    "cleared": pb.EVENT_KIND_CLEARED,
+    "node_joined": pb.EVENT_KIND_NODE_JOINED,
+    "node_left": pb.EVENT_KIND_NODE_LEFT,
+}
+
+READ_BLOCK_MS = 500
+"""Longest a blocking ``XREAD`` waits (a stopping watcher notices within it)."""
+
+
+def fields_of(ev: CacheEvent, node_id: str, at_unix: float) -> dict[str, bytes]:
+    """The stream fields of one cache event."""
+    fields = {
+        "kind": ev.kind.value.encode(),
+        "node": node_id.encode(),
+        "at": f"{at_unix:.6f}".encode(),
+        "ns": ev.namespace.encode(),
+        "tenant": ev.scope.encode(),
+        "hashes": b"".join(ev.hashes),
+    }
+    if ev.kind is EventKind.STORED and ev.parent is not None:
+        fields["parent"] = bytes(ev.parent)
+    return fields
+
+
+def event_of(fields: dict[bytes, bytes]) -> pb.Event | None:
+    """The wire event of a stream entry (None for a kind this version does not know)."""
+    kind = _KINDS.get(fields.get(b"kind", b"").decode(errors="replace"))
+    if kind is None:
+        return None
+    raw = fields.get(b"hashes", b"")
+    return pb.Event(
+        kind=kind,
+        namespace_id=fields.get(b"ns", b"").decode(),
+        hashes=[raw[i : i + HASH_BYTES] for i in range(0, len(raw), HASH_BYTES)],
+        parent=fields.get(b"parent", b""),
+        at=float(fields.get(b"at", b"0") or 0),
+        node_id=fields.get(b"node", b"").decode(),
+        tenant=fields.get(b"tenant", b"").decode(),
+    )
+
+
+def append(pipe: Any, stream: str, fields: dict[str, bytes], maxlen: int) -> None:
+    """Queue one ``XADD`` (approximate trimming: O(1) amortised)."""
+    pipe.xadd(stream, fields, maxlen=maxlen, approximate=True)
+
+
+async def last_id(client: Any, stream: str) -> bytes:
+    """The id of the stream's newest entry (``0-0`` when empty): a watch starts after it."""
+    newest = await client.xrevrange(stream, count=1)
+    return bytes(newest[0][0]) if newest else b"0-0"
+
+
+async def watch(
+    client: Any,
+    stream: str,
+    namespace: str,
+    start: bytes,
+    *,
+    stopping: Callable[[], bool],
+    block_ms: int = READ_BLOCK_MS,
+    backoff: Backoff | None = None,
+) -> AsyncIterator[pb.Event]:
+    """Events appended after ``start`` (of ``namespace``, or all when ""), until ``stopping()``.
+
+    Node events have no namespace and are delivered to every watcher.
+    """
+    backoff = backoff or Backoff(base=0.1, cap=2.0)
+    cursor = start
+    failures = 0
+    while not stopping():
+        try:
+            reply = await client.xread({stream: cursor}, block=block_ms, count=512)
+        except REDIS_ERRORS as exc:
+            failures += 1
+            log.debug("cluster watch: Redis unavailable (%s); retrying", exc)
+            await asyncio.sleep(backoff.compute(failures))
+            continue
+        failures = 0
+        for _, entries in reply or ():
+            for entry_id, fields in entries:
+                cursor = bytes(entry_id)
+                event = event_of(fields)
+                if event is None:
+                    continue
+                if namespace and event.namespace_id and event.namespace_id != namespace:
+                    continue
+                yield event

@@ -1,0 +1,61 @@
+"""FetchBlocks: the node-to-node read that peer fetch (`service.peer_fetch`) uses.
+
+Only cache nodes call it. When `cluster_token` is configured the call must
+carry it (``x-kvstore-peer-token``, compared in constant time); without one
+any caller that can reach the gRPC port may read a tenant's blocks by
+naming the tenant and the block hashes, so such nodes belong on a private
+network (docs/cluster.md). No lease is taken: the chain is looked up once,
+then each block is checked (slot and generation still the same READY block)
+and copied in the same synchronous step, so a block evicted mid-stream is
+never read; the stream simply ends there.
+"""
+
+from __future__ import annotations
+
+import hmac
+from collections.abc import AsyncIterator
+from typing import Any
+
+from kvstore.errors import PermissionDenied, StaleSlot
+from kvstore.v1 import kvstore_pb2 as pb
+from service import validate
+from service.errors import Unauthenticated, guard_stream_out
+from service.peer_fetch import PEER_TOKEN_HEADER
+from service.servicer_base import ServicerBase
+from service.tenancy import TENANT_HEADER
+
+
+def check_peer_token(metadata: Any, expected: str) -> None:
+    """Raise unless the call carries the cluster token (no token configured: allow)."""
+    if not expected:
+        return
+    for key, value in metadata or ():
+        if key == PEER_TOKEN_HEADER:
+            text = value.decode(errors="replace") if isinstance(value, bytes) else value
+            if hmac.compare_digest(text.encode(), expected.encode()):
+                return
+            raise PermissionDenied("FetchBlocks: wrong cluster token")
+    raise Unauthenticated(f"FetchBlocks is for peer nodes: send {PEER_TOKEN_HEADER}")
+
+
+class PeerRpcs(ServicerBase):
+    """The node-to-node RPCs of the KVStore service."""
+
+    @guard_stream_out("FetchBlocks")
+    async def FetchBlocks(
+        self, request: pb.FetchBlocksRequest, context: Any
+    ) -> AsyncIterator[pb.BlockData]:
+        """Stream READY blocks of a tenant's chain from ``skip`` on, in order."""
+        node = self.node
+        check_peer_token(context.invocation_metadata(), node.config.cluster_token)
+        tenant = node.tenants.resolve(((TENANT_HEADER, request.tenant),))
+        namespace = self.namespace(request.namespace_id)
+        chain = validate.block_hashes(request.hashes, node.config.max_chain_blocks)
+        result = node.store.lookup(namespace, tenant, chain, node.now())
+        pool = node.pool(namespace)
+        for ref in result.blocks[request.skip :]:
+            try:
+                node.store.check_slot(namespace, tenant, ref)
+            except StaleSlot:
+                return  # evicted since the lookup: the caller keeps what it got
+            yield pb.BlockData(hash=ref.hash, data=pool.read(ref.slot))
