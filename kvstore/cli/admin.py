@@ -1,0 +1,100 @@
+"""Admin verbs: ``evict`` and ``clear`` (the node checks the admin token)."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+from kvstore.cli.app import (
+    DEFAULT_TARGET,
+    AdminToken,
+    Json,
+    Target,
+    Timeout,
+    app,
+    connect,
+    console,
+    fail,
+    print_json,
+)
+from kvstore.cli.reads import Namespace
+from kvstore.v1 import kvstore_pb2 as pb
+
+Yes = Annotated[bool, typer.Option("--yes", "-y", help="Do not ask for confirmation.")]
+
+
+def confirm(question: str, yes: bool) -> None:
+    """Ask ``question`` unless ``--yes``; no (or no terminal input) ends the command."""
+    if yes:
+        return
+    try:
+        answer = typer.confirm(question, default=False, err=True)
+    except (typer.Abort, EOFError):
+        answer = False
+    if not answer:
+        fail("not confirmed; nothing was changed (pass --yes to skip the question)")
+
+
+@app.command()
+def evict(
+    namespace: Namespace,
+    blocks: Annotated[int, typer.Option(min=1, help="How many unpinned blocks to evict.")],
+    target: Target = DEFAULT_TARGET,
+    admin_token: AdminToken = "",
+    json: Json = False,
+    timeout: Timeout = 5.0,
+    yes: Yes = False,
+) -> None:
+    """Evict up to --blocks unpinned blocks, least recently used first (admin)."""
+    with connect(target, timeout, admin_token) as node:
+        ns = node.resolve_namespace(namespace)
+        confirm(
+            f"Evict up to {blocks} blocks of {ns.model_id} ({ns.namespace_id}) on {target}?", yes
+        )
+        resp = node.stub.Evict(
+            pb.EvictRequest(namespace_id=ns.namespace_id, blocks=blocks),
+            timeout=timeout,
+            metadata=node.metadata,
+        )
+    doc = {"namespace": ns.namespace_id, "evicted": resp.evicted}
+    if json:
+        print_json(doc)
+    else:
+        console.print(f"evicted {resp.evicted} blocks of {ns.namespace_id}")
+
+
+@app.command()
+def clear(
+    namespace: Namespace,
+    target: Target = DEFAULT_TARGET,
+    admin_token: AdminToken = "",
+    json: Json = False,
+    timeout: Timeout = 5.0,
+    yes: Yes = False,
+) -> None:
+    """Remove every unpinned block of a namespace (admin)."""
+    with connect(target, timeout, admin_token) as node:
+        ns = node.resolve_namespace(namespace)
+        confirm(
+            f"Clear every unpinned block of {ns.model_id} ({ns.namespace_id}) on {target}?", yes
+        )
+        resp = node.stub.Clear(
+            pb.ClearRequest(namespace_id=ns.namespace_id), timeout=timeout, metadata=node.metadata
+        )
+    doc = {
+        "namespace": ns.namespace_id,
+        "removed": resp.removed,
+        "kept_pinned": resp.kept_pinned,
+        "kept_writing": resp.kept_writing,
+    }
+    if json:
+        print_json(doc)
+    else:
+        console.print(
+            f"removed {resp.removed} blocks of {ns.namespace_id}; kept {resp.kept_pinned} pinned "
+            f"and {resp.kept_writing} being written"
+        )
+
+
+__all__ = ["clear", "evict"]

@@ -1,0 +1,242 @@
+"""Read commands: ``status``, ``namespaces``, ``tenants``, ``blocks``, ``tree``."""
+
+from __future__ import annotations
+
+import datetime
+from typing import Annotated, Any
+
+import typer
+from rich.table import Table
+from rich.tree import Tree
+
+from kvstore.cli.app import DEFAULT_TARGET, Json, Target, Timeout, app, connect, console, print_json
+from kvstore.cli.prefix_tree import BlockRecord, Run, build_tree, tree_json
+from kvstore.cli.summary import namespace_json, status_json, tenants_json
+from kvstore.v1 import kvstore_pb2 as pb
+
+Namespace = Annotated[str, typer.Argument(help="Namespace id, a unique id prefix, or model id.")]
+
+
+def pct(x: float | None) -> str:
+    """A ratio as a percentage ("-" when undefined)."""
+    return "-" if x is None else f"{100 * x:.1f}%"
+
+
+def size(n: float) -> str:
+    """Bytes in binary units."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def ago(unix: float) -> str:
+    """A unix time as ``HH:MM:SS`` (local)."""
+    return datetime.datetime.fromtimestamp(unix).strftime("%H:%M:%S") if unix else "-"
+
+
+def duration(seconds: float) -> str:
+    """``1h02m03s``."""
+    s = int(seconds)
+    return f"{s // 3600}h{s % 3600 // 60:02d}m{s % 60:02d}s"
+
+
+@app.command()
+def status(target: Target = DEFAULT_TARGET, json: Json = False, timeout: Timeout = 5.0) -> None:
+    """Node capacity, use, pins, hit rates (tokens and blocks), leases, uptime."""
+    with connect(target, timeout) as node:
+        doc = status_json(node.stats(), target)
+    if json:
+        print_json(doc)
+        return
+    t = Table(title=f"kvstore node {doc['node_id']} at {target}", show_header=False)
+    t.add_column(style="bold")
+    t.add_column()
+    rows = [
+        ("version", f"{doc['version']} ({doc['pool_kind']} pool, epoch {doc['pool_epoch']})"),
+        ("uptime", duration(doc["uptime_seconds"])),
+        ("memory", f"{size(doc['allocated_bytes'])} of {size(doc['capacity_bytes'])} allocated"),
+        ("used", f"{doc['used_blocks']} of {doc['capacity_blocks']} blocks "
+                 f"({size(doc['used_bytes'])})"),
+        ("pinned", f"{doc['pinned_blocks']} blocks ({doc['pins']} pins)"),
+        ("writing", f"{doc['writing_blocks']} blocks"),
+        ("hit rate", f"{pct(doc['hit_rate_tokens'])} of tokens "
+                     f"({doc['hit_tokens']} hit / {doc['miss_tokens']} missed), "
+                     f"{pct(doc['hit_rate_blocks'])} of blocks"),
+        ("leases", f"{doc['leases']} live, {doc['leases_expired']} expired"),
+        ("evictions", str(doc["evictions"])),
+        ("namespaces", str(len(doc["namespaces"]))),
+    ]  # fmt: skip
+    for key, value in rows:
+        t.add_row(key, value)
+    console.print(t)
+
+
+@app.command()
+def namespaces(target: Target = DEFAULT_TARGET, json: Json = False, timeout: Timeout = 5.0) -> None:
+    """Every namespace: model, block size, occupancy, evictions, hit rate."""
+    with connect(target, timeout) as node:
+        rows = [namespace_json(ns) for ns in node.stats().namespaces]
+    if json:
+        print_json(rows)
+        return
+    t = Table(title=f"namespaces at {target}")
+    for col in ("namespace", "model", "block", "used", "capacity", "pinned", "evicted", "hit%"):
+        t.add_column(col, justify="left" if col in ("namespace", "model") else "right")
+    for r in rows:
+        t.add_row(
+            r["namespace"][:16], r["model"], str(r["block_size"]), str(r["used_blocks"]),
+            str(r["capacity_blocks"]), str(r["pinned_blocks"]), str(r["evictions"]),
+            pct(r["hit_rate_tokens"]),
+        )  # fmt: skip
+    console.print(t)
+
+
+@app.command()
+def tenants(
+    target: Target = DEFAULT_TARGET,
+    json: Json = False,
+    timeout: Timeout = 5.0,
+    namespace: Annotated[str, typer.Option(help="Only this namespace id.")] = "",
+) -> None:
+    """Per-tenant lookups, hits and misses (tokens, blocks, miss reasons), residency."""
+    with connect(target, timeout) as node:
+        rows = tenants_json(node.stats(), namespace)
+    if json:
+        print_json(rows)
+        return
+    t = Table(title=f"tenants at {target}")
+    for col in ("namespace", "tenant", "lookups", "hit tok", "miss tok", "hit%", "absent",
+                "in flight", "resident"):  # fmt: skip
+        t.add_column(col, justify="left" if col in ("namespace", "tenant") else "right")
+    for r in rows:
+        t.add_row(
+            r["namespace"][:16], r["tenant"] or "(shared)", str(r["lookups"]),
+            str(r["hit_tokens"]), str(r["miss_tokens"]), pct(r["hit_rate_tokens"]),
+            str(r["miss_absent"]), str(r["miss_in_flight"]), str(r["resident_blocks"]),
+        )  # fmt: skip
+    console.print(t)
+
+
+_STATES = {pb.BLOCK_STATE_READY: "ready", pb.BLOCK_STATE_WRITING: "writing"}
+
+
+def block_json(b: pb.BlockInfo) -> dict[str, Any]:
+    """One block of ``kvstore blocks --json``."""
+    return {
+        "hash": b.hash.hex(),
+        "parent": b.parent.hex(),
+        "tenant": b.tenant,
+        "depth": b.depth,
+        "state": _STATES.get(b.state, "free"),
+        "pins": b.pins,
+        "hits": b.hits,
+        "slot": b.slot,
+        "generation": b.generation,
+        "created": b.created,
+        "last_used": b.last_used,
+    }
+
+
+@app.command()
+def blocks(
+    namespace: Namespace,
+    target: Target = DEFAULT_TARGET,
+    json: Json = False,
+    timeout: Timeout = 5.0,
+    page_size: Annotated[int, typer.Option(min=1, max=1000, help="Blocks per page.")] = 50,
+    page: Annotated[str, typer.Option(help="Page token from the previous page.")] = "",
+) -> None:
+    """One page of a namespace's blocks: hits, last use, depth, pins, state."""
+    with connect(target, timeout) as node:
+        ns = node.resolve_namespace(namespace)
+        resp = node.list_blocks(ns.namespace_id, page_size, page)
+    rows = [block_json(b) for b in resp.blocks]
+    doc: dict[str, Any] = {
+        "namespace": ns.namespace_id,
+        "total": resp.total,
+        "next_page_token": resp.next_page_token,
+        "blocks": rows,
+    }
+    if json:
+        print_json(doc)
+        return
+    t = Table(title=f"{ns.model_id} {ns.namespace_id[:16]}: {resp.total} blocks")
+    for col in ("hash", "parent", "depth", "state", "pins", "hits", "last used", "tenant"):
+        t.add_column(col, justify="right" if col in ("depth", "pins", "hits") else "left")
+    for b in rows:
+        t.add_row(
+            b["hash"][:12], b["parent"][:12] or "-", str(b["depth"]), b["state"], str(b["pins"]),
+            str(b["hits"]), ago(b["last_used"]), b["tenant"] or "(shared)",
+        )  # fmt: skip
+    console.print(t)
+    if resp.next_page_token:
+        console.print(f"next page: kvstore blocks {namespace} --page {resp.next_page_token}")
+
+
+def records(blocks: list[pb.BlockInfo]) -> list[BlockRecord]:
+    """Tree input from ListBlocks entries."""
+    return [
+        BlockRecord(
+            hash=b.hash,
+            parent=b.parent,
+            depth=b.depth,
+            hits=b.hits,
+            pins=b.pins,
+            tenant=b.tenant,
+            writing=b.state == pb.BLOCK_STATE_WRITING,
+        )
+        for b in blocks
+    ]
+
+
+def _label(run: Run) -> str:
+    shared = f"shared by {run.requests}" if run.requests > 1 else "1 request"
+    who = f" · tenant {run.tenant}" if run.tenant else ""
+    pins = f" · {run.pins} pins" if run.pins else ""
+    start = run.depth * (run.tokens // run.blocks)
+    return (
+        f"[bold]{run.tokens} tokens[/] ({run.blocks} blocks from token {start}) "
+        f"· {shared} · {run.hits} hits{pins}{who} · [dim]{run.first.hex()[:12]}[/]"
+    )
+
+
+@app.command()
+def tree(
+    namespace: Namespace,
+    target: Target = DEFAULT_TARGET,
+    json: Json = False,
+    timeout: Timeout = 10.0,
+    max_blocks: Annotated[int, typer.Option(min=1, help="Most blocks to read.")] = 100_000,
+    max_runs: Annotated[int, typer.Option(min=1, help="Most runs to draw (not JSON).")] = 200,
+) -> None:
+    """The prefix tree collapsed into shared runs: sizes, sharing requests, heat."""
+    with connect(target, timeout) as node:
+        ns = node.resolve_namespace(namespace)
+        got, total = node.all_blocks(ns.namespace_id, max_blocks)
+    roots = build_tree(records(got), ns.block_size)
+    doc = tree_json(ns.namespace_id, ns.block_size, roots, len(got), total)
+    if json:
+        print_json(doc)
+        return
+    title = (
+        f"{ns.model_id} {ns.namespace_id[:16]}: {doc['blocks']} blocks in {doc['runs']} runs, "
+        f"{doc['shared_runs']} shared"
+    )
+    if doc["truncated"]:
+        title += f" (first {len(got)} of {total})"
+    top = Tree(title)
+    budget = max_runs
+    stack: list[tuple[Run, Tree]] = [(r, top) for r in reversed(roots)]
+    while stack and budget > 0:
+        run, parent = stack.pop()
+        budget -= 1
+        branch = parent.add(_label(run))
+        stack.extend((c, branch) for c in reversed(run.children))
+    console.print(top)
+    if stack:
+        console.print(f"... {doc['runs'] - max_runs} more runs (--max-runs, or --json)")
+
+
+__all__ = ["blocks", "namespace_json", "namespaces", "status", "tenants", "tree"]

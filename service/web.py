@@ -1,0 +1,241 @@
+"""The node's read-only web page and its JSON endpoints, on the metrics port.
+
+Routes (GET only):
+
+- ``/`` — one HTML page (``service/web/index.html``, no external assets:
+  the page must work offline) that polls the endpoints below and draws
+  occupancy, hit rate over time and the prefix tree as SVG.
+- ``/api/stats`` — `kvstore.cli.summary.status_json` plus ``history``,
+  the hit-rate samples the node keeps (`HitRateHistory`).
+- ``/api/tree?namespace=NS&max_blocks=N`` — the namespace's prefix tree
+  collapsed into runs (`kvstore.cli.prefix_tree`), the ``kvstore tree`` JSON.
+- anything else — the Prometheus exposition (``/metrics``).
+
+The HTTP server runs in a thread; the store is driven by the event loop and
+has no lock, so every read of it hops onto the loop (`on_loop`), like
+`Node.snapshot`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import json
+import logging
+import threading
+from collections.abc import Callable, Iterable
+from itertools import islice
+from pathlib import Path
+from typing import Any, TypeVar
+from urllib.parse import parse_qs
+
+from kvstore.block import BlockState
+from kvstore.cli.prefix_tree import BlockRecord, build_tree, tree_json
+from kvstore.cli.summary import status_json
+from kvstore.errors import KVStoreError
+from kvstore.types import NamespaceId
+from kvstore.v1 import kvstore_pb2 as pb
+from service import convert
+from service.metrics import WsgiApp
+from service.node import Node
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+HISTORY_SAMPLES = 360
+"""Hit-rate samples kept (30 minutes at the default 5 s interval)."""
+
+TREE_MAX_BLOCKS = 20000
+"""Most blocks one /api/tree request reads from the store (it runs on the loop)."""
+
+PAGE = Path(__file__).with_name("web") / "index.html"
+
+StartResponse = Callable[[str, list[tuple[str, str]]], Any]
+
+
+class HitRateHistory:
+    """A ring buffer of cumulative lookup counters, sampled by the node.
+
+    Samples are appended on the event loop and read by the HTTP thread; the
+    lock guards only the deque.
+    """
+
+    def __init__(self, maxlen: int = HISTORY_SAMPLES) -> None:
+        self._samples: collections.deque[dict[str, float]] = collections.deque(maxlen=maxlen)
+        self._lock = threading.Lock()
+
+    def add(self, at: float, status: dict[str, Any]) -> None:
+        """Record one sample: the interval's hit rate in tokens, from the cumulative counts."""
+        hit, miss = float(status["hit_tokens"]), float(status["miss_tokens"])
+        with self._lock:
+            prev = self._samples[-1] if self._samples else None
+            d_hit = hit - prev["hit_tokens"] if prev else hit
+            d_miss = miss - prev["miss_tokens"] if prev else miss
+            if d_hit < 0 or d_miss < 0:  # a namespace went away: restart the deltas
+                d_hit, d_miss = hit, miss
+            self._samples.append(
+                {
+                    "at": at,
+                    "hit_tokens": hit,
+                    "miss_tokens": miss,
+                    "lookup_tokens": d_hit + d_miss,
+                    "hit_rate_tokens": d_hit / (d_hit + d_miss) if d_hit + d_miss else -1.0,
+                    "used_blocks": float(status["used_blocks"]),
+                    "capacity_blocks": float(status["capacity_blocks"]),
+                }
+            )
+
+    def samples(self) -> list[dict[str, float]]:
+        """A copy of the samples, oldest first (hit_rate_tokens -1: no lookups then)."""
+        with self._lock:
+            return list(self._samples)
+
+
+def stats_response(node: Node) -> pb.StatsResponse:
+    """The node's StatsResponse (the Stats RPC's answer); call on the loop."""
+    stats = node.store.stats()
+    namespaces = []
+    for ns in stats.namespaces:
+        table = node.table(ns.namespace)
+        namespaces.append(convert.namespace_stats(ns, table.spec.layout, table.shared))
+    return pb.StatsResponse(
+        node_id=node.node_id,
+        version=node.version,
+        pool_kind="host",
+        pool_epoch=node.epoch,
+        uptime_seconds=node.now() - node.started,
+        leases=stats.leases,
+        leases_expired=stats.leases_expired,
+        pinned=stats.pinned_by_leases,
+        writing=stats.writing_by_leases,
+        namespaces=namespaces,
+        capacity_bytes=node.pools.capacity_bytes,
+        allocated_bytes=node.pools.allocated_bytes,
+    )
+
+
+async def sample_forever(node: Node, history: HitRateHistory, interval: float) -> None:
+    """Append a sample to ``history`` every ``interval`` seconds (a task on the loop)."""
+    while True:
+        try:
+            history.add(node.wall(), status_json(stats_response(node)))
+        except Exception:
+            log.exception("bug: hit-rate sampling failed")
+        await asyncio.sleep(interval)
+
+
+def on_loop(node: Node, fn: Callable[[], T], timeout: float = 5.0) -> T:
+    """Run ``fn`` on the node's event loop from another thread and return its result."""
+    loop = node.loop
+    if loop is None or not loop.is_running() or _running_loop() is loop:
+        return fn()
+
+    async def call() -> T:
+        return fn()
+
+    return asyncio.run_coroutine_threadsafe(call(), loop).result(timeout=timeout)
+
+
+def _running_loop() -> asyncio.AbstractEventLoop | None:
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        return None
+
+
+def _records(node: Node, namespace: NamespaceId, limit: int) -> tuple[int, list[BlockRecord]]:
+    """(total blocks, up to ``limit`` records) of a namespace; call on the loop."""
+    total = len(node.table(namespace))
+    records = [
+        BlockRecord(
+            hash=info.hash,
+            parent=info.parent or b"",
+            depth=info.depth,
+            hits=info.hits,
+            pins=info.refcount,
+            tenant=info.scope,
+            writing=info.state is BlockState.WRITING,
+        )
+        for info in islice(node.store.iter_blocks(namespace), limit)
+    ]
+    return total, records
+
+
+class WebApp:
+    """WSGI app: the page, the JSON endpoints, and the metrics for every other path."""
+
+    def __init__(self, node: Node, history: HitRateHistory, metrics: WsgiApp) -> None:
+        self.node = node
+        self.history = history
+        self.metrics = metrics
+
+    def __call__(self, environ: dict[str, Any], start_response: StartResponse) -> Iterable[bytes]:
+        path = environ.get("PATH_INFO", "/")
+        query = parse_qs(environ.get("QUERY_STRING", ""))
+        try:
+            if path in ("/", "/index.html"):
+                return _reply(start_response, "200 OK", PAGE.read_bytes(), "text/html")
+            if path == "/api/stats":
+                return _json(start_response, "200 OK", self.stats())
+            if path == "/api/tree":
+                name = query.get("namespace", [""])[0]
+                limit = _int(query.get("max_blocks", [""])[0], TREE_MAX_BLOCKS)
+                return _json(start_response, "200 OK", self.tree(name, limit))
+            if path.startswith("/api/"):
+                return _json(start_response, "404 Not Found", {"error": f"no such path {path}"})
+        except KVStoreError as exc:
+            return _json(start_response, "404 Not Found", {"error": str(exc)})
+        except Exception as exc:  # the page must answer, whatever the node is doing
+            log.exception("web request %s failed", path)
+            return _json(start_response, "503 Service Unavailable", {"error": repr(exc)})
+        return self.metrics(environ, start_response)
+
+    def stats(self) -> dict[str, Any]:
+        """The /api/stats document."""
+        doc = status_json(on_loop(self.node, lambda: stats_response(self.node)))
+        doc["history"] = self.history.samples()
+        return doc
+
+    def tree(self, namespace: str, limit: int) -> dict[str, Any]:
+        """The /api/tree document ("" = the first namespace; empty tree when none)."""
+        node = self.node
+
+        def read() -> tuple[str, int, int, list[BlockRecord]]:
+            names = [t.spec.namespace_id for t in node.store.tables()]
+            ns = NamespaceId(namespace) if namespace else (names[0] if names else None)
+            if ns is None:
+                return "", 0, 0, []
+            total, records = _records(node, ns, limit)
+            return ns, node.table(ns).block_size, total, records
+
+        ns, block_size, total, records = on_loop(node, read)
+        roots = build_tree(records, block_size)
+        doc = tree_json(ns, block_size, roots, len(records), total)
+        doc["namespaces"] = on_loop(
+            node, lambda: [t.spec.namespace_id for t in node.store.tables()]
+        )
+        return doc
+
+
+def _int(text: str, default: int) -> int:
+    try:
+        return max(1, min(int(text), 10 * TREE_MAX_BLOCKS))
+    except ValueError:
+        return default
+
+
+def _reply(start: StartResponse, status: str, body: bytes, ctype: str) -> list[bytes]:
+    start(
+        status,
+        [
+            ("Content-Type", f"{ctype}; charset=utf-8"),
+            ("Content-Length", str(len(body))),
+            ("Cache-Control", "no-store"),
+        ],
+    )
+    return [body]
+
+
+def _json(start: StartResponse, status: str, doc: object) -> list[bytes]:
+    return _reply(start, status, json.dumps(doc).encode(), "application/json")
