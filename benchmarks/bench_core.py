@@ -133,12 +133,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--tokens", type=int, default=131072)
     parser.add_argument("--resident", type=int, default=1_000_000)
+    parser.add_argument("--quick", action="store_true", help="small sizes (a smoke run)")
     args = parser.parse_args()
+    if args.quick:
+        args.tokens, args.resident = 8192, 10_000
     result = {
         "benchmark": "core",
         "hashing": bench_hashing(args.tokens),
         "lookup": [bench_lookup(1000), bench_lookup(args.resident)],
-        "metadata": bench_metadata(100_000),
+        "metadata": bench_metadata(10_000 if args.quick else 100_000),
     }
     print(json.dumps(result, indent=2))
 

@@ -1,0 +1,417 @@
+"""Service benchmark: Lookup+pin latency over gRPC and block bandwidth through the pool.
+
+Starts a real server process (``python -m service``, as the e2e tests do) and
+prints one JSON object. Baselines are measured in the same run, on the same
+server and in the same process:
+
+* **Lookup+pin of a long chain vs Ping.** A pinned Lookup of an N-block chain
+  (precomputed hashes, and tokens) through the client SDK, then its Release,
+  against a ``Ping`` whose payload is as large as that Lookup request, at
+  concurrency 1 and 64 (asyncio tasks sharing one client and channel):
+  median and p99 latency, ratio, throughput.
+* **Store / load bandwidth vs numpy.** Storing N blocks (Reserve, copy into
+  the mapped slots, Commit) and loading them (Lookup+pin, copy out of the
+  pinned views into a destination array, Release), against a plain numpy copy
+  of the same bytes, block by block, between two arrays of this process.
+
+    python -m benchmarks.bench_service [--blocks 512] [--iterations 200] ...
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import google.protobuf
+import grpc
+import numpy as np
+import numpy.typing as npt
+
+from benchmarks._server import ServerProcess
+from kvstore.client import Client, Namespace
+from kvstore.client.blocks import copy_block
+from kvstore.layout import KVLayout
+from kvstore.types import BlockHash, SlotId
+from kvstore.v1 import kvstore_pb2 as pb
+from kvstore.v1 import kvstore_pb2_grpc
+
+MiB = 1 << 20
+
+TENANT = "bench"
+META = (("x-kvstore-tenant", TENANT),)
+"""Call metadata of the raw-stub calls: the client's tenant, who owns its lease."""
+
+
+def percentile(samples: list[float], q: float) -> float:
+    """The ``q`` quantile (0..1) of ``samples``, nearest rank."""
+    ordered = sorted(samples)
+    return ordered[min(len(ordered) - 1, max(0, round(q * len(ordered)) - 1))]
+
+
+def summary_us(samples: list[float]) -> dict[str, float]:
+    """Median, p99 and mean of latencies given in seconds, in microseconds."""
+    return {
+        "median_us": round(statistics.median(samples) * 1e6, 1),
+        "p99_us": round(percentile(samples, 0.99) * 1e6, 1),
+        "mean_us": round(statistics.fmean(samples) * 1e6, 1),
+    }
+
+
+async def run_concurrent(
+    op: Callable[[], Awaitable[float]], concurrency: int, per_task: int
+) -> tuple[list[float], float]:
+    """``concurrency`` tasks each running ``op`` ``per_task`` times; latencies and wall time.
+
+    ``op`` returns the latency it measured (it may time only part of itself).
+    """
+    latencies: list[float] = []
+
+    async def task() -> None:
+        for _ in range(per_task):
+            latencies.append(await op())
+
+    start = time.perf_counter()
+    await asyncio.gather(*(task() for _ in range(concurrency)))
+    return latencies, time.perf_counter() - start
+
+
+# --- latency ---------------------------------------------------------------------
+
+
+async def bench_latency(
+    client: Client, ns: Namespace, tokens: list[int], chain: list[BlockHash], args: Any
+) -> dict[str, Any]:
+    lease_id, _ = await client.lease.current()
+    requests = {
+        "hashes": pb.LookupRequest(namespace_id=ns.id, lease_id=lease_id, pin=True, hashes=chain),
+        "tokens": pb.LookupRequest(namespace_id=ns.id, lease_id=lease_id, pin=True, tokens=tokens),
+    }
+    out: dict[str, Any] = {}
+    for mode, request in requests.items():
+        size = request.ByteSize()
+        payload = os.urandom(size)
+        release_lat: list[float] = []
+
+        async def lookup_pin(mode: str = mode, release_lat: list[float] = release_lat) -> float:
+            start = time.perf_counter()
+            if mode == "hashes":
+                hit = await client.lookup(ns, hashes=chain, pin=True)
+            else:
+                hit = await client.lookup(ns, tokens, pin=True)
+            looked = time.perf_counter()
+            if hit.hit_blocks != len(chain):
+                raise RuntimeError(f"expected a full hit, got {hit.hit_blocks}/{len(chain)}")
+            await client.release(hit)
+            release_lat.append(time.perf_counter() - looked)
+            return looked - start
+
+        async def ping(payload: bytes = payload) -> float:
+            start = time.perf_counter()
+            echoed = await client.ping(payload)
+            elapsed = time.perf_counter() - start
+            if len(echoed) != len(payload):
+                raise RuntimeError("Ping echoed another payload")
+            return elapsed
+
+        result: dict[str, Any] = {"request_bytes": size, "ping_payload_bytes": len(payload)}
+        for concurrency in args.concurrency:
+            per_task = max(1, args.iterations // concurrency)
+            for op in (lookup_pin, ping):  # warm up both paths
+                await run_concurrent(op, concurrency, max(1, per_task // 10))
+            release_lat.clear()
+            look, look_wall = await run_concurrent(lookup_pin, concurrency, per_task)
+            pings, ping_wall = await run_concurrent(ping, concurrency, per_task)
+            lookup_stats = summary_us(look)
+            ping_stats = summary_us(pings)
+            result[f"c{concurrency}"] = {
+                "ops": len(look),
+                "lookup_pin": lookup_stats,
+                "release": summary_us(release_lat),
+                "ping": ping_stats,
+                "lookup_over_ping_median": round(
+                    lookup_stats["median_us"] / ping_stats["median_us"], 2
+                ),
+                "lookup_over_ping_p99": round(lookup_stats["p99_us"] / ping_stats["p99_us"], 2),
+                "lookup_pin_release_ops_per_s": round(len(look) / look_wall, 1),
+                "ping_ops_per_s": round(len(pings) / ping_wall, 1),
+            }
+        out[mode] = result
+    return out
+
+
+# --- bandwidth ---------------------------------------------------------------------
+
+
+def gbps(nbytes: int, seconds: float) -> float:
+    return round(nbytes / seconds / 1e9, 3)
+
+
+async def clear(stub: Any, ns: Namespace) -> None:
+    await stub.Clear(pb.ClearRequest(namespace_id=ns.id), timeout=30, metadata=META)
+
+
+async def store_phases(
+    client: Client,
+    stub: Any,
+    ns: Namespace,
+    chain: list[BlockHash],
+    blocks: list[npt.NDArray[np.uint8]],
+) -> dict[str, float]:
+    """What `Client.store` does, phase by phase: Reserve RPC, copy into the slots, Commit RPC.
+
+    Same RPCs under the client's lease and the same `copy_block` the SDK uses,
+    timed separately so the copy can be compared with numpy.
+    """
+    lease_id, _ = await client.lease.current()
+    t0 = time.perf_counter()
+    resp = await stub.Reserve(
+        pb.ReserveRequest(namespace_id=ns.id, lease_id=lease_id, hashes=chain),
+        timeout=30,
+        metadata=META,
+    )
+    t1 = time.perf_counter()
+    mapping = ns.mapping
+    assert mapping is not None
+    reserved = [
+        (i, e) for i, e in enumerate(resp.entries) if e.status == pb.RESERVE_STATUS_RESERVED
+    ]
+    if len(reserved) != len(chain):
+        raise RuntimeError(f"reserved {len(reserved)} of {len(chain)} blocks; is the pool full?")
+    for i, entry in reserved:
+        copy_block(blocks[i], mapping.buffer(SlotId(entry.location.slot)))
+    t2 = time.perf_counter()
+    commit = await stub.Commit(
+        pb.CommitRequest(
+            namespace_id=ns.id, lease_id=lease_id, hashes=[e.hash for _, e in reserved]
+        ),
+        timeout=30,
+        metadata=META,
+    )
+    t3 = time.perf_counter()
+    if commit.committed != len(chain):
+        raise RuntimeError(f"committed {commit.committed} of {len(chain)}")
+    return {"reserve": t1 - t0, "copy": t2 - t1, "commit": t3 - t2, "total": t3 - t0}
+
+
+async def load_phases(
+    client: Client, ns: Namespace, chain: list[BlockHash], dst: list[npt.NDArray[np.uint8]]
+) -> dict[str, float]:
+    """Lookup+pin, copy out of the pinned numpy views, Release; each phase timed."""
+    t0 = time.perf_counter()
+    hit = await client.lookup(ns, hashes=chain, pin=True)
+    t1 = time.perf_counter()
+    if hit.hit_blocks != len(chain):
+        raise RuntimeError(f"expected a full hit, got {hit.hit_blocks}/{len(chain)}")
+    for target, view in zip(dst, hit.numpy_views(), strict=True):
+        np.copyto(target, view.reshape(-1).view(np.uint8))
+    t2 = time.perf_counter()
+    await client.release(hit)
+    t3 = time.perf_counter()
+    return {"lookup": t1 - t0, "copy": t2 - t1, "release": t3 - t2, "total": t3 - t0}
+
+
+def numpy_copy(src: list[npt.NDArray[np.uint8]], dst: list[npt.NDArray[np.uint8]]) -> float:
+    start = time.perf_counter()
+    for target, block in zip(dst, src, strict=True):
+        np.copyto(target, block)
+    return time.perf_counter() - start
+
+
+def best_and_median(runs: list[dict[str, float]], nbytes: int) -> dict[str, Any]:
+    """Per phase: best and median milliseconds; GB/s of the copy and of the whole."""
+    out: dict[str, Any] = {}
+    for phase in runs[0]:
+        values = [r[phase] for r in runs]
+        out[f"{phase}_ms"] = {
+            "best": round(min(values) * 1e3, 2),
+            "median": round(statistics.median(values) * 1e3, 2),
+        }
+    out["copy_gbps_best"] = gbps(nbytes, min(r["copy"] for r in runs))
+    out["copy_gbps_median"] = gbps(nbytes, statistics.median(r["copy"] for r in runs))
+    out["end_to_end_gbps_median"] = gbps(nbytes, statistics.median(r["total"] for r in runs))
+    return out
+
+
+async def bench_bandwidth(
+    client: Client, stub: Any, ns: Namespace, chain: list[BlockHash], args: Any
+) -> dict[str, Any]:
+    block_bytes = ns.block_bytes
+    nbytes = block_bytes * len(chain)
+    rng = np.random.default_rng(0)
+    src_all = rng.integers(0, 256, size=nbytes, dtype=np.uint8)
+    dst_all = np.empty(nbytes, dtype=np.uint8)
+    dst_all.fill(1)  # fault every page in, as the server pre-faults its pool
+    src = [src_all[i * block_bytes : (i + 1) * block_bytes] for i in range(len(chain))]
+    dst = [dst_all[i * block_bytes : (i + 1) * block_bytes] for i in range(len(chain))]
+
+    stores: list[dict[str, float]] = []
+    sdk_stores: list[float] = []
+    loads: list[dict[str, float]] = []
+    baseline: list[float] = []
+    for rep in range(args.repeats + 1):  # rep 0 warms up
+        await clear(stub, ns)
+        phases = await store_phases(client, stub, ns, chain, src)
+        await clear(stub, ns)
+        start = time.perf_counter()
+        result = await client.store(ns, hashes=chain, blocks=src)
+        sdk = time.perf_counter() - start
+        if result.committed != len(chain):
+            raise RuntimeError(f"SDK store committed {result.committed} of {len(chain)}")
+        dst_all.fill(0)
+        loaded = await load_phases(client, ns, chain, dst)
+        if rep == 0 and not np.array_equal(dst_all, src_all):
+            raise RuntimeError("loaded bytes differ from the stored bytes")
+        copy = numpy_copy(src, dst)
+        if rep:
+            stores.append(phases)
+            sdk_stores.append(sdk)
+            loads.append(loaded)
+            baseline.append(copy)
+
+    numpy_best = min(baseline)
+    numpy_median = statistics.median(baseline)
+    store = best_and_median(stores, nbytes)
+    load = best_and_median(loads, nbytes)
+    store["sdk_store_ms"] = {
+        "best": round(min(sdk_stores) * 1e3, 2),
+        "median": round(statistics.median(sdk_stores) * 1e3, 2),
+    }
+    store["sdk_store_gbps_median"] = gbps(nbytes, statistics.median(sdk_stores))
+    return {
+        "blocks": len(chain),
+        "bytes": nbytes,
+        "repeats": args.repeats,
+        "numpy_copy": {
+            "best_ms": round(numpy_best * 1e3, 2),
+            "median_ms": round(numpy_median * 1e3, 2),
+            "gbps_best": gbps(nbytes, numpy_best),
+            "gbps_median": gbps(nbytes, numpy_median),
+        },
+        "store": store,
+        "load": load,
+        "store_copy_time_over_numpy_median": round(
+            statistics.median(r["copy"] for r in stores) / numpy_median, 2
+        ),
+        "load_copy_time_over_numpy_median": round(
+            statistics.median(r["copy"] for r in loads) / numpy_median, 2
+        ),
+        "store_end_to_end_time_over_numpy_median": round(
+            statistics.median(r["total"] for r in stores) / numpy_median, 2
+        ),
+        "load_end_to_end_time_over_numpy_median": round(
+            statistics.median(r["total"] for r in loads) / numpy_median, 2
+        ),
+    }
+
+
+# --- main --------------------------------------------------------------------------
+
+
+def machine() -> dict[str, Any]:
+    return {
+        "cpu_count": os.cpu_count(),
+        "affinity_cpus": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+        "platform": platform.platform(),
+        "processor": platform.machine(),
+        "python": sys.version.split()[0],
+        "grpc": grpc.__version__,
+        "protobuf": google.protobuf.__version__,
+        "numpy": np.__version__,
+    }
+
+
+async def run(args: argparse.Namespace, target: str) -> dict[str, Any]:
+    layout = KVLayout(
+        num_layers=args.layers,
+        num_kv_heads=args.kv_heads,
+        head_dim=args.head_dim,
+        block_size=args.block_size,
+        dtype=args.dtype,
+    )
+    pool_bytes = layout.block_bytes * args.blocks
+    async with (
+        Client(target, tenant=TENANT, timeout=60.0, lease_ttl=120.0) as client,
+        grpc.aio.insecure_channel(target) as channel,
+    ):
+        stub = kvstore_pb2_grpc.KVStoreStub(channel)
+        ns = await client.register_namespace("bench-service", layout, capacity_bytes=pool_bytes)
+        if ns.capacity < args.blocks:
+            raise RuntimeError(f"the pool holds {ns.capacity} blocks, {args.blocks} needed")
+        rng = np.random.default_rng(1)
+        tokens = rng.integers(1, 128_000, size=args.blocks * args.block_size).tolist()
+        chain = ns.hash(tokens)
+        bandwidth = await bench_bandwidth(client, stub, ns, chain, args)
+        # The chain is stored (READY) after the bandwidth runs: every lookup is a full hit.
+        latency = await bench_latency(client, ns, tokens, chain, args)
+        stats = await client.stats()
+    return {
+        "layout": {
+            "num_layers": layout.num_layers,
+            "num_kv_heads": layout.num_kv_heads,
+            "head_dim": layout.head_dim,
+            "block_size": layout.block_size,
+            "dtype": layout.dtype,
+            "block_shape": list(layout.block_shape),
+            "block_bytes": layout.block_bytes,
+            "chain_blocks": args.blocks,
+            "chain_tokens": len(tokens),
+        },
+        "lookup_vs_ping": latency,
+        "bandwidth": bandwidth,
+        "node_after": {
+            "leases": stats.leases,
+            "pinned": stats.pinned,
+            "writing": stats.writing,
+        },
+    }
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.bench_service")
+    parser.add_argument("--blocks", type=int, default=512, help="blocks per chain")
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--kv-heads", type=int, default=8)
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--block-size", type=int, default=16, help="tokens per block")
+    parser.add_argument("--dtype", default="float16")
+    parser.add_argument(
+        "--iterations", type=int, default=512, help="timed lookups (and pings) per concurrency"
+    )
+    parser.add_argument(
+        "--concurrency", type=lambda s: [int(c) for c in s.split(",")], default=[1, 64]
+    )
+    parser.add_argument("--repeats", type=int, default=5, help="timed bandwidth runs")
+    parser.add_argument("--shm-dir", default="/dev/shm" if os.path.isdir("/dev/shm") else None)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    layout_bytes = (
+        2 * args.layers * args.kv_heads * args.head_dim * args.block_size * 2 * args.blocks
+    )
+    capacity = f"{max(64 * MiB, 2 * layout_bytes) // MiB}MiB"
+    started = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="kvstore-bench-", dir=args.shm_dir) as shm:
+        server = ServerProcess.start(shm, capacity=capacity, prefix_stem="kvbench")
+        try:
+            report = asyncio.run(run(args, server.target))
+        finally:
+            status = server.stop()
+        report["server_exit_status"] = status
+    report["machine"] = machine()
+    report["wall_seconds"] = round(time.perf_counter() - started, 1)
+    print(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,225 @@
+"""Fixtures of the e2e tests: a real server process and real runner processes.
+
+- ``kv_node``: ``python -m service`` on a free port with its pools in a fresh
+  directory on tmpfs; the port comes from its "listening on" line, readiness
+  from gRPC health. Teardown sends SIGTERM and asserts exit status 0 and that
+  its pool files are gone.
+- `run_runner` runs ``python -m tests.e2e.runner`` to completion and returns
+  its JSON; `LiveRunner` is one that keeps running (pins held, to be killed).
+- `node_stats` / `wait_for_stats`: the node's Stats, and a bounded poll on it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+
+from benchmarks._server import ServerProcess
+from kvstore.v1 import kvstore_pb2 as pb
+from kvstore.v1 import kvstore_pb2_grpc
+
+ROOT = Path(__file__).resolve().parents[2]
+"""Repository root: runners start there so ``-m tests.e2e.runner`` resolves."""
+
+RUNNER = [sys.executable, "-m", "tests.e2e.runner"]
+
+RUNNER_TIMEOUT = 60.0
+"""Longest a runner may take before the test fails (none should come close)."""
+
+
+def _shm_parent() -> str | None:
+    return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
+
+
+@pytest.fixture
+def kv_node() -> Iterator[ServerProcess]:
+    """A kvstore server process, stopped with SIGTERM after the test."""
+    with tempfile.TemporaryDirectory(prefix="kvstore-e2e-", dir=_shm_parent()) as shm:
+        server = ServerProcess.start(shm, capacity="64MiB", prefix_stem="kve2e")
+        try:
+            yield server
+        finally:
+            status = server.stop()
+            leftovers = server.pool_files()
+            log_tail = server.log_tail()
+        assert status == 0, f"server exited with {status}:\n{log_tail}"
+        assert leftovers == [], f"pool files left after shutdown: {leftovers}"
+
+
+def runner_argv(target: str, command: str, *args: str, **options: Any) -> list[str]:
+    """``python -m tests.e2e.runner --target ... [--option value] command args``."""
+    argv = [*RUNNER, "--target", target]
+    for name, value in options.items():
+        if value is not None:
+            argv += ["--" + name.replace("_", "-"), str(value)]
+    return [*argv, command, *args]
+
+
+def run_runner(
+    target: str, command: str, *args: str, timeout: float = RUNNER_TIMEOUT, **options: Any
+) -> dict[str, Any]:
+    """Run one runner process to completion; its last stdout line, parsed."""
+    proc = subprocess.run(
+        runner_argv(target, command, *args, **options),
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        stdin=subprocess.DEVNULL,
+    )
+    assert proc.returncode == 0, f"runner {command} failed ({proc.returncode}):\n{proc.stderr}"
+    doc: dict[str, Any] = json.loads(proc.stdout.strip().splitlines()[-1])
+    return doc
+
+
+def run_ops(target: str, program: list[dict[str, Any]], **options: Any) -> list[dict[str, Any]]:
+    """Run a runner process over a list of store / lookup operations; their results."""
+    results: list[dict[str, Any]] = run_runner(
+        target, "ops", "--program", json.dumps(program), **options
+    )["results"]
+    return results
+
+
+class LiveRunner:
+    """A runner process that keeps running; its JSON lines arrive on a queue."""
+
+    def __init__(self, target: str, command: str, *args: str, **options: Any) -> None:
+        self.process = subprocess.Popen(
+            runner_argv(target, command, *args, **options),
+            cwd=ROOT,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        self._lines: queue.Queue[str] = queue.Queue()
+        self._stderr: list[str] = []
+        self._threads = [
+            threading.Thread(target=self._pump_stdout, daemon=True),
+            threading.Thread(target=self._pump_stderr, daemon=True),
+        ]
+        for thread in self._threads:
+            thread.start()
+
+    def _pump_stdout(self) -> None:
+        assert self.process.stdout is not None
+        for line in self.process.stdout:
+            self._lines.put(line)
+
+    def _pump_stderr(self) -> None:
+        assert self.process.stderr is not None
+        self._stderr.extend(self.process.stderr)
+
+    @property
+    def stderr(self) -> str:
+        return "".join(self._stderr)
+
+    def wait_event(self, event: str, timeout: float = RUNNER_TIMEOUT) -> dict[str, Any]:
+        """The next JSON line whose ``event`` is ``event`` (bounded wait)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise AssertionError(f"no {event!r} line in {timeout} s:\n{self.stderr}")
+            try:
+                line = self._lines.get(timeout=min(remaining, 0.2))
+            except queue.Empty:
+                if self.process.poll() is not None and self._lines.empty():
+                    raise AssertionError(
+                        f"runner exited with {self.process.returncode} before {event!r}:\n"
+                        + self.stderr
+                    ) from None
+                continue
+            doc: dict[str, Any] = json.loads(line)
+            if doc.get("event") == event:
+                return doc
+
+    def send(self, line: str) -> None:
+        assert self.process.stdin is not None
+        self.process.stdin.write(line + "\n")
+        self.process.stdin.flush()
+
+    def kill(self) -> int:
+        """SIGKILL: no cleanup runs in the runner (no Release, no CloseLease)."""
+        self.process.send_signal(signal.SIGKILL)
+        return self.wait()
+
+    def wait(self, timeout: float = RUNNER_TIMEOUT) -> int:
+        status = self.process.wait(timeout)
+        for thread in self._threads:
+            thread.join(5)
+        for stream in (self.process.stdin, self.process.stdout, self.process.stderr):
+            if stream is not None:
+                stream.close()
+        return status
+
+    def stop(self) -> None:
+        """Kill it if still running (test teardown)."""
+        if self.process.poll() is None:
+            self.process.kill()
+        self.wait()
+
+
+@pytest.fixture
+def live_runners() -> Iterator[Callable[..., LiveRunner]]:
+    """Start `LiveRunner`s; any still running at teardown is killed."""
+    started: list[LiveRunner] = []
+
+    def start(target: str, command: str, *args: str, **options: Any) -> LiveRunner:
+        runner = LiveRunner(target, command, *args, **options)
+        started.append(runner)
+        return runner
+
+    yield start
+    for runner in started:
+        runner.stop()
+
+
+def node_stats(target: str, tenant: str | None = None) -> pb.StatsResponse:
+    """The node's Stats, over a fresh channel."""
+    metadata = (("x-kvstore-tenant", tenant),) if tenant else ()
+    with grpc.insecure_channel(target) as channel:
+        stats: pb.StatsResponse = kvstore_pb2_grpc.KVStoreStub(channel).Stats(
+            pb.StatsRequest(), timeout=5.0, metadata=metadata
+        )
+    return stats
+
+
+def wait_for_stats(
+    target: str,
+    condition: Callable[[pb.StatsResponse], bool],
+    *,
+    timeout: float,
+    what: str,
+    interval: float = 0.05,
+) -> pb.StatsResponse:
+    """Poll Stats until ``condition`` holds; fail with the last Stats after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        stats = node_stats(target)
+        if condition(stats):
+            return stats
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}; last:\n{stats}")
+        time.sleep(interval)
+
+
+def namespace_stats(stats: pb.StatsResponse, namespace_id: str) -> pb.NamespaceStats:
+    """One namespace's entry of a Stats answer."""
+    for ns in stats.namespaces:
+        if ns.namespace_id == namespace_id:
+            return ns
+    raise AssertionError(f"namespace {namespace_id} not in Stats: {stats}")
