@@ -40,6 +40,8 @@ class Config:
     """gRPC port; 0 picks a free one (tests)."""
     metrics_port: int = 9400
     """Prometheus metrics port; 0 turns the endpoint off."""
+    device: str = "cpu"
+    """Where pools live: "cpu" (shared-memory files) or a GPU, "cuda:N" or "cuda:GPU-<uuid>"."""
     capacity_bytes: int = 1 << 30
     """Node memory budget shared by all namespace pools (sizes like 64MiB, 1GiB, 512M)."""
     namespace_capacity_bytes: int = 256 << 20
@@ -74,6 +76,36 @@ class Config:
     """Most namespaces this node holds."""
     log_level: str = "INFO"
     """Python logging level: DEBUG, INFO, WARNING, ERROR."""
+    admin_token: str = ""
+    """Bearer token of the admin verbs (Evict, Clear); empty allows them from loopback only."""
+    stats_sample_seconds: float = 5.0
+    """Seconds between the hit-rate samples the node's web page plots (last 360 kept)."""
+    redis_url: str = ""
+    """Redis holding the cluster metadata (redis://host:6379/0); empty = a node without Redis."""
+    redis_cluster: bool = False
+    """Treat redis_url as a Redis Cluster node (keys carry hash tags; see docs/cluster.md)."""
+    redis_key_prefix: str = "kvstore"
+    """Prefix (and hash tag) of every Redis key; nodes of one cluster share it."""
+    redis_timeout: float = 1.0
+    """Seconds one Redis command may take before the node counts Redis as down."""
+    heartbeat_seconds: float = 1.0
+    """Seconds between registry heartbeats (and directory lease refreshes)."""
+    node_ttl_seconds: float = 5.0
+    """A node silent this long vanishes from the registry and the directory."""
+    directory_flush_seconds: float = 0.05
+    """Longest delay before a committed or evicted block reaches the directory."""
+    directory_queue_blocks: int = 100_000
+    """Directory changes buffered while Redis is away; beyond this the node resyncs fully."""
+    event_stream_maxlen: int = 100_000
+    """Approximate length bound of the cluster event stream."""
+    advertise_address: str = ""
+    """host:port peers reach this node's gRPC at; empty = host and the bound port."""
+    cluster_token: str = ""
+    """Secret peers present to FetchBlocks (x-kvstore-peer-token); empty = any caller."""
+    peer_fetch_concurrency: int = 4
+    """Peer fetches running at once; more lookups with allow_remote are served locally."""
+    peer_fetch_timeout: float = 5.0
+    """Seconds a peer fetch (locate + stream) may take before it counts as a miss."""
 
 
 class ConfigError(ValueError):
@@ -199,6 +231,18 @@ def _log_level(value: object) -> str:
     return level
 
 
+def _device(value: object) -> str:
+    text = _parse_str(value).strip()
+    if text.lower() == "cpu":
+        return "cpu"
+    if text.lower() == "cuda":
+        return "cuda:0"
+    rest = text[len("cuda:") :] if text.lower().startswith("cuda:") else text
+    if rest.isdigit() or (rest.upper().startswith(("GPU-", "MIG-")) and len(rest) > 4):
+        return f"cuda:{rest}"
+    raise ValueError(f"expected cpu, cuda:N or cuda:GPU-<uuid>, got {value!r}")
+
+
 def _file_mode(value: object) -> int:
     mode = _parse_int(value) if not isinstance(value, str) else int(value, 8)
     if not 0 <= mode <= 0o777:
@@ -210,6 +254,7 @@ _PARSERS: dict[str, Callable[[object], object]] = {
     "host": _parse_str,
     "port": _port,
     "metrics_port": _port,
+    "device": _device,
     "capacity_bytes": _positive(parse_size),
     "namespace_capacity_bytes": _positive(parse_size),
     "arena_bytes": _positive(parse_size),
@@ -227,6 +272,21 @@ _PARSERS: dict[str, Callable[[object], object]] = {
     "max_chain_blocks": _positive(_parse_int),
     "max_namespaces": _positive(_parse_int),
     "log_level": _log_level,
+    "admin_token": _parse_str,
+    "stats_sample_seconds": _positive_float,
+    "redis_url": _parse_str,
+    "redis_cluster": _parse_bool,
+    "redis_key_prefix": _parse_str,
+    "redis_timeout": _positive_float,
+    "heartbeat_seconds": _positive_float,
+    "node_ttl_seconds": _positive_float,
+    "directory_flush_seconds": _positive_float,
+    "directory_queue_blocks": _positive(_parse_int),
+    "event_stream_maxlen": _positive(_parse_int),
+    "advertise_address": _parse_str,
+    "cluster_token": _parse_str,
+    "peer_fetch_concurrency": _positive(_parse_int),
+    "peer_fetch_timeout": _positive_float,
 }
 
 
@@ -313,6 +373,16 @@ def check(config: Config) -> None:
         raise ConfigError(
             f"lease_ttl_default ({config.lease_ttl_default}) exceeds "
             f"lease_ttl_max ({config.lease_ttl_max})"
+        )
+    if config.redis_url and not config.salt_secret:
+        raise ConfigError(
+            "redis_url is set but salt_secret is not: every node of a cluster must share one "
+            "salt_secret (KVSTORE_SALT_SECRET), or tenant hashes differ from node to node"
+        )
+    if config.heartbeat_seconds >= config.node_ttl_seconds:
+        raise ConfigError(
+            f"heartbeat_seconds ({config.heartbeat_seconds}) must be below "
+            f"node_ttl_seconds ({config.node_ttl_seconds})"
         )
     if config.namespace_capacity_bytes > config.capacity_bytes:
         log.info("namespace_capacity_bytes exceeds capacity_bytes; namespaces get what is left")

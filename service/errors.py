@@ -59,6 +59,13 @@ class ResourceExhausted(core.LimitExceeded):
     """The node's memory budget cannot hold what was asked for."""
 
 
+class Unauthenticated(core.PermissionDenied):
+    """The call carries no credentials where some are required."""
+
+
+STATUS_OF[Unauthenticated] = grpc.StatusCode.UNAUTHENTICATED
+
+
 def status_code_of(exc: core.KVStoreError) -> grpc.StatusCode:
     """The status code of a core error: its most specific class in `STATUS_OF`."""
     for cls in type(exc).__mro__:

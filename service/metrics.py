@@ -9,14 +9,16 @@ own `CollectorRegistry`, so tests can run several servers in one process.
 from __future__ import annotations
 
 import logging
+import socket
 import threading
-from collections.abc import Callable, Iterator
-from wsgiref.simple_server import WSGIServer
+from collections.abc import Callable, Iterable, Iterator
+from wsgiref.simple_server import WSGIServer, make_server
 
 import grpc
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client import start_http_server as _start_http_server
+from prometheus_client import make_wsgi_app as _make_wsgi_app
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.exposition import ThreadingWSGIServer, _SilentHandler
 from prometheus_client.registry import Collector
 
 from kvstore.store import StoreStats
@@ -25,6 +27,12 @@ log = logging.getLogger(__name__)
 
 Snapshot = Callable[[], StoreStats | None]
 """Returns a consistent store snapshot (None when it cannot be taken now)."""
+
+WsgiApp = Callable[..., Iterable[bytes]]
+"""A WSGI application (``app(environ, start_response)``)."""
+
+NodeInfo = Callable[[], dict[str, float]]
+"""Node-wide gauges read at scrape time: capacity_bytes, allocated_bytes, uptime_seconds."""
 
 
 class _StoreCollector(Collector):
@@ -60,6 +68,26 @@ class _StoreCollector(Collector):
         yield capacity
         yield evictions
         yield GaugeMetricFamily("kvstore_leases", "Live leases", value=stats.leases)
+        yield GaugeMetricFamily(
+            "kvstore_lease_pins", "Pins held by leases, counting repeats",
+            value=stats.pinned_by_leases,
+        )  # fmt: skip
+
+
+class _NodeCollector(Collector):
+    """Node-wide gauges (memory budget, uptime) read at scrape time."""
+
+    def __init__(self, node_info: NodeInfo) -> None:
+        self._node_info = node_info
+
+    def collect(self) -> Iterator[Metric]:
+        info = self._node_info()
+        for name, doc in (
+            ("capacity_bytes", "The node's memory budget"),
+            ("allocated_bytes", "Memory carved into namespace pools"),
+            ("uptime_seconds", "Seconds since the node started"),
+        ):
+            yield GaugeMetricFamily(f"kvstore_node_{name}", doc, value=info[name])
 
 
 class Metrics:
@@ -95,6 +123,10 @@ class Metrics:
         self._http: WSGIServer | None = None
         self._thread: threading.Thread | None = None
 
+    def add_node_info(self, node_info: NodeInfo) -> None:
+        """Export ``kvstore_node_capacity_bytes``, ``_allocated_bytes``, ``_uptime_seconds``."""
+        self.registry.register(_NodeCollector(node_info))
+
     def observe_rpc(self, method: str, seconds: float, code: grpc.StatusCode) -> None:
         """Record one finished RPC."""
         self.rpc_duration.labels(method).observe(seconds)
@@ -115,9 +147,26 @@ class Metrics:
         """The text exposition of every metric (what a scrape returns)."""
         return generate_latest(self.registry)
 
-    def start_http(self, host: str, port: int) -> int:
-        """Serve ``/metrics`` on ``host:port`` in a daemon thread; returns the bound port."""
-        server, thread = _start_http_server(port, addr=host, registry=self.registry)
+    def wsgi_app(self) -> WsgiApp:
+        """The WSGI app that answers scrapes (any path)."""
+        app: WsgiApp = _make_wsgi_app(self.registry)
+        return app
+
+    def start_http(self, host: str, port: int, app: WsgiApp | None = None) -> int:
+        """Serve ``app`` (default: `wsgi_app`) on ``host:port`` in a daemon thread.
+
+        Returns:
+            The bound port.
+        """
+
+        class _Server(ThreadingWSGIServer):
+            address_family = socket.AF_INET6 if ":" in host else socket.AF_INET
+
+        server = make_server(
+            host, port, app or self.wsgi_app(), _Server, handler_class=_SilentHandler
+        )
+        thread = threading.Thread(target=server.serve_forever, name="kvstore-http", daemon=True)
+        thread.start()
         self._http, self._thread = server, thread
         bound: int = server.server_port
         log.info("metrics on http://%s:%d/metrics", host, bound)

@@ -13,6 +13,7 @@ import concurrent.futures
 import logging
 import time
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -32,6 +33,10 @@ from service.event_hub import EventHub
 from service.metrics import Metrics
 from service.pools import PoolManager
 from service.tenancy import ChainRoots, TenantResolver
+
+if TYPE_CHECKING:
+    from service.peer_fetch import PeerFetcher
+    from service.redis_agent import RedisAgent
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +75,10 @@ class Node:
         self.loop: asyncio.AbstractEventLoop | None = None
         """The loop that drives the store; set by the server when it starts."""
         self.metrics = Metrics(self.snapshot)
+        self.cluster: RedisAgent | None = None
+        """The node's Redis agent when `redis_url` is set (the server starts it)."""
+        self.peers: PeerFetcher | None = None
+        """Fetches missed blocks from peers; set with `cluster`."""
         self.started = clock()
         self._register_lock = asyncio.Lock()
 
@@ -171,9 +180,11 @@ class Node:
     # --- events, expiry, snapshots ------------------------------------------------
 
     def publish_events(self) -> None:
-        """Fan out the store's pending events to watchers (later also to Redis)."""
+        """Fan out the store's pending events to watchers and to the Redis agent (queued)."""
         for ev in self.store.take_events():
             self.events.publish(ev.namespace, convert.event(ev, self.node_id, self.to_unix))
+            if self.cluster is not None:
+                self.cluster.publish(ev, self.to_unix(ev.at))
 
     def expire(self) -> ExpiryReport:
         """End every lease past its deadline; counts them and publishes events."""

@@ -1,11 +1,17 @@
-"""The node's memory budget, carved into one host pool per namespace.
+"""The node's memory budget, carved into one pool per namespace on the node's device.
 
-`PoolManager` creates a `HostPool` when a namespace is registered, sized
+`PoolManager` creates a pool when a namespace is registered (a `HostPool`
+for ``device = "cpu"``, a `CudaPool` on the configured GPU otherwise), sized
 ``min(requested or the default share, what is left of the budget)`` rounded
 down to whole blocks, and closes (unlinks) every pool on shutdown. Pool
 files of dead servers are removed at start (`cleanup_stale`). The epoch is
 random per server start, so a runner can tell a restarted node's pools from
 the ones it mapped before.
+
+A CUDA node checks its GPU when the manager is built (at server start): no
+cupy, no GPU or not that GPU is a `ConfigError` naming the device, which the
+server reports in one line with exit code 2. One node serves one GPU; run a
+node per GPU (see docs/cuda.md).
 """
 
 from __future__ import annotations
@@ -13,10 +19,13 @@ from __future__ import annotations
 import logging
 import secrets
 
-from kvstore.pool.base import BlockPool
+from kvstore.errors import InvalidArgument
+from kvstore.pool.base import BlockPool, PoolUnavailable
+from kvstore.pool.cuda import CudaDevice, CudaPool, find_device
+from kvstore.pool.cuda_runtime import CudaRuntime, default_runtime
 from kvstore.pool.host import HostPool, cleanup_stale
 from kvstore.types import NamespaceId
-from service.config import Config
+from service.config import Config, ConfigError
 from service.errors import ResourceExhausted
 
 log = logging.getLogger(__name__)
@@ -30,14 +39,36 @@ def new_epoch() -> int:
 class PoolManager:
     """Owns every namespace pool of the node and the memory budget they share."""
 
-    def __init__(self, config: Config, epoch: int | None = None) -> None:
+    def __init__(
+        self, config: Config, epoch: int | None = None, cuda_runtime: CudaRuntime | None = None
+    ) -> None:
+        """Check the device and start with no pools.
+
+        Args:
+            config: the node's configuration (``device``, budget, arena size).
+            epoch: the pool epoch; random when None.
+            cuda_runtime: the CUDA runtime for a GPU device (default: cupy's).
+
+        Raises:
+            ConfigError: ``device`` names a GPU this process cannot use.
+        """
         self.config = config
         self.epoch = epoch if epoch is not None else new_epoch()
         self.capacity_bytes = config.capacity_bytes
         self._pools: dict[NamespaceId, BlockPool] = {}
+        self.cuda_runtime: CudaRuntime | None = None
+        self.cuda_device: CudaDevice | None = None
+        """The GPU of the pools; None for host pools."""
+        if config.device != "cpu":
+            self.cuda_runtime, self.cuda_device = _open_device(config, cuda_runtime)
 
     def cleanup(self) -> list[str]:
-        """Remove pool files of server processes that are gone; returns their paths."""
+        """Remove pool files of server processes that are gone; returns their paths.
+
+        Only host pools leave files; a dead process's GPU memory is freed by the driver.
+        """
+        if self.cuda_device is not None:
+            return []
         removed = cleanup_stale(self.config.shm_dir, self.config.pool_prefix)
         if removed:
             log.info("removed %d stale pool files from %s", len(removed), self.config.shm_dir)
@@ -76,6 +107,16 @@ class PoolManager:
         Touches only the file system and new memory, so it may run in a worker
         thread (prefaulting a large pool takes a while); `adopt` it afterwards.
         """
+        if self.cuda_device is not None:
+            return CudaPool.create(
+                namespace,
+                block_bytes,
+                capacity,
+                self.epoch,
+                device=self.cuda_device.uuid,
+                arena_bytes=self.config.arena_bytes,
+                runtime=self.cuda_runtime,
+            )
         return HostPool.create(
             namespace,
             block_bytes,
@@ -123,3 +164,14 @@ class PoolManager:
                 pool.close()
             except Exception:
                 log.exception("closing the pool of namespace %s failed", namespace)
+
+
+def _open_device(config: Config, runtime: CudaRuntime | None) -> tuple[CudaRuntime, CudaDevice]:
+    """The runtime and GPU of a CUDA node; every failure is a one-line `ConfigError`."""
+    try:
+        runtime = runtime or default_runtime()
+        device = find_device(runtime, config.device)
+    except (PoolUnavailable, InvalidArgument) as exc:
+        raise ConfigError(f"device {config.device}: {exc}") from None
+    log.info("pools on GPU %s (ordinal %d here)", device.uuid, device.ordinal)
+    return runtime, device

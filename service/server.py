@@ -26,7 +26,9 @@ from grpc_reflection.v1alpha import reflection
 from kvstore.v1 import kvstore_pb2, kvstore_pb2_grpc
 from service.config import Config, ConfigError, load_config, resolve
 from service.node import Clock, Node
+from service.redis_agent import start_cluster, stop_cluster
 from service.servicer import KVStoreServicer
+from service.web import HitRateHistory, WebApp, on_loop, sample_forever
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +65,9 @@ class Server:
         self.metrics_port = 0
         self._grpc: Any = None
         self._expiry: asyncio.Task[None] | None = None
+        self.history = HitRateHistory()
+        """Hit-rate samples that the web page on the metrics port plots."""
+        self._sampler: asyncio.Task[None] | None = None
 
     @property
     def address(self) -> str:
@@ -99,11 +104,32 @@ class Server:
         self._grpc = server
         for name in ("", SERVICE_NAME):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        node.metrics.add_node_info(self._node_info)
+        self._sampler = asyncio.create_task(
+            sample_forever(node, self.history, self.config.stats_sample_seconds),
+            name="kvstore-stats-sampler",
+        )
         if self.config.metrics_port:
-            self.metrics_port = node.metrics.start_http(self.config.host, self.config.metrics_port)
+            web = WebApp(node, self.history, node.metrics.wsgi_app())
+            self.metrics_port = node.metrics.start_http(
+                self.config.host, self.config.metrics_port, web
+            )
         self._expiry = asyncio.create_task(self._expire_leases(), name="kvstore-lease-expiry")
+        await start_cluster(node, self.address)  # no-op without redis_url
         log.info("node %s serving on %s (pool epoch %d)", node.node_id, self.address, node.epoch)
         return self.port
+
+    def _node_info(self) -> dict[str, float]:
+        """Node-wide gauges for the metrics (read on the loop: the pools change there)."""
+        node = self.node
+        return on_loop(
+            node,
+            lambda: {
+                "capacity_bytes": node.pools.capacity_bytes,
+                "allocated_bytes": node.pools.allocated_bytes,
+                "uptime_seconds": node.now() - node.started,
+            },
+        )
 
     async def _expire_leases(self) -> None:
         """Sleep until the next lease deadline (at most one tick), then expire."""
@@ -123,12 +149,18 @@ class Server:
         """Stop serving: NOT_SERVING, end streams, drain for ``grace`` s, close pools."""
         grace = self.config.grace_seconds if grace is None else grace
         await self.health.enter_graceful_shutdown()
+        await stop_cluster(self.node)  # leave the registry first: peers stop routing here
         self.node.events.close()
         if self._expiry is not None:
             self._expiry.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._expiry
             self._expiry = None
+        if self._sampler is not None:
+            self._sampler.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._sampler
+            self._sampler = None
         if self._grpc is not None:
             await self._grpc.stop(grace)
             self._grpc = None
@@ -194,6 +226,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         asyncio.run(serve(config))
     except KeyboardInterrupt:  # a second Ctrl-C during shutdown
         pass
+    except ConfigError as exc:  # e.g. --device cuda:0 without cupy or without that GPU
+        print(f"kvstore-server: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
     except OSError as exc:
         print(f"kvstore-server: {exc}", file=sys.stderr)
         raise SystemExit(1) from None

@@ -21,6 +21,7 @@ from service.errors import FieldError, guard_unary
 from service.servicer_admin import AdminRpcs
 from service.servicer_blocks import BlockRpcs
 from service.servicer_data import DataRpcs
+from service.servicer_peer import PeerRpcs
 
 log = logging.getLogger(__name__)
 
@@ -33,7 +34,7 @@ def new_lease_id() -> LeaseId:
             return LeaseId(value)
 
 
-class KVStoreServicer(BlockRpcs, DataRpcs, AdminRpcs, kvstore_pb2_grpc.KVStoreServicer):
+class KVStoreServicer(BlockRpcs, DataRpcs, AdminRpcs, PeerRpcs, kvstore_pb2_grpc.KVStoreServicer):
     """The whole KVStore service of one node."""
 
     # --- leases -----------------------------------------------------------------

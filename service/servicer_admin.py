@@ -8,13 +8,13 @@ from typing import Any
 
 from kvstore.errors import FailedPrecondition
 from kvstore.v1 import kvstore_pb2 as pb
-from service import convert, validate
+from service import auth, convert, validate
 from service.errors import FieldError, guard_stream_out, guard_unary
 from service.servicer_base import ServicerBase
 
 
 class AdminRpcs(ServicerBase):
-    """Inspection and admin RPCs of the KVStore service (admin auth comes later)."""
+    """Inspection and admin RPCs of the KVStore service (admin verbs checked by `service.auth`)."""
 
     @guard_unary("Stats")
     async def Stats(self, request: pb.StatsRequest, context: Any) -> pb.StatsResponse:
@@ -71,11 +71,11 @@ class AdminRpcs(ServicerBase):
         """
         node = self.node
         node.tenant(context)
-        if request.cluster:
-            raise FailedPrecondition(
-                "cluster-wide events need Redis, which this node is not configured with"
-            )
         namespace = self.namespace(request.namespace_id) if request.namespace_id else ""
+        if request.cluster:
+            async for event in self._watch_cluster(namespace, context):
+                yield event
+            return
         watcher = node.events.subscribe(namespace)
         try:
             await context.send_initial_metadata(())
@@ -85,6 +85,18 @@ class AdminRpcs(ServicerBase):
             watcher.close()
             if watcher.dropped:
                 node.metrics.watch_dropped.inc(watcher.dropped)
+
+    async def _watch_cluster(self, namespace: str, context: Any) -> AsyncIterator[pb.Event]:
+        """Every node's events from the Redis stream, from the moment of subscription."""
+        agent = self.node.cluster
+        if agent is None:
+            raise FailedPrecondition(
+                "cluster-wide events need Redis, which this node is not configured with"
+            )
+        events = await agent.watch(namespace)
+        await context.send_initial_metadata(())
+        async for event in events:
+            yield event
 
     @guard_unary("Ping")
     async def Ping(self, request: pb.PingRequest, context: Any) -> pb.PingResponse:
@@ -96,6 +108,7 @@ class AdminRpcs(ServicerBase):
         """Evict up to ``blocks`` unpinned blocks, least recently used first."""
         node = self.node
         node.tenant(context)
+        auth.require_admin(context, node.config.admin_token)
         namespace = self.namespace(request.namespace_id)
         if request.blocks == 0:
             raise FieldError("blocks", "must be positive: how many blocks to evict")
@@ -108,6 +121,7 @@ class AdminRpcs(ServicerBase):
         """Remove every unpinned READY block of a namespace."""
         node = self.node
         node.tenant(context)
+        auth.require_admin(context, node.config.admin_token)
         namespace = self.namespace(request.namespace_id)
         report = node.store.clear(namespace, node.now())
         node.publish_events()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvstore.results import BlockRef, ReserveStatus
+from kvstore.results import BlockRef, MissReason, ReserveStatus
 from kvstore.v1 import kvstore_pb2 as pb
 from service import convert, validate
 from service.errors import FieldError, guard_unary
@@ -39,6 +39,22 @@ class BlockRpcs(ServicerBase):
         result = node.store.lookup(
             namespace, tenant, chain, node.now(), lease_id=lease_id, query_tokens=query_tokens
         )
+        if (
+            request.allow_remote
+            and node.peers is not None
+            and result.miss_reason is MissReason.ABSENT
+            and await node.peers.fetch(namespace, tenant, chain, result.hit_blocks)
+        ):
+            # Blocks arrived from a peer: look up again (counted as a second
+            # lookup), then drop the first lookup's pins (one per block).
+            first = result
+            result = node.store.lookup(
+                namespace, tenant, chain, node.now(), lease_id=lease_id, query_tokens=query_tokens
+            )
+            if first.pinned and first.blocks and lease_id is not None:
+                node.store.release(
+                    namespace, tenant, lease_id, [b.hash for b in first.blocks], node.now()
+                )
         pool = node.pool(namespace)
         hit_tokens = result.hit_blocks * table.block_size
         node.metrics.observe_lookup(
