@@ -5,6 +5,8 @@ COPY pyproject.toml README.md ./
 COPY kvstore ./kvstore
 COPY service ./service
 COPY examples ./examples
-RUN pip install --no-cache-dir --extra-index-url https://download.pytorch.org/whl/cpu .
+# torch first and pinned to a CPU build; then the project with the transformers extra.
+RUN pip install --no-cache-dir --index-url https://download.pytorch.org/whl/cpu torch==2.13.0 \
+ && pip install --no-cache-dir ".[hf]"
 EXPOSE 50051 9400
 CMD ["python", "-m", "service"]
