@@ -1,7 +1,7 @@
 """The per-block record of the block table.
 
-One `Block` per resident block: about 200 bytes with its dict entry and hash,
-so a million blocks cost about 200 MB of metadata (measured by
+One `Block` per resident block: about 240 bytes with its dict entry and hash,
+so a million blocks cost about 240 MB of metadata (measured by
 ``benchmarks/bench_core.py``). The record doubles as its own node in the LRU
 list (`prev` / `next`), which is why it is mutable and compared by identity.
 """
@@ -53,6 +53,8 @@ class Block:
     """`now` of the last lookup, commit or release that touched it."""
     created: float = 0.0
     """`now` when it was reserved."""
+    lru_key: int = 0
+    """Position in the namespace's eviction order (see `kvstore.eviction`)."""
     prev: Block | None = field(default=None, repr=False)
     """LRU neighbour towards the eviction end (None when not in the LRU)."""
     next: Block | None = field(default=None, repr=False)

@@ -14,6 +14,12 @@ every step of random interleavings):
 - A block whose parent was removed can no longer be reached by any lookup
   (its hash chains through the parent): when it enters the LRU it goes to
   the eviction end, so it is reclaimed before anything else.
+- The LRU is kept per tenant scope (`kvstore.eviction.ScopedLRU`); the
+  order above holds inside each scope, and the node-wide victim is the best
+  head over the scopes. With a quota, a scope never holds more than its
+  ``max_blocks`` resident blocks: at its quota a reservation evicts the
+  scope's own least recently used block, or gets NO_ROOM, so a tenant at
+  quota never evicts another tenant's blocks.
 
 Pins and writes are recorded in the lease as well as in the block, so ending
 a lease costs O(what it holds).
@@ -22,7 +28,7 @@ a lease costs O(what it holds).
 from __future__ import annotations
 
 from array import array
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
 from kvstore.block import Block, BlockState
 from kvstore.errors import (
@@ -32,10 +38,10 @@ from kvstore.errors import (
     NotWriter,
     StaleSlot,
 )
-from kvstore.events import CacheEvent, EventKind
+from kvstore.events import CacheEvent, EventKind, removed_events, stored_events
+from kvstore.eviction import ScopedLRU
 from kvstore.layout import NamespaceSpec
 from kvstore.lease import Lease
-from kvstore.lru import LRUList
 from kvstore.results import (
     BlockInfo,
     BlockRef,
@@ -43,6 +49,7 @@ from kvstore.results import (
     LookupResult,
     MissReason,
     NamespaceStats,
+    QuotaOf,
     ReserveEntry,
     ReserveResult,
     ReserveStatus,
@@ -62,6 +69,7 @@ class BlockTable:
         shared: bool = False,
         events: list[CacheEvent] | None = None,
         max_pins_per_lease: int = 0,
+        quota: QuotaOf | None = None,
     ) -> None:
         """Create an empty table.
 
@@ -71,6 +79,8 @@ class BlockTable:
             shared: when True all tenants share one scope (operator's choice).
             events: list to append events to (the store's); a private one if None.
             max_pins_per_lease: bound on one lease's pins (0 = unbounded).
+            quota: scope → most resident blocks it may hold here (0 = no
+                quota); asked on every new block, so it may change at runtime.
         """
         if capacity <= 0:
             raise InvalidArgument(f"capacity must be a positive number of blocks, got {capacity}")
@@ -86,7 +96,8 @@ class BlockTable:
         # (its memory is warm in the caches of whoever touched it last).
         self._free: list[SlotId] = [SlotId(s) for s in range(capacity - 1, -1, -1)]
         self._generation = array("Q", bytes(8 * capacity))
-        self._lru = LRUList()
+        self._lru = ScopedLRU()
+        self._quota: Callable[[TenantId], int] | None = quota
         self._writing = 0
         self._pinned = 0
         self._evictions = 0
@@ -202,8 +213,10 @@ class BlockTable:
             block.hits += 1
             block.last_used = now
         if lease is None:
-            self._touch_prefix(hits)
-        self._count_lookup(tenant, len(chain), len(hits), reason, query_tokens)
+            self._lru.touch_prefix(hits)
+        self._counters_for(tenant).count_lookup(
+            len(chain), len(hits), reason, self.block_size, query_tokens
+        )
         return LookupResult(
             blocks=tuple(BlockRef(b.hash, b.slot, b.generation) for b in hits),
             pinned=lease is not None,
@@ -218,7 +231,9 @@ class BlockTable:
         Per block, in order: READY → HIT; WRITING under another lease →
         IN_FLIGHT; WRITING under this lease → RESERVED again (idempotent);
         absent → a free slot, or the least recently used evictable block's
-        slot, or NO_ROOM for it and every later block. Blocks of the chain
+        slot, or NO_ROOM for it and every later block. A scope at its quota
+        takes the slot of its own least recently used evictable block, or
+        gets NO_ROOM: it never evicts another scope's blocks. Blocks of the chain
         that are hits are protected from eviction for the duration of the
         call, so reserving a tail never evicts its own prefix.
         """
@@ -250,7 +265,7 @@ class BlockTable:
                         entries.append(ReserveEntry(h, ReserveStatus.IN_FLIGHT))
                     prev = block
                     continue
-                slot = self._allocate(removed)
+                slot = self._allocate(scope, removed)
                 if slot is None:
                     entries.extend(
                         ReserveEntry(rest, ReserveStatus.NO_ROOM) for rest in chain[depth:]
@@ -390,7 +405,7 @@ class BlockTable:
             raise InvalidArgument(f"cannot evict a negative number of blocks ({n})")
         removed: list[Block] = []
         for _ in range(n):
-            if not self._evict_one(removed):
+            if not self._evict_one(removed, self._lru.first()):
                 break
         self._emit_removed(removed, now)
         return len(removed)
@@ -401,12 +416,9 @@ class BlockTable:
         Pinned blocks are in use by a runner that has their memory mapped;
         they are dropped when released. Returns what was removed and kept.
         """
-        removed: list[Block] = []
-        while self._lru.first() is not None:
-            block = self._lru.first()
-            assert block is not None
+        removed = list(self._lru)
+        for block in removed:
             self._remove(block)
-            removed.append(block)
         self._emit_removed(removed, now)
         self._events.append(CacheEvent(EventKind.CLEARED, self.namespace, SHARED_SCOPE, (), at=now))
         return ClearReport(
@@ -415,9 +427,18 @@ class BlockTable:
 
     # --- inspection -----------------------------------------------------------
 
-    def iter_blocks(self) -> Iterator[BlockInfo]:
-        """Snapshot of every resident block, scope by scope."""
-        for scope_blocks in list(self._scopes.values()):
+    def resident(self, scope: TenantId | None = None) -> int:
+        """Resident blocks (READY or WRITING) of one scope, or of all."""
+        return len(self) if scope is None else self._resident.get(scope, 0)
+
+    def quota_of(self, scope: TenantId) -> int:
+        """Most blocks ``scope`` may hold here (0 = no quota)."""
+        return self._quota(scope) if self._quota is not None else 0
+
+    def iter_blocks(self, scope: TenantId | None = None) -> Iterator[BlockInfo]:
+        """Snapshot of every resident block (of one scope if given), scope by scope."""
+        groups = list(self._scopes.values()) if scope is None else [self._scopes.get(scope, {})]
+        for scope_blocks in groups:
             for b in list(scope_blocks.values()):
                 yield BlockInfo(
                     hash=b.hash,
@@ -484,54 +505,20 @@ class BlockTable:
             self._pinned -= 1
 
     def _touch(self, touched: Iterable[Block], now: float) -> None:
-        """Mark blocks and their ancestors most recently used, deepest first.
+        """Move blocks and their ancestors to the recently used end (`ScopedLRU.touch`)."""
+        self._lru.touch(touched, now)
 
-        Blocks that are READY and unpinned end up in the LRU; orphans (parent
-        removed) go to its eviction end instead. Cost: O(blocks + ancestors
-        not already visited).
-        """
-        visited: dict[Block, None] = {}
-        for block in touched:
-            node: Block | None = block
-            while node is not None and node not in visited and node.state is not BlockState.FREE:
-                visited[node] = None
-                node = node.parent
-        if not visited:
-            return
-        lru = self._lru
-        for node in sorted(visited, key=_depth, reverse=True):
-            if node.last_used < now:
-                node.last_used = now
-            if node.state is not BlockState.READY or node.refcount:
-                continue
-            if node in lru:
-                lru.remove(node)
-            if node.orphaned:
-                lru.appendleft(node)
-            else:
-                lru.append(node)
-
-    def _touch_prefix(self, prefix: list[Block]) -> None:
-        """`_touch` for a run of blocks that starts at depth 0 (a lookup's hits).
-
-        Every ancestor of a block of the run is in the run, so no walk is
-        needed: moving the run to the most recent end deepest first is the
-        whole job. This is the hot path of every unpinned lookup.
-        """
-        lru = self._lru
-        for node in reversed(prefix):
-            if node.refcount:
-                continue
-            lru.remove(node)
-            lru.append(node)
-
-    def _allocate(self, removed: list[Block]) -> SlotId | None:
-        if not self._free and not self._evict_one(removed):
+    def _allocate(self, scope: TenantId, removed: list[Block]) -> SlotId | None:
+        limit = self.quota_of(scope)
+        if limit and self._resident.get(scope, 0) >= limit:
+            # At quota: only this scope's own blocks may make room.
+            if not self._evict_one(removed, self._lru.first_in(scope)):
+                return None
+        elif not self._free and not self._evict_one(removed, self._lru.first()):
             return None
         return self._free.pop()
 
-    def _evict_one(self, removed: list[Block]) -> bool:
-        victim = self._lru.first()
+    def _evict_one(self, removed: list[Block], victim: Block | None = None) -> bool:
         if victim is None:
             return False
         self._remove(victim)
@@ -568,59 +555,11 @@ class BlockTable:
             counters = self._counters[tenant] = TenantCounters()
         return counters
 
-    def _count_lookup(
-        self, tenant: TenantId, asked: int, hit: int, reason: MissReason, query_tokens: int | None
-    ) -> None:
-        c = self._counters_for(tenant)
-        c.lookups += 1
-        c.hit_blocks += hit
-        c.miss_blocks += asked - hit
-        hit_tokens = hit * self.block_size
-        total = query_tokens if query_tokens is not None else asked * self.block_size
-        c.hit_tokens += hit_tokens
-        c.miss_tokens += max(0, total - hit_tokens)
-        if reason is MissReason.ABSENT:
-            c.miss_absent += 1
-        elif reason is MissReason.IN_FLIGHT:
-            c.miss_in_flight += 1
-
     def _emit_stored(self, blocks: list[Block], now: float) -> None:
-        # One event per run of consecutive chain blocks, so a consumer can
-        # rebuild the tree: each event says which hash its first block follows.
-        run: list[Block] = []
-        for block in sorted(blocks, key=_depth):
-            if run and (block.parent is not run[-1] or block.scope != run[-1].scope):
-                self._emit_run(run, now)
-                run = []
-            run.append(block)
-        if run:
-            self._emit_run(run, now)
-
-    def _emit_run(self, run: list[Block], now: float) -> None:
-        first = run[0]
-        self._events.append(
-            CacheEvent(
-                EventKind.STORED,
-                self.namespace,
-                first.scope,
-                tuple(b.hash for b in run),
-                parent=first.parent.hash if first.parent is not None else None,
-                at=now,
-            )
-        )
+        self._events.extend(stored_events(self.namespace, blocks, now))
 
     def _emit_removed(self, removed: list[Block], now: float) -> None:
-        by_scope: dict[TenantId, list[BlockHash]] = {}
-        for block in removed:
-            by_scope.setdefault(block.scope, []).append(block.hash)
-        for scope, hashes in by_scope.items():
-            self._events.append(
-                CacheEvent(EventKind.REMOVED, self.namespace, scope, tuple(hashes), at=now)
-            )
-
-
-def _depth(block: Block) -> int:
-    return block.depth
+        self._events.extend(removed_events(self.namespace, removed, now))
 
 
 def _check_chain(chain: Sequence[BlockHash]) -> None:

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import heapq
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from kvstore.block import Block
@@ -74,13 +74,20 @@ class Lease:
 class LeaseTable:
     """Live leases, their deadlines, and the ids of recently ended ones."""
 
-    def __init__(self, *, max_ttl: float = 3600.0, max_leases_per_tenant: int = 0) -> None:
+    def __init__(
+        self,
+        *,
+        max_ttl: float = 3600.0,
+        max_leases_per_tenant: int = 0,
+        max_leases_of: Callable[[TenantId], int] | None = None,
+    ) -> None:
         self._leases: dict[LeaseId, Lease] = {}
         self._deadlines: list[tuple[float, LeaseId]] = []
         self._ended: OrderedDict[LeaseId, None] = OrderedDict()
         self._per_tenant: dict[TenantId, int] = {}
         self.max_ttl = max_ttl
         self.max_leases_per_tenant = max_leases_per_tenant
+        self._max_leases_of = max_leases_of
 
     def __len__(self) -> int:
         return len(self._leases)
@@ -95,10 +102,11 @@ class LeaseTable:
         if lease_id in self._leases or lease_id in self._ended:
             raise RuntimeError(f"bug: lease id {lease_id} issued twice")
         count = self._per_tenant.get(tenant, 0)
-        if self.max_leases_per_tenant and count >= self.max_leases_per_tenant:
+        limit = self._max_leases_of(tenant) if self._max_leases_of is not None else 0
+        limit = limit or self.max_leases_per_tenant
+        if limit and count >= limit:
             raise LimitExceeded(
-                f"tenant {tenant!r} already holds {count} leases "
-                f"(limit {self.max_leases_per_tenant}); close some first"
+                f"tenant {tenant!r} already holds {count} leases (limit {limit}); close some first"
             )
         lease = Lease(lease_id=lease_id, tenant=tenant, ttl=ttl, deadline=now + ttl)
         self._leases[lease_id] = lease

@@ -6,11 +6,15 @@ never expose `Block` records, so callers cannot mutate the table.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from enum import IntEnum
 
 from kvstore.block import BlockState
 from kvstore.types import BlockHash, LeaseId, NamespaceId, SlotId, TenantId
+
+QuotaOf = Callable[[TenantId], int]
+"""Scope → most resident blocks it may hold in a namespace (0 = no quota)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -172,6 +176,22 @@ class TenantCounters:
     """Lookups that stopped on a block being written."""
     stored_blocks: int = 0
     """Blocks this tenant committed."""
+
+    def count_lookup(
+        self, asked: int, hit: int, reason: MissReason, block_size: int, query_tokens: int | None
+    ) -> None:
+        """Account one lookup of ``asked`` blocks that found ``hit``."""
+        self.lookups += 1
+        self.hit_blocks += hit
+        self.miss_blocks += asked - hit
+        hit_tokens = hit * block_size
+        total = query_tokens if query_tokens is not None else asked * block_size
+        self.hit_tokens += hit_tokens
+        self.miss_tokens += max(0, total - hit_tokens)
+        if reason is MissReason.ABSENT:
+            self.miss_absent += 1
+        elif reason is MissReason.IN_FLIGHT:
+            self.miss_in_flight += 1
 
 
 @dataclass(frozen=True, slots=True)

@@ -23,6 +23,7 @@ from kvstore.results import (
     ExpiryReport,
     LookupResult,
     NamespaceStats,
+    QuotaOf,
     ReleaseReport,
     ReserveResult,
 )
@@ -64,7 +65,16 @@ class StoreStats:
 class Store:
     """Every namespace's block table plus the node's leases and events."""
 
-    def __init__(self, limits: StoreLimits | None = None) -> None:
+    def __init__(
+        self, limits: StoreLimits | None = None, *, max_leases_of: QuotaOf | None = None
+    ) -> None:
+        """Create an empty store.
+
+        Args:
+            limits: node-wide bounds.
+            max_leases_of: tenant → live leases it may hold, overriding
+                ``limits.max_leases_per_tenant`` where it returns nonzero.
+        """
         self.limits = limits or StoreLimits()
         self._tables: dict[NamespaceId, BlockTable] = {}
         self._by_model: dict[str, NamespaceSpec] = {}
@@ -72,19 +82,26 @@ class Store:
         self._leases = LeaseTable(
             max_ttl=self.limits.max_lease_ttl,
             max_leases_per_tenant=self.limits.max_leases_per_tenant,
+            max_leases_of=max_leases_of,
         )
         self._expired_total = 0
 
     # --- namespaces -----------------------------------------------------------
 
     def register_namespace(
-        self, spec: NamespaceSpec, capacity: int, *, shared: bool = False
+        self,
+        spec: NamespaceSpec,
+        capacity: int,
+        *,
+        shared: bool = False,
+        quota: QuotaOf | None = None,
     ) -> BlockTable:
         """Create a namespace with ``capacity`` slots, or return the existing one.
 
         Idempotent for an identical spec (the capacity of the first
         registration stays). The same model id with another layout or scheme
         is a `LayoutConflict`: runners of one model must agree on its KV.
+        ``quota`` bounds each scope's resident blocks (see `BlockTable`).
         """
         existing = self.existing_namespace(spec)
         if existing is not None:
@@ -99,6 +116,7 @@ class Store:
             shared=shared,
             events=self._events,
             max_pins_per_lease=self.limits.max_pins_per_lease,
+            quota=quota,
         )
         self._tables[spec.namespace_id] = table
         self._by_model[spec.model_id] = spec

@@ -9,8 +9,12 @@ The rule (docs/operations.md):
   (127.0.0.0/8, ::1, a unix socket), i.e. an operator on the node's own host;
   any other peer gets ``PERMISSION_DENIED`` naming the setting to configure.
 
-Tenant tokens will authenticate through the same metadata key later; this
-module is the seam for both (`admin_allowed`).
+- Auth on (a ``tenants_file`` is configured): the admin token is always
+  required, with no loopback exemption: on a multi-tenant node every tenant's
+  runner is a local process, and loopback proves nothing about who it is.
+  No ``admin_token`` configured then means no admin verbs at all.
+
+Tenant tokens travel in the same metadata key (`service.tenancy`).
 """
 
 from __future__ import annotations
@@ -57,7 +61,11 @@ def is_loopback_peer(peer: str) -> bool:
 
 
 def check_admin(
-    metadata: Iterable[tuple[str, str | bytes]] | None, peer: str, admin_token: str
+    metadata: Iterable[tuple[str, str | bytes]] | None,
+    peer: str,
+    admin_token: str,
+    *,
+    loopback_ok: bool = True,
 ) -> None:
     """Raise unless the caller may use the admin verbs (see the module docstring).
 
@@ -75,6 +83,11 @@ def check_admin(
         if not hmac.compare_digest(token.encode(), admin_token.encode()):
             raise PermissionDenied("the admin token is not valid")
         return
+    if not loopback_ok:
+        raise PermissionDenied(
+            "admin verbs need the admin token when auth is on, and this node has none "
+            "configured (set admin_token / KVSTORE_ADMIN_TOKEN on the node)"
+        )
     if not is_loopback_peer(peer):
         raise PermissionDenied(
             "admin verbs from other hosts need an admin token, and this node has none "
@@ -82,10 +95,11 @@ def check_admin(
         )
 
 
-def require_admin(context: object, admin_token: str) -> None:
+def require_admin(context: object, admin_token: str, *, loopback_ok: bool = True) -> None:
     """`check_admin` for a grpc.aio servicer context."""
     check_admin(
         context.invocation_metadata(),  # type: ignore[attr-defined]
         context.peer(),  # type: ignore[attr-defined]
         admin_token,
+        loopback_ok=loopback_ok,
     )

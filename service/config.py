@@ -16,7 +16,6 @@ import inspect
 import json
 import logging
 import os
-import re
 import secrets
 import socket
 import tomllib
@@ -24,6 +23,23 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, fields, replace
 from functools import cache
 from pathlib import Path
+
+from service.config_values import (
+    parse_bool,
+    parse_device,
+    parse_file_mode,
+    parse_int,
+    parse_log_level,
+    parse_names,
+    parse_non_negative,
+    parse_non_negative_float,
+    parse_port,
+    parse_positive,
+    parse_positive_float,
+    parse_secret,
+    parse_size,
+    parse_str,
+)
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +69,9 @@ class Config:
     pool_prefix: str = "kvstore"
     """File name prefix of the pool files; stale files with it are removed at start."""
     pool_file_mode: int = 0o600
-    """Permission bits of the pool files (0o600, or 0o660 to share with a group)."""
+    """Permission bits of the pool files (0o600, or 0o660 to share with a group); never world."""
+    pool_file_group: str = ""
+    """Group (name or gid) the pool files are given to, with mode 0o660; empty = the server's."""
     pool_prefault: bool = True
     """Touch every page of a new pool so the first writes do not fault."""
     lease_ttl_default: float = 30.0
@@ -74,6 +92,20 @@ class Config:
     """Most blocks one request may name (tokens are bounded by this times block_size)."""
     max_namespaces: int = 64
     """Most namespaces this node holds."""
+    max_pins_per_lease: int = 0
+    """Pins one lease may hold at once (0 = unbounded); over it is RESOURCE_EXHAUSTED."""
+    max_leases_per_tenant: int = 0
+    """Live leases per tenant (0 = unbounded; max_leases in the tenants file overrides)."""
+    max_concurrent_rpcs: int = 0
+    """RPCs the server runs at once (0 = unbounded); beyond it gRPC answers RESOURCE_EXHAUSTED."""
+    tenants_file: str = ""
+    """TOML/JSON file of tenant tokens, namespaces and quotas; set = auth on (docs/security.md)."""
+    tls_cert: str = ""
+    """PEM certificate chain of the gRPC server; set (with tls_key) = TLS only, no plaintext."""
+    tls_key: str = ""
+    """PEM private key of tls_cert."""
+    tls_client_ca: str = ""
+    """PEM CA bundle that client certificates must chain to; set = mutual TLS required."""
     log_level: str = "INFO"
     """Python logging level: DEBUG, INFO, WARNING, ERROR."""
     admin_token: str = ""
@@ -112,181 +144,51 @@ class ConfigError(ValueError):
     """A configuration value is malformed or out of range."""
 
 
-# --- value parsers ------------------------------------------------------------
-
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?)(b?)\s*$", re.IGNORECASE)
-_SIZE_POWERS = {"": 0, "k": 1, "m": 2, "g": 3, "t": 4}
-
-
-def parse_size(value: object) -> int:
-    """Bytes from an int or a size string: ``"512"``, ``"64MiB"``, ``"1GiB"``, ``"512M"``.
-
-    Binary multiples throughout (``M`` = ``MiB`` = 2**20): memory sizes are
-    what these configure, and nobody means 10**6 bytes of shared memory.
-    """
-    if isinstance(value, bool):
-        raise ValueError("expected a size, got a boolean")
-    if isinstance(value, int):
-        number = value
-    else:
-        match = _SIZE_RE.match(str(value))
-        if match is None:
-            raise ValueError(f"expected a size like 512M, 64MiB or 1GiB, got {value!r}")
-        number = int(float(match.group(1)) * 1024 ** _SIZE_POWERS[match.group(2).lower()])
-    if number < 0:
-        raise ValueError(f"a size cannot be negative, got {value!r}")
-    return number
-
-
-def _parse_int(value: object) -> int:
-    if isinstance(value, bool):
-        raise ValueError("expected an integer, got a boolean")
-    if isinstance(value, int):
-        return value
-    try:
-        return int(str(value).strip(), 0)
-    except ValueError:
-        raise ValueError(f"expected an integer, got {value!r}") from None
-
-
-def _parse_float(value: object) -> float:
-    if isinstance(value, bool):
-        raise ValueError("expected a number, got a boolean")
-    try:
-        return float(value)  # type: ignore[arg-type]
-    except (TypeError, ValueError):
-        raise ValueError(f"expected a number, got {value!r}") from None
-
-
-def _parse_bool(value: object) -> bool:
-    if isinstance(value, bool):
-        return value
-    text = str(value).strip().lower()
-    if text in ("1", "true", "yes", "on"):
-        return True
-    if text in ("0", "false", "no", "off"):
-        return False
-    raise ValueError(f"expected true or false, got {value!r}")
-
-
-def _parse_str(value: object) -> str:
-    if not isinstance(value, str):
-        raise ValueError(f"expected a string, got {value!r}")
-    return value
-
-
-def _parse_secret(value: object) -> bytes:
-    if isinstance(value, bytes):
-        return value
-    text = str(value).strip()
-    try:
-        secret = bytes.fromhex(text)
-    except ValueError:
-        raise ValueError("expected hex digits (e.g. from `openssl rand -hex 32`)") from None
-    if secret and len(secret) < 16:
-        raise ValueError(f"a salt secret needs at least 16 bytes, got {len(secret)}")
-    return secret
-
-
-def _parse_names(value: object) -> tuple[str, ...]:
-    items = [str(v) for v in value] if isinstance(value, (list, tuple)) else str(value).split(",")
-    return tuple(item.strip() for item in items if item.strip())
-
-
-def _port(value: object) -> int:
-    port = _parse_int(value)
-    if not 0 <= port <= 65535:
-        raise ValueError(f"expected a port in [0, 65535], got {port}")
-    return port
-
-
-def _positive(parse: Callable[[object], int]) -> Callable[[object], int]:
-    def check(value: object) -> int:
-        number = parse(value)
-        if number <= 0:
-            raise ValueError(f"must be positive, got {value!r}")
-        return number
-
-    return check
-
-
-def _positive_float(value: object) -> float:
-    number = _parse_float(value)
-    if not number > 0:
-        raise ValueError(f"must be a positive number of seconds, got {value!r}")
-    return number
-
-
-def _non_negative_float(value: object) -> float:
-    number = _parse_float(value)
-    if number < 0:
-        raise ValueError(f"cannot be negative, got {value!r}")
-    return number
-
-
-def _log_level(value: object) -> str:
-    level = _parse_str(value).upper()
-    if level not in ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"):
-        raise ValueError(f"expected DEBUG, INFO, WARNING, ERROR or CRITICAL, got {value!r}")
-    return level
-
-
-def _device(value: object) -> str:
-    text = _parse_str(value).strip()
-    if text.lower() == "cpu":
-        return "cpu"
-    if text.lower() == "cuda":
-        return "cuda:0"
-    rest = text[len("cuda:") :] if text.lower().startswith("cuda:") else text
-    if rest.isdigit() or (rest.upper().startswith(("GPU-", "MIG-")) and len(rest) > 4):
-        return f"cuda:{rest}"
-    raise ValueError(f"expected cpu, cuda:N or cuda:GPU-<uuid>, got {value!r}")
-
-
-def _file_mode(value: object) -> int:
-    mode = _parse_int(value) if not isinstance(value, str) else int(value, 8)
-    if not 0 <= mode <= 0o777:
-        raise ValueError(f"expected permission bits like 0o600, got {value!r}")
-    return mode
-
-
 _PARSERS: dict[str, Callable[[object], object]] = {
-    "host": _parse_str,
-    "port": _port,
-    "metrics_port": _port,
-    "device": _device,
-    "capacity_bytes": _positive(parse_size),
-    "namespace_capacity_bytes": _positive(parse_size),
-    "arena_bytes": _positive(parse_size),
-    "shm_dir": _parse_str,
-    "pool_prefix": _parse_str,
-    "pool_file_mode": _file_mode,
-    "pool_prefault": _parse_bool,
-    "lease_ttl_default": _positive_float,
-    "lease_ttl_max": _positive_float,
-    "node_id": _parse_str,
-    "salt_secret": _parse_secret,
-    "shared_namespaces": _parse_names,
-    "grace_seconds": _non_negative_float,
-    "max_message_bytes": _positive(parse_size),
-    "max_chain_blocks": _positive(_parse_int),
-    "max_namespaces": _positive(_parse_int),
-    "log_level": _log_level,
-    "admin_token": _parse_str,
-    "stats_sample_seconds": _positive_float,
-    "redis_url": _parse_str,
-    "redis_cluster": _parse_bool,
-    "redis_key_prefix": _parse_str,
-    "redis_timeout": _positive_float,
-    "heartbeat_seconds": _positive_float,
-    "node_ttl_seconds": _positive_float,
-    "directory_flush_seconds": _positive_float,
-    "directory_queue_blocks": _positive(_parse_int),
-    "event_stream_maxlen": _positive(_parse_int),
-    "advertise_address": _parse_str,
-    "cluster_token": _parse_str,
-    "peer_fetch_concurrency": _positive(_parse_int),
-    "peer_fetch_timeout": _positive_float,
+    "host": parse_str,
+    "port": parse_port,
+    "metrics_port": parse_port,
+    "device": parse_device,
+    "capacity_bytes": parse_positive(parse_size),
+    "namespace_capacity_bytes": parse_positive(parse_size),
+    "arena_bytes": parse_positive(parse_size),
+    "shm_dir": parse_str,
+    "pool_prefix": parse_str,
+    "pool_file_mode": parse_file_mode,
+    "pool_file_group": parse_str,
+    "pool_prefault": parse_bool,
+    "lease_ttl_default": parse_positive_float,
+    "lease_ttl_max": parse_positive_float,
+    "node_id": parse_str,
+    "salt_secret": parse_secret,
+    "shared_namespaces": parse_names,
+    "grace_seconds": parse_non_negative_float,
+    "max_message_bytes": parse_positive(parse_size),
+    "max_chain_blocks": parse_positive(parse_int),
+    "max_namespaces": parse_positive(parse_int),
+    "max_pins_per_lease": parse_non_negative(parse_int),
+    "max_leases_per_tenant": parse_non_negative(parse_int),
+    "max_concurrent_rpcs": parse_non_negative(parse_int),
+    "tenants_file": parse_str,
+    "tls_cert": parse_str,
+    "tls_key": parse_str,
+    "tls_client_ca": parse_str,
+    "log_level": parse_log_level,
+    "admin_token": parse_str,
+    "stats_sample_seconds": parse_positive_float,
+    "redis_url": parse_str,
+    "redis_cluster": parse_bool,
+    "redis_key_prefix": parse_str,
+    "redis_timeout": parse_positive_float,
+    "heartbeat_seconds": parse_positive_float,
+    "node_ttl_seconds": parse_positive_float,
+    "directory_flush_seconds": parse_positive_float,
+    "directory_queue_blocks": parse_positive(parse_int),
+    "event_stream_maxlen": parse_positive(parse_int),
+    "advertise_address": parse_str,
+    "cluster_token": parse_str,
+    "peer_fetch_concurrency": parse_positive(parse_int),
+    "peer_fetch_timeout": parse_positive_float,
 }
 
 
@@ -384,6 +286,10 @@ def check(config: Config) -> None:
             f"heartbeat_seconds ({config.heartbeat_seconds}) must be below "
             f"node_ttl_seconds ({config.node_ttl_seconds})"
         )
+    if bool(config.tls_cert) != bool(config.tls_key):
+        raise ConfigError("tls_cert and tls_key go together: set both or neither")
+    if config.tls_client_ca and not config.tls_cert:
+        raise ConfigError("tls_client_ca (mutual TLS) needs tls_cert and tls_key")
     if config.namespace_capacity_bytes > config.capacity_bytes:
         log.info("namespace_capacity_bytes exceeds capacity_bytes; namespaces get what is left")
 

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 from service.config import ENV_PREFIX, Config, field_docs, field_names
 
+DERIVED = {"node_id"}
+"""Fields whose empty default is filled in at start (`service.config.resolve`)."""
 
-def _show_default(value: object) -> str:
+
+def _show_default(name: str, value: object) -> str:
     if isinstance(value, bool):
         return str(value).lower()
     if isinstance(value, int) and value >= 1 << 20 and value % (1 << 20) == 0:
@@ -15,7 +18,7 @@ def _show_default(value: object) -> str:
     if isinstance(value, tuple):
         return ",".join(value) or "(none)"
     if value == "":
-        return "(derived)"
+        return "(derived)" if name in DERIVED else "(empty)"
     return str(value)
 
 
@@ -35,7 +38,7 @@ def render_markdown() -> str:
     ]
     defaults = Config()
     for name in field_names():
-        default = _show_default(getattr(defaults, name))
+        default = _show_default(name, getattr(defaults, name))
         if name == "pool_file_mode":
             default = oct(defaults.pool_file_mode)
         flag = "--" + name.replace("_", "-")

@@ -10,7 +10,7 @@ the hub ends every watcher's stream (shutdown).
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Generic, TypeVar
 
 T = TypeVar("T")
@@ -22,9 +22,17 @@ WATCH_QUEUE_SIZE = 1024
 class Watcher(Generic[T]):
     """One subscription; iterate it to receive events until the hub closes."""
 
-    def __init__(self, hub: EventHub[T], namespace: str, maxsize: int) -> None:
+    def __init__(
+        self,
+        hub: EventHub[T],
+        namespace: str,
+        maxsize: int,
+        accept: Callable[[T], bool] | None = None,
+    ) -> None:
         self._hub = hub
         self.namespace = namespace
+        self.accept = accept
+        """Filter applied before queueing (a tenant's own events only)."""
         self.maxsize = maxsize
         # Unbounded queue, bounded by `offer`: the end-of-stream marker must
         # always fit, and must never push out an event.
@@ -67,9 +75,11 @@ class EventHub(Generic[T]):
     def __len__(self) -> int:
         return len(self._watchers)
 
-    def subscribe(self, namespace: str = "") -> Watcher[T]:
-        """Watch one namespace's events ("" = every namespace)."""
-        watcher = Watcher(self, namespace, self.maxsize)
+    def subscribe(
+        self, namespace: str = "", accept: Callable[[T], bool] | None = None
+    ) -> Watcher[T]:
+        """Watch one namespace's events ("" = every namespace) that ``accept`` lets through."""
+        watcher = Watcher(self, namespace, self.maxsize, accept)
         if self._closed:
             watcher.end()
         else:
@@ -83,7 +93,9 @@ class EventHub(Generic[T]):
     def publish(self, namespace: str, item: T) -> None:
         """Deliver ``item`` to every watcher of ``namespace`` and of every namespace."""
         for watcher in self._watchers:
-            if not watcher.namespace or watcher.namespace == namespace:
+            if (not watcher.namespace or watcher.namespace == namespace) and (
+                watcher.accept is None or watcher.accept(item)
+            ):
                 watcher.offer(item)
 
     def close(self) -> None:

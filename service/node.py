@@ -19,20 +19,22 @@ import numpy as np
 
 import kvstore
 from kvstore.block_table import BlockTable
+from kvstore.errors import PermissionDenied
 from kvstore.hashing import HashScheme, hash_blocks
 from kvstore.layout import NamespaceSpec
 from kvstore.pool.base import BlockPool
 from kvstore.results import ExpiryReport
 from kvstore.store import Store, StoreLimits, StoreStats
-from kvstore.types import BlockHash, NamespaceId, TenantId
+from kvstore.types import SHARED_SCOPE, BlockHash, NamespaceId, TenantId
 from kvstore.v1 import kvstore_pb2 as pb
-from service import convert, validate
-from service.config import Config
+from service import auth, convert, validate
+from service.config import Config, ConfigError
 from service.errors import FieldError
 from service.event_hub import EventHub
 from service.metrics import Metrics
 from service.pools import PoolManager
-from service.tenancy import ChainRoots, TenantResolver
+from service.tenancy import Caller, ChainRoots, TenantResolver
+from service.tenants import TenantDirectory, TenantsFileError
 
 if TYPE_CHECKING:
     from service.peer_fetch import PeerFetcher
@@ -61,15 +63,24 @@ class Node:
         self.wall = wall
         self.node_id = config.node_id
         self.version = kvstore.__version__
+        try:
+            directory = TenantDirectory.load(config.tenants_file) if config.tenants_file else None
+        except TenantsFileError as exc:
+            raise ConfigError(str(exc)) from None
+        self.directory = directory
+        """Tenant tokens and policies; None = auth off (trust mode, docs/security.md)."""
         self.store = Store(
             StoreLimits(
                 max_chain_blocks=config.max_chain_blocks,
                 max_lease_ttl=config.lease_ttl_max,
                 max_namespaces=config.max_namespaces,
-            )
+                max_pins_per_lease=config.max_pins_per_lease,
+                max_leases_per_tenant=config.max_leases_per_tenant,
+            ),
+            max_leases_of=directory.max_leases if directory is not None else None,
         )
         self.pools = PoolManager(config, epoch)
-        self.tenants = TenantResolver()
+        self.tenants = TenantResolver(directory=directory, admin_token=config.admin_token)
         self.roots = ChainRoots(config.salt_secret)
         self.events: EventHub[pb.Event] = EventHub()
         self.loop: asyncio.AbstractEventLoop | None = None
@@ -95,9 +106,41 @@ class Node:
         """Unix seconds of a store time."""
         return self.wall() - (self.clock() - t)
 
+    def caller(self, context: object) -> Caller:
+        """Who is calling (`TenantResolver.caller`): tenant, admin, policy."""
+        return self.tenants.caller(context.invocation_metadata())  # type: ignore[attr-defined]
+
     def tenant(self, context: object) -> TenantId:
-        """The caller's tenant, from the call's metadata."""
-        return self.tenants.resolve(context.invocation_metadata())  # type: ignore[attr-defined]
+        """The calling tenant, for cache operations (the admin is no tenant)."""
+        caller = self.caller(context)
+        if caller.admin:
+            raise PermissionDenied(
+                "the admin token names no tenant: use a tenant's token for cache operations"
+            )
+        return caller.tenant
+
+    def require_admin(self, context: object) -> None:
+        """Raise unless the caller may use the admin verbs (`service.auth`)."""
+        if not self.tenants.auth_on:
+            self.tenant(context)  # a malformed tenant header is still INVALID_ARGUMENT
+        auth.require_admin(context, self.config.admin_token, loopback_ok=not self.tenants.auth_on)
+
+    def check_model(self, tenant: TenantId, model_id: str) -> None:
+        """Raise `PermissionDenied` unless ``tenant`` may use ``model_id``'s namespace."""
+        if self.directory is None:
+            return
+        policy = self.directory.policy(tenant)
+        if policy is None or not policy.may_use(model_id):
+            raise PermissionDenied(
+                f"tenant {tenant!r} may not use model {model_id!r} "
+                "(its namespaces in the tenants file)"
+            )
+
+    def quota_of(self, scope: TenantId) -> int:
+        """Resident blocks a scope may hold per namespace (shared scopes: no quota)."""
+        if self.directory is None or scope == SHARED_SCOPE:
+            return 0
+        return self.directory.max_blocks(scope)
 
     def is_shared(self, model_id: str) -> bool:
         """Whether the operator made this model's blocks shared between tenants."""
@@ -122,7 +165,10 @@ class Node:
             pool = await _build_pool(self.pools, spec.namespace_id, block_bytes, capacity)
             try:
                 table = self.store.register_namespace(
-                    spec, capacity, shared=self.is_shared(spec.model_id)
+                    spec,
+                    capacity,
+                    shared=self.is_shared(spec.model_id),
+                    quota=self.quota_of if self.directory is not None else None,
                 )
             except BaseException:
                 pool.close()

@@ -16,6 +16,7 @@ node per GPU (see docs/cuda.md).
 
 from __future__ import annotations
 
+import grp
 import logging
 import secrets
 
@@ -125,8 +126,9 @@ class PoolManager:
             directory=self.config.shm_dir,
             arena_bytes=self.config.arena_bytes,
             prefix=self.config.pool_prefix,
-            mode=self.config.pool_file_mode,
+            mode=0o660 if self.config.pool_file_group else self.config.pool_file_mode,
             prefault=self.config.pool_prefault,
+            group=pool_group_id(self.config.pool_file_group),
         )
 
     def adopt(self, namespace: NamespaceId, pool: BlockPool) -> None:
@@ -175,3 +177,19 @@ def _open_device(config: Config, runtime: CudaRuntime | None) -> tuple[CudaRunti
         raise ConfigError(f"device {config.device}: {exc}") from None
     log.info("pools on GPU %s (ordinal %d here)", device.uuid, device.ordinal)
     return runtime, device
+
+
+def pool_group_id(group: str) -> int | None:
+    """The gid of ``pool_file_group`` (a name or a number), None when empty.
+
+    Raises:
+        ConfigError: no such group on this host.
+    """
+    if not group:
+        return None
+    if group.isdigit():
+        return int(group)
+    try:
+        return grp.getgrnam(group).gr_gid
+    except KeyError:
+        raise ConfigError(f"pool_file_group {group!r}: no such group on this host") from None

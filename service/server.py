@@ -39,6 +39,30 @@ EXPIRY_TICK = 1.0
 """Longest sleep of the lease-expiry task, in seconds."""
 
 
+def server_credentials(config: Config) -> grpc.ServerCredentials | None:
+    """TLS credentials from ``tls_cert``/``tls_key`` (mTLS with ``tls_client_ca``), or None.
+
+    Raises:
+        ConfigError: a file cannot be read.
+    """
+    if not config.tls_cert:
+        return None
+
+    def read(name: str, path: str) -> bytes:
+        try:
+            with open(path, "rb") as f:
+                return f.read()
+        except OSError as exc:
+            raise ConfigError(f"{name} {path}: {exc.strerror}") from None
+
+    ca = read("tls_client_ca", config.tls_client_ca) if config.tls_client_ca else None
+    return grpc.ssl_server_credentials(
+        [(read("tls_key", config.tls_key), read("tls_cert", config.tls_cert))],
+        root_certificates=ca,
+        require_client_auth=ca is not None,
+    )
+
+
 def _address(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
@@ -86,7 +110,9 @@ class Server:
             options=[
                 ("grpc.max_send_message_length", limit),
                 ("grpc.max_receive_message_length", limit),
-            ]
+            ],
+            # Beyond this gRPC itself answers RESOURCE_EXHAUSTED.
+            maximum_concurrent_rpcs=self.config.max_concurrent_rpcs or None,
         )
         kvstore_pb2_grpc.add_KVStoreServicer_to_server(KVStoreServicer(node), server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
@@ -95,7 +121,11 @@ class Server:
         )
         address = _address(self.config.host, self.config.port)
         try:
-            self.port = server.add_insecure_port(address)
+            credentials = server_credentials(self.config)
+            if credentials is None:
+                self.port = server.add_insecure_port(address)
+            else:
+                self.port = server.add_secure_port(address, credentials)
         except RuntimeError as exc:
             raise OSError(f"cannot bind the gRPC server to {address}: {exc}") from exc
         if not self.port:

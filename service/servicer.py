@@ -86,6 +86,7 @@ class KVStoreServicer(BlockRpcs, DataRpcs, AdminRpcs, PeerRpcs, kvstore_pb2_grpc
         tenant = node.tenant(context)
         if not request.model_id:
             raise FieldError("model_id", "is required")
+        node.check_model(tenant, request.model_id)
         scheme = convert.scheme_from_proto(request.scheme)
         if request.vllm_seed and scheme is not HashScheme.VLLM_SHA256_CBOR:
             raise FieldError("vllm_seed", "is only used by the vllm-sha256-cbor scheme")
@@ -113,7 +114,7 @@ class KVStoreServicer(BlockRpcs, DataRpcs, AdminRpcs, PeerRpcs, kvstore_pb2_grpc
     ) -> pb.AttachPoolResponse:
         """Describe the pool of a namespace so a runner can map it."""
         node = self.node
-        node.tenant(context)
-        namespace = self.namespace(request.namespace_id)
+        tenant = node.tenant(context)
+        namespace = self.namespace(request.namespace_id, tenant)
         descriptor = node.pool(namespace).descriptor
         return convert.attach_response(descriptor, node.table(namespace).spec.layout)

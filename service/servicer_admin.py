@@ -2,28 +2,77 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from dataclasses import replace
 from itertools import islice
 from typing import Any
 
-from kvstore.errors import FailedPrecondition
+from kvstore.errors import FailedPrecondition, UnknownNamespace
+from kvstore.results import NamespaceStats
+from kvstore.types import SHARED_SCOPE, NamespaceId, TenantId
 from kvstore.v1 import kvstore_pb2 as pb
-from service import auth, convert, validate
+from service import convert, validate
 from service.errors import FieldError, guard_stream_out, guard_unary
 from service.servicer_base import ServicerBase
+from service.tenancy import Caller
 
 
 class AdminRpcs(ServicerBase):
-    """Inspection and admin RPCs of the KVStore service (admin verbs checked by `service.auth`)."""
+    """Inspection and admin RPCs of the KVStore service (admin verbs checked by `service.auth`).
+
+    With auth on, a tenant's inspection is confined to itself: Stats lists
+    only the namespaces it may use and only its own counters, ListBlocks
+    only its own scope's blocks, WatchEvents only its own scope's events
+    (never another tenant's hashes). The admin, and everyone with auth off,
+    sees everything.
+    """
+
+    def _visible_stats(self, caller: Caller, ns: NamespaceStats) -> NamespaceStats | None:
+        """``ns`` as ``caller`` may see it, or None when the namespace is not theirs."""
+        if caller.sees_all:
+            return ns
+        table = self.node.table(ns.namespace)
+        if caller.policy is None or not caller.policy.may_use(table.spec.model_id):
+            return None
+        mine = {caller.tenant, table.scope_of(caller.tenant)}
+        return replace(
+            ns,
+            tenants={t: c for t, c in ns.tenants.items() if t in mine},
+            resident_by_tenant={t: n for t, n in ns.resident_by_tenant.items() if t in mine},
+        )
+
+    def _event_filter(self, caller: Caller) -> Callable[[pb.Event], bool] | None:
+        """What events ``caller`` may watch: its own scope's, and ones naming no blocks."""
+        if caller.sees_all:
+            return None
+        node = self.node
+        policy = caller.policy
+        mine = {caller.tenant, SHARED_SCOPE}
+
+        def visible(event: pb.Event) -> bool:
+            if not event.hashes and not event.parent:
+                return True  # node joined/left, namespace cleared: no tenant data
+            if TenantId(event.tenant) not in mine or policy is None:
+                return False
+            try:
+                model_id = node.table(NamespaceId(event.namespace_id)).spec.model_id
+            except UnknownNamespace:  # another node's namespace: not provably theirs
+                return False
+            return policy.may_use(model_id)
+
+        return visible
 
     @guard_unary("Stats")
     async def Stats(self, request: pb.StatsRequest, context: Any) -> pb.StatsResponse:
         """Node-wide occupancy, leases and per-tenant hit accounting."""
         node = self.node
-        node.tenant(context)
+        caller = node.caller(context)
         stats = node.store.stats()
         namespaces = []
-        for ns in stats.namespaces:
+        for full in stats.namespaces:
+            ns = self._visible_stats(caller, full)
+            if ns is None:
+                continue
             table = node.table(ns.namespace)
             namespaces.append(convert.namespace_stats(ns, table.spec.layout, table.shared))
         return pb.StatsResponse(
@@ -47,12 +96,15 @@ class AdminRpcs(ServicerBase):
     ) -> pb.ListBlocksResponse:
         """One page of a namespace's resident blocks (offset-based page tokens)."""
         node = self.node
-        node.tenant(context)
-        namespace = self.namespace(request.namespace_id)
+        caller = node.caller(context)
+        tenant = None if caller.sees_all else caller.tenant
+        namespace = self.namespace(request.namespace_id, tenant)
         size = validate.page_size(request.page_size)
         offset = validate.page_offset(request.page_token)
-        total = len(node.table(namespace))
-        page = list(islice(node.store.iter_blocks(namespace), offset, offset + size))
+        table = node.table(namespace)
+        scope = None if tenant is None else table.scope_of(tenant)
+        total = table.resident(scope)
+        page = list(islice(table.iter_blocks(scope), offset, offset + size))
         end = offset + len(page)
         return pb.ListBlocksResponse(
             blocks=[convert.block_info(info, node.to_unix) for info in page],
@@ -70,13 +122,16 @@ class AdminRpcs(ServicerBase):
         caller that awaits it knows no later event is missed.
         """
         node = self.node
-        node.tenant(context)
-        namespace = self.namespace(request.namespace_id) if request.namespace_id else ""
+        caller = node.caller(context)
+        tenant = None if caller.sees_all else caller.tenant
+        namespace = self.namespace(request.namespace_id, tenant) if request.namespace_id else ""
+        visible = self._event_filter(caller)
         if request.cluster:
             async for event in self._watch_cluster(namespace, context):
-                yield event
+                if visible is None or visible(event):
+                    yield event
             return
-        watcher = node.events.subscribe(namespace)
+        watcher = node.events.subscribe(namespace, visible)
         try:
             await context.send_initial_metadata(())
             async for event in watcher:
@@ -107,9 +162,8 @@ class AdminRpcs(ServicerBase):
     async def Evict(self, request: pb.EvictRequest, context: Any) -> pb.EvictResponse:
         """Evict up to ``blocks`` unpinned blocks, least recently used first."""
         node = self.node
-        node.tenant(context)
-        auth.require_admin(context, node.config.admin_token)
-        namespace = self.namespace(request.namespace_id)
+        node.require_admin(context)
+        namespace = self.namespace(request.namespace_id, None)
         if request.blocks == 0:
             raise FieldError("blocks", "must be positive: how many blocks to evict")
         evicted = node.store.evict(namespace, request.blocks, node.now())
@@ -120,9 +174,8 @@ class AdminRpcs(ServicerBase):
     async def Clear(self, request: pb.ClearRequest, context: Any) -> pb.ClearResponse:
         """Remove every unpinned READY block of a namespace."""
         node = self.node
-        node.tenant(context)
-        auth.require_admin(context, node.config.admin_token)
-        namespace = self.namespace(request.namespace_id)
+        node.require_admin(context)
+        namespace = self.namespace(request.namespace_id, None)
         report = node.store.clear(namespace, node.now())
         node.publish_events()
         return pb.ClearResponse(

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvstore.types import NamespaceId
+from kvstore.types import NamespaceId, TenantId
 from service import validate
 from service.errors import RpcObserver
 from service.node import Node
@@ -19,8 +19,14 @@ class ServicerBase:
         """Where the error guards report each call (the node's metrics)."""
         return self.node.metrics
 
-    def namespace(self, value: str) -> NamespaceId:
-        """A well-formed namespace id that is registered here."""
+    def namespace(self, value: str, tenant: TenantId | None) -> NamespaceId:
+        """A well-formed namespace id that is registered here and ``tenant`` may use.
+
+        ``tenant`` None skips the permission check (the admin, or inspection
+        with auth off).
+        """
         namespace = validate.namespace_id(value)
-        self.node.table(namespace)
+        table = self.node.table(namespace)
+        if tenant is not None:
+            self.node.check_model(tenant, table.spec.model_id)
         return namespace

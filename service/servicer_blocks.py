@@ -26,7 +26,7 @@ class BlockRpcs(ServicerBase):
         """Longest cached prefix of a chain, pinned under the lease when asked."""
         node = self.node
         tenant = node.tenant(context)
-        namespace = self.namespace(request.namespace_id)
+        namespace = self.namespace(request.namespace_id, tenant)
         lease_id = None
         if request.pin:
             if not request.lease_id:
@@ -81,7 +81,7 @@ class BlockRpcs(ServicerBase):
         """Slots for the missing blocks of a chain, owned by the lease."""
         node = self.node
         tenant = node.tenant(context)
-        namespace = self.namespace(request.namespace_id)
+        namespace = self.namespace(request.namespace_id, tenant)
         lease_id = validate.lease_id(request.lease_id)
         table = node.table(namespace)
         chain, _, _ = node.chain(table, tenant, request.tokens, request.hashes, request.extras)
@@ -105,7 +105,7 @@ class BlockRpcs(ServicerBase):
         """Make written blocks READY."""
         node = self.node
         tenant = node.tenant(context)
-        namespace = self.namespace(request.namespace_id)
+        namespace = self.namespace(request.namespace_id, tenant)
         lease_id = validate.lease_id(request.lease_id)
         hashes = validate.block_hashes(request.hashes, node.config.max_chain_blocks)
         committed = node.store.commit(namespace, tenant, lease_id, hashes, node.now())
@@ -117,7 +117,7 @@ class BlockRpcs(ServicerBase):
         """Free reserved blocks that will not be written."""
         node = self.node
         tenant = node.tenant(context)
-        namespace = self.namespace(request.namespace_id)
+        namespace = self.namespace(request.namespace_id, tenant)
         lease_id = validate.lease_id(request.lease_id)
         hashes = validate.block_hashes(request.hashes, node.config.max_chain_blocks)
         aborted = node.store.abort(namespace, tenant, lease_id, hashes, node.now())
@@ -129,7 +129,7 @@ class BlockRpcs(ServicerBase):
         """Drop this lease's pins on the named blocks."""
         node = self.node
         tenant = node.tenant(context)
-        namespace = self.namespace(request.namespace_id)
+        namespace = self.namespace(request.namespace_id, tenant)
         lease_id = validate.lease_id(request.lease_id)
         hashes = validate.block_hashes(request.hashes, node.config.max_chain_blocks)
         released = node.store.release(namespace, tenant, lease_id, hashes, node.now())

@@ -30,7 +30,7 @@ class DataRpcs(ServicerBase):
         """Stream the bytes of blocks pinned under the lease."""
         node = self.node
         tenant = node.tenant(context)
-        namespace = self.namespace(request.namespace_id)
+        namespace = self.namespace(request.namespace_id, tenant)
         lease_id = validate.lease_id(request.lease_id)
         if not request.blocks:
             raise FieldError("blocks", "is empty; name at least one block")
@@ -61,7 +61,7 @@ class DataRpcs(ServicerBase):
         if first is None or first.WhichOneof("item") != "header":
             raise FieldError("header", "the first WriteBlocks message must be a header")
         header = first.header
-        namespace = self.namespace(header.namespace_id)
+        namespace = self.namespace(header.namespace_id, tenant)
         lease_id: LeaseId = validate.lease_id(header.lease_id, "header.lease_id")
         pool = node.pool(namespace)
         block_bytes = pool.descriptor.block_bytes

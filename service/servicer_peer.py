@@ -1,13 +1,14 @@
 """FetchBlocks: the node-to-node read that peer fetch (`service.peer_fetch`) uses.
 
 Only cache nodes call it. When `cluster_token` is configured the call must
-carry it (``x-kvstore-peer-token``, compared in constant time); without one
-any caller that can reach the gRPC port may read a tenant's blocks by
-naming the tenant and the block hashes, so such nodes belong on a private
-network (docs/cluster.md). No lease is taken: the chain is looked up once,
-then each block is checked (slot and generation still the same READY block)
-and copied in the same synchronous step, so a block evicted mid-stream is
-never read; the stream simply ends there.
+carry it (``x-kvstore-peer-token``, compared in constant time); with auth on
+(a tenants file) it is always required. With auth off and no token, any
+caller that can reach the gRPC port may read a tenant's blocks by naming the
+tenant and the block hashes, so such nodes belong on a private network
+(docs/cluster.md). No lease is taken: the chain is looked up once, then
+each block is checked (slot and generation still the same READY block) and
+copied in the same synchronous step, so a block evicted mid-stream is never
+read; the stream simply ends there.
 """
 
 from __future__ import annotations
@@ -25,9 +26,19 @@ from service.servicer_base import ServicerBase
 from service.tenancy import TENANT_HEADER
 
 
-def check_peer_token(metadata: Any, expected: str) -> None:
-    """Raise unless the call carries the cluster token (no token configured: allow)."""
+def check_peer_token(metadata: Any, expected: str, *, auth_on: bool = False) -> None:
+    """Raise unless the call carries the cluster token.
+
+    No token configured: allowed with auth off (trust mode), refused with auth
+    on (the request names any tenant, so without the cluster token it would
+    bypass tenant authentication).
+    """
     if not expected:
+        if auth_on:
+            raise PermissionDenied(
+                "FetchBlocks needs cluster_token when auth is on, and this node has none "
+                "configured (set cluster_token / KVSTORE_CLUSTER_TOKEN on every node)"
+            )
         return
     for key, value in metadata or ():
         if key == PEER_TOKEN_HEADER:
@@ -47,9 +58,11 @@ class PeerRpcs(ServicerBase):
     ) -> AsyncIterator[pb.BlockData]:
         """Stream READY blocks of a tenant's chain from ``skip`` on, in order."""
         node = self.node
-        check_peer_token(context.invocation_metadata(), node.config.cluster_token)
+        check_peer_token(
+            context.invocation_metadata(), node.config.cluster_token, auth_on=node.tenants.auth_on
+        )
         tenant = node.tenants.resolve(((TENANT_HEADER, request.tenant),))
-        namespace = self.namespace(request.namespace_id)
+        namespace = self.namespace(request.namespace_id, None)
         chain = validate.block_hashes(request.hashes, node.config.max_chain_blocks)
         result = node.store.lookup(namespace, tenant, chain, node.now())
         pool = node.pool(namespace)

@@ -1,8 +1,14 @@
 """Tenants: who is calling, and the secret salt their chains start from.
 
-`TenantResolver` reads the tenant from call metadata (``x-kvstore-tenant``,
-default ``"default"``). Token authentication replaces it later behind the
-same seam: ``resolve(metadata) -> TenantId``.
+`TenantResolver.caller` turns a call's metadata into a `Caller`:
+
+- Auth off (no ``tenants_file``, the embedded/dev default): the tenant is
+  whatever ``x-kvstore-tenant`` says (default ``"default"``). Any client can
+  claim any tenant: trust mode, for a single user or a closed network only.
+- Auth on: ``x-kvstore-tenant`` is ignored entirely; the tenant comes only
+  from ``authorization: Bearer <token>`` looked up in the tenants file
+  (`service.tenants`). No token or an unknown one is ``UNAUTHENTICATED``.
+  The admin token authenticates the admin, who is no tenant.
 
 `ChainRoots` derives each tenant's salt as HMAC-SHA256(salt_secret, tenant)
 on the server (a client never chooses its salt, so it cannot pick another
@@ -15,26 +21,85 @@ import hashlib
 import hmac
 import re
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 from kvstore.errors import InvalidArgument
 from kvstore.hashing import HashScheme, kvstore_root, vllm_root
 from kvstore.layout import NamespaceSpec
 from kvstore.types import BlockHash, TenantId
+from service.auth import bearer_token
+from service.errors import Unauthenticated
+from service.tenants import TenantDirectory, TenantPolicy
 
 TENANT_HEADER = "x-kvstore-tenant"
-"""Metadata key naming the caller's tenant (until token auth lands)."""
+"""Metadata key naming the caller's tenant when auth is off (ignored when it is on)."""
 
 DEFAULT_TENANT = TenantId("default")
 """The tenant of a call that names none."""
 
+ADMIN_CALLER = TenantId("_admin")
+"""The `Caller.tenant` of the admin (not a valid tenant name, so no tenant's)."""
+
 _TENANT_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:@-]{0,127}$")
 
 
-class TenantResolver:
-    """Maps a call's metadata to its tenant (the seam where auth tokens go)."""
+@dataclass(frozen=True, slots=True)
+class Caller:
+    """Who is calling, as far as this node can tell."""
 
-    def __init__(self, default: TenantId = DEFAULT_TENANT) -> None:
+    tenant: TenantId
+    """The tenant (`ADMIN_CALLER` for the admin)."""
+    admin: bool = False
+    """Authenticated with the admin token (auth on only)."""
+    policy: TenantPolicy | None = None
+    """The tenant's entry in the tenants file; None with auth off, or for the admin."""
+
+    @property
+    def sees_all(self) -> bool:
+        """May inspect every tenant's blocks, counters and events (admin, or auth off)."""
+        return self.policy is None
+
+
+class TenantResolver:
+    """Maps a call's metadata to its `Caller` (see the module docstring)."""
+
+    def __init__(
+        self,
+        default: TenantId = DEFAULT_TENANT,
+        *,
+        directory: TenantDirectory | None = None,
+        admin_token: str = "",
+    ) -> None:
         self.default = default
+        self.directory = directory
+        self.admin_token = admin_token
+
+    @property
+    def auth_on(self) -> bool:
+        """Whether tokens are required (a tenants file is configured)."""
+        return self.directory is not None
+
+    def caller(self, metadata: Iterable[tuple[str, str | bytes]] | None) -> Caller:
+        """The caller of a call with this metadata.
+
+        Raises:
+            Unauthenticated: auth is on and the call has no token, or one that
+                is neither a tenant's nor the admin's.
+            InvalidArgument: auth is off and the tenant header is malformed.
+        """
+        if self.directory is None:
+            return Caller(self.resolve(metadata))
+        token = bearer_token(metadata)
+        if not token:
+            raise Unauthenticated(
+                "this node requires a tenant token: send 'authorization: Bearer <token>'"
+            )
+        if self.admin_token and hmac.compare_digest(token.encode(), self.admin_token.encode()):
+            return Caller(ADMIN_CALLER, admin=True)
+        policy = self.directory.authenticate(token)
+        if policy is None:
+            raise Unauthenticated("the token is not valid on this node")
+        return Caller(policy.tenant, policy=policy)
 
     def resolve(self, metadata: Iterable[tuple[str, str | bytes]] | None) -> TenantId:
         """The tenant named by ``metadata``, or the default.

@@ -21,6 +21,7 @@ from kvstore.client.handles import BlockLocation, Hit, Namespace, StoreResult
 from kvstore.client.lease import LeaseGrant, LeaseKeeper
 from kvstore.client.retry import Backoff, RetryPolicy
 from kvstore.client.sync import SyncClient
+from kvstore.client.tls import TLSOptions
 
 __all__ = [
     "Backoff",
@@ -39,6 +40,7 @@ __all__ = [
     "ServerUnavailable",
     "StoreResult",
     "SyncClient",
+    "TLSOptions",
     "Unauthenticated",
     "error_from_rpc",
     "error_from_status",

@@ -43,6 +43,7 @@ from kvstore.client.errors import PoolEpochChanged, error_from_rpc
 from kvstore.client.handles import Hit, Namespace, StoreResult
 from kvstore.client.lease import LeaseGrant, LeaseKeeper
 from kvstore.client.retry import RetryPolicy
+from kvstore.client.tls import Pem, TLSOptions
 from kvstore.client.transfer import read_hit, store_chain
 from kvstore.errors import FailedPrecondition, KVStoreError, NotFound
 from kvstore.hashing import Extra, HashScheme, Tokens
@@ -73,6 +74,8 @@ class Client:
         map_pool: bool = True,
         client_name: str = "",
         channel_options: Sequence[tuple[str, Any]] = (),
+        tls: bool | TLSOptions = False,
+        tls_root_cert: Pem | None = None,
     ) -> None:
         """Configure a client; the channel opens in `connect` (or ``async with``).
 
@@ -86,6 +89,11 @@ class Client:
             map_pool: map namespace pools into this process (same host only).
             client_name: shown by ops tools next to the lease.
             channel_options: extra ``grpc.aio`` channel options.
+            tls: connect over TLS; True verifies the node against the system
+                roots (or ``tls_root_cert``), a `TLSOptions` adds a client
+                certificate for mutual TLS.
+            tls_root_cert: CA bundle (PEM bytes or a file path) the node's
+                certificate must chain to; implies ``tls``.
         """
         self.target = target
         self.timeout = timeout
@@ -94,6 +102,11 @@ class Client:
         self.client_name = client_name
         self._retry = retry or RetryPolicy()
         self._options = list(channel_options)
+        self._tls: TLSOptions | None = None
+        if isinstance(tls, TLSOptions):
+            self._tls = tls
+        elif tls or tls_root_cert is not None:
+            self._tls = TLSOptions(root_cert=tls_root_cert)
         metadata: list[tuple[str, str]] = []
         if tenant:
             metadata.append((TENANT_HEADER, tenant))
@@ -112,7 +125,11 @@ class Client:
     async def connect(self) -> None:
         """Open the channel (idempotent); the lease opens on first need."""
         if self._channel is None:
-            self._channel = grpc.aio.insecure_channel(self.target, options=self._options)
+            if self._tls is None:
+                self._channel = grpc.aio.insecure_channel(self.target, options=self._options)
+            else:
+                credentials = self._tls.credentials()
+                self._channel = grpc.aio.secure_channel(self.target, credentials, self._options)
             self._stub = kvstore_pb2_grpc.KVStoreStub(self._channel)
 
     async def close(self) -> None:

@@ -134,6 +134,7 @@ class HostPool(BlockPool):
         prefix: str = "kvstore",
         mode: int = 0o600,
         prefault: bool = True,
+        group: int | None = None,
     ) -> HostPool:
         """Create, size and map the arena files of a new pool.
 
@@ -147,6 +148,8 @@ class HostPool(BlockPool):
             prefix: file name prefix, shared with `cleanup_stale`.
             mode: file permissions; nothing for *other* (``mode & 0o007 == 0``).
             prefault: allocate and fault in every page now.
+            group: gid to give the files to (the server must be a member);
+                None keeps the server's group.
 
         Raises:
             InvalidArgument: a non-positive size, a world-accessible mode or
@@ -175,7 +178,7 @@ class HostPool(BlockPool):
                 size = slots * block_bytes
                 name = arena_file_name(prefix, pid, epoch, namespace, index)
                 path = os.path.join(directory, name)
-                arenas.append(_create_arena(path, size, mode, prefault))
+                arenas.append(_create_arena(path, size, mode, prefault, group))
                 specs.append(ArenaSpec(index=index, size_bytes=size, path=path))
         except BaseException:
             for arena in arenas:
@@ -218,7 +221,9 @@ class HostPool(BlockPool):
         self._arenas = []
 
 
-def _create_arena(path: str, size: int, mode: int, prefault: bool) -> _Arena:
+def _create_arena(
+    path: str, size: int, mode: int, prefault: bool, group: int | None = None
+) -> _Arena:
     """Create and map one arena file; on failure nothing of it is left behind.
 
     O_EXCL: a name that exists (another pool, a stale file) is never reused
@@ -227,6 +232,8 @@ def _create_arena(path: str, size: int, mode: int, prefault: bool) -> _Arena:
     fd = os.open(path, _OPEN_FLAGS | os.O_CREAT | os.O_EXCL, mode)
     try:
         try:
+            if group is not None:
+                os.fchown(fd, -1, group)  # before fchmod: chown may clear mode bits
             os.fchmod(fd, mode)  # os.open's mode is filtered by the umask; make it exact
             os.ftruncate(fd, size)
             if prefault:

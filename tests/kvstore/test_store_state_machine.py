@@ -1,7 +1,9 @@
 """Random interleavings of every store operation from several leases.
 
 After every step the invariants of ``kvstore.block_table`` must hold; at the
-end every lease expires and nothing may stay pinned or WRITING.
+end every lease expires and nothing may stay pinned or WRITING. Alice has a
+quota (bob has none), so the per-scope LRUs and the quota path are exercised
+against the same invariants, plus "resident blocks per tenant <= quota".
 """
 
 from __future__ import annotations
@@ -34,13 +36,14 @@ PROMPTS = st.lists(st.integers(0, 2), min_size=1, max_size=6).map(
     lambda blocks: [t for b in blocks for t in [b, b + 1, b + 2, b + 3]]
 )
 LEASES = st.integers(0, 3)
+QUOTA = {TenantId("alice"): 5}
 
 
 class StoreMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         self.store = Store(StoreLimits(max_pins_per_lease=40))
-        self.store.register_namespace(SPEC, capacity=CAPACITY)
+        self.store.register_namespace(SPEC, capacity=CAPACITY, quota=lambda t: QUOTA.get(t, 0))
         self.now = 0.0
         self.next_id = 1
         self.leases: dict[int, tuple[LeaseId, TenantId]] = {}
@@ -173,6 +176,31 @@ class StoreMachine(RuleBasedStateMachine):
         evictable = sum(1 for i in infos if i.state is BlockState.READY and i.refcount == 0)
         assert stats.evictable == evictable
         assert stats.pinned == sum(1 for i in infos if i.refcount > 0)
+
+    @invariant()
+    def resident_blocks_per_tenant_stay_within_quota(self) -> None:
+        stats = self.store.stats().namespaces[0]
+        per_scope = Counter(i.scope for i in self.store.iter_blocks(NS))
+        assert dict(per_scope) == stats.resident_by_tenant
+        for tenant, quota in QUOTA.items():
+            assert per_scope[tenant] <= quota
+
+    @invariant()
+    def eviction_order_is_leaves_first_in_every_scope(self) -> None:
+        # Reachable blocks (every ancestor resident) are evicted before their
+        # parents; orphans are unreachable and go first in any order.
+        infos = {i.hash: i for i in self.store.iter_blocks(NS)}
+
+        def reachable(h: BlockHash) -> bool:
+            parent = infos[h].parent
+            return parent is None or (parent in infos and reachable(parent))
+
+        seen: set[BlockHash] = set()
+        for h in self.store.table(NS).lru_order():
+            parent = infos[h].parent
+            if reachable(h) and parent is not None:
+                assert parent not in seen, "a parent is evicted before its child"
+            seen.add(h)
 
     @invariant()
     def pins_match_the_model_and_pinned_blocks_stay(self) -> None:
