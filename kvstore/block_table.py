@@ -27,7 +27,6 @@ a lease costs O(what it holds).
 
 from __future__ import annotations
 
-from array import array
 from collections.abc import Callable, Iterable, Iterator, Sequence
 
 from kvstore.block import Block, BlockState
@@ -55,6 +54,7 @@ from kvstore.results import (
     ReserveStatus,
     TenantCounters,
 )
+from kvstore.slots import SlotAllocator
 from kvstore.types import HASH_BYTES, SHARED_SCOPE, BlockHash, SlotId, TenantId
 
 
@@ -92,10 +92,7 @@ class BlockTable:
         self.max_pins_per_lease = max_pins_per_lease
         self._events = events if events is not None else []
         self._scopes: dict[TenantId, dict[BlockHash, Block]] = {}
-        # Free slots as a stack: the most recently freed slot is reused first
-        # (its memory is warm in the caches of whoever touched it last).
-        self._free: list[SlotId] = [SlotId(s) for s in range(capacity - 1, -1, -1)]
-        self._generation = array("Q", bytes(8 * capacity))
+        self._slots = SlotAllocator(capacity)
         self._lru = ScopedLRU()
         self._quota: Callable[[TenantId], int] | None = quota
         self._writing = 0
@@ -112,11 +109,11 @@ class BlockTable:
 
     def __len__(self) -> int:
         """Resident blocks (READY or WRITING)."""
-        return self.capacity - len(self._free)
+        return self.capacity - self._slots.free
 
     def generation(self, slot: SlotId) -> int:
         """Current generation of a slot."""
-        return int(self._generation[slot])
+        return self._slots.generation(slot)
 
     def check_slot(self, tenant: TenantId, ref: BlockRef) -> Block:
         """The READY or WRITING block that ``ref`` names, or `StaleSlot`.
@@ -275,7 +272,7 @@ class BlockTable:
                     hash=h,
                     scope=scope,
                     slot=slot,
-                    generation=int(self._generation[slot]),
+                    generation=self._slots.generation(slot),
                     parent=prev,
                     depth=depth,
                     writer=lease.lease_id,
@@ -460,7 +457,7 @@ class BlockTable:
 
     def stats(self) -> NamespaceStats:
         """Occupancy and per-tenant counters (copies)."""
-        free = len(self._free)
+        free = self._slots.free
         return NamespaceStats(
             namespace=self.namespace,
             model_id=self.spec.model_id,
@@ -506,7 +503,19 @@ class BlockTable:
 
     def _touch(self, touched: Iterable[Block], now: float) -> None:
         """Move blocks and their ancestors to the recently used end (`ScopedLRU.touch`)."""
-        self._lru.touch(touched, now)
+        self._lru.touch(touched, now, self._relink)
+
+    def _relink(self, block: Block) -> None:
+        """Point ``block`` at the live record of its parent's hash, if one exists.
+
+        A parent that was removed and later stored again is a new record; the
+        child's hash still chains through it, so the child is reachable again.
+        """
+        parent = block.parent
+        if parent is not None and parent.state is BlockState.FREE:
+            live = self._scopes[block.scope].get(parent.hash)
+            if live is not None:
+                block.parent = live
 
     def _allocate(self, scope: TenantId, removed: list[Block]) -> SlotId | None:
         limit = self.quota_of(scope)
@@ -514,9 +523,11 @@ class BlockTable:
             # At quota: only this scope's own blocks may make room.
             if not self._evict_one(removed, self._lru.first_in(scope)):
                 return None
-        elif not self._free and not self._evict_one(removed, self._lru.first()):
+        elif not self._slots.free and not self._evict_one(removed, self._lru.first()):
             return None
-        return self._free.pop()
+        slot = self._slots.take()
+        assert slot is not None, "bug: no free slot after an eviction"
+        return slot
 
     def _evict_one(self, removed: list[Block], victim: Block | None = None) -> bool:
         if victim is None:
@@ -543,8 +554,7 @@ class BlockTable:
         del self._scopes[block.scope][block.hash]
         block.state = BlockState.FREE
         block.writer = None
-        self._generation[block.slot] += 1
-        self._free.append(block.slot)
+        self._slots.give_back(block.slot)
         self._resident[block.scope] -= 1
         if not self._resident[block.scope]:
             del self._resident[block.scope]

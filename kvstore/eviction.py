@@ -20,7 +20,7 @@ of heads instead.
 from __future__ import annotations
 
 import heapq
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 from kvstore.block import Block, BlockState
 from kvstore.lru import LRUList
@@ -96,11 +96,14 @@ class ScopedLRU:
         if not len(lst):
             del self._lists[block.scope]
 
-    def touch(self, touched: Iterable[Block], now: float) -> None:
+    def touch(self, touched: Iterable[Block], now: float, relink: Callable[[Block], None]) -> None:
         """Mark blocks and their ancestors most recently used, deepest first.
 
         Blocks that are READY and unpinned end up in the LRU; orphans (parent
-        removed) go to its eviction end instead. Cost: O(blocks + ancestors
+        removed) go to its eviction end instead. ``relink`` is called on every
+        block walked before its parent is followed, so a parent link to a
+        removed record that was stored again since is repaired first (the
+        block is then reachable, not an orphan). Cost: O(blocks + ancestors
         not already visited).
         """
         visited: dict[Block, None] = {}
@@ -108,6 +111,7 @@ class ScopedLRU:
             node: Block | None = block
             while node is not None and node not in visited and node.state is not BlockState.FREE:
                 visited[node] = None
+                relink(node)
                 node = node.parent
         for node in sorted(visited, key=_depth, reverse=True):
             if node.last_used < now:
