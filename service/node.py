@@ -23,7 +23,7 @@ from kvstore.errors import PermissionDenied
 from kvstore.hashing import HashScheme, hash_blocks
 from kvstore.layout import NamespaceSpec
 from kvstore.pool.base import BlockPool
-from kvstore.results import ExpiryReport
+from kvstore.results import ExpiryReport, NamespaceStats
 from kvstore.store import Store, StoreLimits, StoreStats
 from kvstore.types import SHARED_SCOPE, BlockHash, NamespaceId, TenantId
 from kvstore.v1 import kvstore_pb2 as pb
@@ -145,6 +145,38 @@ class Node:
     def is_shared(self, model_id: str) -> bool:
         """Whether the operator made this model's blocks shared between tenants."""
         return model_id in self.config.shared_namespaces
+
+    def stats_response(
+        self, visible: Callable[[NamespaceStats], NamespaceStats | None] | None = None
+    ) -> pb.StatsResponse:
+        """The node's StatsResponse; call on the loop.
+
+        Args:
+            visible: what one caller may see of each namespace (None drops
+                it); every namespace in full when not given (admin, web page).
+        """
+        stats = self.store.stats()
+        namespaces = []
+        for full in stats.namespaces:
+            ns = visible(full) if visible is not None else full
+            if ns is None:
+                continue
+            table = self.table(ns.namespace)
+            namespaces.append(convert.namespace_stats(ns, table.spec.layout, table.shared))
+        return pb.StatsResponse(
+            node_id=self.node_id,
+            version=self.version,
+            pool_kind=self.pools.kind,
+            pool_epoch=self.epoch,
+            uptime_seconds=self.now() - self.started,
+            leases=stats.leases,
+            leases_expired=stats.leases_expired,
+            pinned=stats.pinned_by_leases,
+            writing=stats.writing_by_leases,
+            namespaces=namespaces,
+            capacity_bytes=self.pools.capacity_bytes,
+            allocated_bytes=self.pools.allocated_bytes,
+        )
 
     # --- namespaces -------------------------------------------------------------
 

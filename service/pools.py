@@ -76,6 +76,11 @@ class PoolManager:
         return removed
 
     @property
+    def kind(self) -> str:
+        """``"cuda"`` when the pools live on a GPU, ``"host"`` otherwise."""
+        return "host" if self.cuda_device is None else "cuda"
+
+    @property
     def allocated_bytes(self) -> int:
         """Bytes carved into pools so far."""
         return sum(p.descriptor.capacity * p.descriptor.block_bytes for p in self._pools.values())

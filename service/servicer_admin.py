@@ -67,28 +67,7 @@ class AdminRpcs(ServicerBase):
         """Node-wide occupancy, leases and per-tenant hit accounting."""
         node = self.node
         caller = node.caller(context)
-        stats = node.store.stats()
-        namespaces = []
-        for full in stats.namespaces:
-            ns = self._visible_stats(caller, full)
-            if ns is None:
-                continue
-            table = node.table(ns.namespace)
-            namespaces.append(convert.namespace_stats(ns, table.spec.layout, table.shared))
-        return pb.StatsResponse(
-            node_id=node.node_id,
-            version=node.version,
-            pool_kind="host",
-            pool_epoch=node.epoch,
-            uptime_seconds=node.now() - node.started,
-            leases=stats.leases,
-            leases_expired=stats.leases_expired,
-            pinned=stats.pinned_by_leases,
-            writing=stats.writing_by_leases,
-            namespaces=namespaces,
-            capacity_bytes=node.pools.capacity_bytes,
-            allocated_bytes=node.pools.allocated_bytes,
-        )
+        return node.stats_response(lambda ns: self._visible_stats(caller, ns))
 
     @guard_unary("ListBlocks")
     async def ListBlocks(

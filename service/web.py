@@ -34,8 +34,6 @@ from kvstore.cli.prefix_tree import BlockRecord, build_tree, tree_json
 from kvstore.cli.summary import status_json
 from kvstore.errors import KVStoreError
 from kvstore.types import NamespaceId
-from kvstore.v1 import kvstore_pb2 as pb
-from service import convert
 from service.metrics import WsgiApp
 from service.node import Node
 
@@ -92,34 +90,11 @@ class HitRateHistory:
             return list(self._samples)
 
 
-def stats_response(node: Node) -> pb.StatsResponse:
-    """The node's StatsResponse (the Stats RPC's answer); call on the loop."""
-    stats = node.store.stats()
-    namespaces = []
-    for ns in stats.namespaces:
-        table = node.table(ns.namespace)
-        namespaces.append(convert.namespace_stats(ns, table.spec.layout, table.shared))
-    return pb.StatsResponse(
-        node_id=node.node_id,
-        version=node.version,
-        pool_kind="host",
-        pool_epoch=node.epoch,
-        uptime_seconds=node.now() - node.started,
-        leases=stats.leases,
-        leases_expired=stats.leases_expired,
-        pinned=stats.pinned_by_leases,
-        writing=stats.writing_by_leases,
-        namespaces=namespaces,
-        capacity_bytes=node.pools.capacity_bytes,
-        allocated_bytes=node.pools.allocated_bytes,
-    )
-
-
 async def sample_forever(node: Node, history: HitRateHistory, interval: float) -> None:
     """Append a sample to ``history`` every ``interval`` seconds (a task on the loop)."""
     while True:
         try:
-            history.add(node.wall(), status_json(stats_response(node)))
+            history.add(node.wall(), status_json(node.stats_response()))
         except Exception:
             log.exception("bug: hit-rate sampling failed")
         await asyncio.sleep(interval)
@@ -193,7 +168,7 @@ class WebApp:
 
     def stats(self) -> dict[str, Any]:
         """The /api/stats document."""
-        doc = status_json(on_loop(self.node, lambda: stats_response(self.node)))
+        doc = status_json(on_loop(self.node, self.node.stats_response))
         doc["history"] = self.history.samples()
         return doc
 
