@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from kvstore import wire
 from kvstore.block import BlockState
+from kvstore.errors import InvalidArgument
 from kvstore.events import CacheEvent, EventKind
 from kvstore.hashing import HashScheme
 from kvstore.layout import KVLayout
@@ -13,15 +15,6 @@ from kvstore.results import BlockInfo, BlockRef, NamespaceStats
 from kvstore.v1 import kvstore_pb2 as pb
 from service.errors import FieldError
 
-_SCHEMES = {
-    pb.HASH_SCHEME_UNSPECIFIED: HashScheme.KVSTORE_SHA256,
-    pb.HASH_SCHEME_KVSTORE_SHA256: HashScheme.KVSTORE_SHA256,
-    pb.HASH_SCHEME_VLLM_SHA256_CBOR: HashScheme.VLLM_SHA256_CBOR,
-}
-_SCHEME_PROTO = {
-    HashScheme.KVSTORE_SHA256: pb.HASH_SCHEME_KVSTORE_SHA256,
-    HashScheme.VLLM_SHA256_CBOR: pb.HASH_SCHEME_VLLM_SHA256_CBOR,
-}
 _EVENT_KINDS = {
     EventKind.STORED: pb.EVENT_KIND_STORED,
     EventKind.REMOVED: pb.EVENT_KIND_REMOVED,
@@ -38,42 +31,22 @@ ToUnix = Callable[[float], float]
 
 
 def layout_from_proto(msg: pb.KVLayout) -> KVLayout:
-    """A `KVLayout` (the core validates the values; kv_order "" is the default)."""
+    """A `KVLayout` from a request (the core validates the values)."""
     if not msg.dtype and not msg.num_layers:
         raise FieldError("layout", "is required: layers, KV heads, head dim, block size, dtype")
-    return KVLayout(
-        num_layers=msg.num_layers,
-        num_kv_heads=msg.num_kv_heads,
-        head_dim=msg.head_dim,
-        block_size=msg.block_size,
-        dtype=msg.dtype,
-        kv_order=msg.kv_order or "KV_LAYER_TOKEN_HEAD",
-    )
-
-
-def layout_to_proto(layout: KVLayout) -> pb.KVLayout:
-    """The wire form of a layout."""
-    return pb.KVLayout(
-        num_layers=layout.num_layers,
-        num_kv_heads=layout.num_kv_heads,
-        head_dim=layout.head_dim,
-        block_size=layout.block_size,
-        dtype=layout.dtype,
-        kv_order=layout.kv_order,
-    )
+    return wire.layout_from_proto(msg)
 
 
 def scheme_from_proto(value: int) -> HashScheme:
-    """The hash scheme an enum value names."""
-    scheme: HashScheme | None = _SCHEMES.get(value)  # type: ignore[call-overload]
-    if scheme is None:
-        raise FieldError("scheme", f"unknown hash scheme {value}")
-    return scheme
+    """The hash scheme a request names."""
+    try:
+        return wire.scheme_from_proto(value)
+    except InvalidArgument as exc:
+        raise FieldError("scheme", str(exc)) from None
 
 
-def scheme_to_proto(scheme: HashScheme) -> pb.HashScheme.ValueType:
-    """The enum value of a hash scheme."""
-    return _SCHEME_PROTO[scheme]
+layout_to_proto = wire.layout_to_proto
+scheme_to_proto = wire.scheme_to_proto
 
 
 def location(pool: BlockPool, ref: BlockRef) -> pb.BlockLocation:

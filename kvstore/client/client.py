@@ -36,8 +36,6 @@ from kvstore.client.convert import (
     chain_fields,
     descriptor_from_proto,
     hit_from_proto,
-    layout_to_proto,
-    scheme_to_proto,
 )
 from kvstore.client.errors import PoolEpochChanged, error_from_rpc
 from kvstore.client.handles import Hit, Namespace, StoreResult
@@ -52,6 +50,7 @@ from kvstore.pool import attach, current_torch_device
 from kvstore.types import BlockHash, LeaseId, NamespaceId
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc
+from kvstore.wire import layout_to_proto, scheme_to_proto
 
 log = logging.getLogger(__name__)
 
