@@ -147,6 +147,15 @@ class LiveRunner:
             if doc.get("event") == event:
                 return doc
 
+    def json_lines(self) -> list[dict[str, Any]]:
+        """Every JSON line received and not yet consumed by `wait_event` (drains them)."""
+        docs: list[dict[str, Any]] = []
+        while True:
+            try:
+                docs.append(json.loads(self._lines.get_nowait()))
+            except queue.Empty:
+                return docs
+
     def send(self, line: str) -> None:
         assert self.process.stdin is not None
         self.process.stdin.write(line + "\n")

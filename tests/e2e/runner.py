@@ -23,6 +23,14 @@ Commands:
 * ``worker --seed N --duration S``: loop over lookups (pinned, verified) and
   stores of prompts made of a few shared system prompts and user prompts
   (from a small shared pool, or unique to this runner); print counters.
+  With ``--tolerate-outage`` an iteration that fails with a `KVStoreError`
+  (the node was killed, restarting) is counted in ``errors`` and the loop
+  goes on; the epochs the client saw are counted in ``epochs``.
+* ``session``: read one JSON operation per stdin line (as in ``ops``) and
+  print ``{"event": "result", ...}`` for each, with the client's ``epoch``,
+  the epoch of the namespace's mapping and lost leases; a failing operation
+  prints ``{"event": "result", "error": "<class name>"}`` and the session
+  goes on (the node may be down). An empty line or EOF ends it.
 """
 
 from __future__ import annotations
@@ -40,6 +48,7 @@ import grpc
 import numpy as np
 
 from kvstore.client import Client, Hit, Namespace
+from kvstore.errors import KVStoreError
 from kvstore.types import BlockHash
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc
@@ -275,11 +284,13 @@ async def cmd_worker(args: argparse.Namespace) -> None:
         "no_room": 0,
         "held_across_store": 0,
     }
+    if args.tolerate_outage:
+        counts["errors"] = counts["epochs"] = 0
+    epochs: set[int] = set()
     async with make_client(args) as client:
         ns = await register(client, args)
-        deadline = time.monotonic() + args.duration
-        while time.monotonic() < deadline and counts["iterations"] < args.max_iterations:
-            counts["iterations"] += 1
+
+        async def iteration() -> None:
             # Half the user prompts come from a small pool every runner shares (deep
             # overlapping chains, races to write the same block), half are unique.
             if rng.random() < 0.5:
@@ -313,7 +324,54 @@ async def cmd_worker(args: argparse.Namespace) -> None:
             counts["store_hit"] += result.hit
             counts["in_flight"] += result.in_flight
             counts["no_room"] += result.no_room
+
+        deadline = time.monotonic() + args.duration
+        while time.monotonic() < deadline and counts["iterations"] < args.max_iterations:
+            counts["iterations"] += 1
+            if args.tolerate_outage:
+                await _outage_tolerant(client, counts, epochs, iteration)
+            else:
+                await iteration()
     emit(counts)
+
+
+async def _outage_tolerant(client: Client, counts: dict[str, int], epochs: set[int], step) -> None:
+    """Run one worker iteration; a `KVStoreError` (node down or restarting) is counted."""
+    try:
+        await step()
+    except KVStoreError:
+        counts["errors"] += 1
+        await asyncio.sleep(0.05)
+    if client.epoch is not None:
+        epochs.add(client.epoch)
+    counts["epochs"] = len(epochs)
+
+
+async def cmd_session(args: argparse.Namespace) -> None:
+    """Operations from stdin, one JSON object a line; one result line each (see module doc)."""
+    async with make_client(args) as client:
+        ns: Namespace | None = None
+        while True:
+            line = await asyncio.to_thread(sys.stdin.readline)
+            if not line.strip():
+                break
+            op = json.loads(line)
+            doc: dict[str, Any] = {"event": "result", "op": op["op"]}
+            try:
+                ns = await register(client, args)  # re-registers after a restart
+                if op["op"] == "store":
+                    doc.update(await op_store(client, ns, op))
+                elif op["op"] == "lookup":
+                    doc.update(await op_lookup(client, ns, op))
+                else:
+                    raise SystemExit(f"unknown op {op['op']!r}")
+            except KVStoreError as exc:
+                doc["error"] = type(exc).__name__
+                doc["message"] = str(exc)
+            doc["epoch"] = client.epoch
+            doc["mapping_epoch"] = ns.epoch if ns is not None else None
+            doc["lease_lost"] = client.lease.lost
+            emit(doc)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -339,10 +397,12 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument("--systems", type=int, default=3)
     worker.add_argument("--system-tokens", type=int, default=72)
     worker.add_argument("--shared-users", type=int, default=12)
+    worker.add_argument("--tolerate-outage", action="store_true")
+    sub.add_parser("session")
     return parser
 
 
-COMMANDS = {"ops": cmd_ops, "hold": cmd_hold, "worker": cmd_worker}
+COMMANDS = {"ops": cmd_ops, "hold": cmd_hold, "worker": cmd_worker, "session": cmd_session}
 
 
 def main(argv: Sequence[str] | None = None) -> None:
