@@ -127,8 +127,11 @@ class RedisAgent:
         self._stopping = True
         if self._task is not None:
             self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+            # Bounded: a client library that swallowed the cancellation must
+            # not hang the node's shutdown.
+            done, _ = await asyncio.wait({self._task}, timeout=grace)
+            if not done:
+                log.warning("the Redis agent did not stop within %.1fs; leaving it", grace)
             self._task = None
         if self.client is None:
             return
@@ -141,7 +144,9 @@ class RedisAgent:
         except REDIS_ERRORS as exc:
             log.info("could not leave the registry cleanly (%s); entries expire by TTL", exc)
         finally:
-            await redis_link.close(self.client)
+            with contextlib.suppress(TimeoutError, *REDIS_ERRORS):
+                async with asyncio.timeout(grace):
+                    await redis_link.close(self.client)
             self.client = None
 
     async def wait_synced(self) -> None:
