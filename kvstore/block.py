@@ -1,7 +1,7 @@
 """The per-block record of the block table.
 
-One `Block` per resident block: about 240 bytes with its dict entry and hash,
-so a million blocks cost about 240 MB of metadata (measured by
+One `Block` per resident block: about 320 bytes with its dict entry and hash,
+so a million blocks cost about 320 MB of metadata (measured by
 ``benchmarks/bench_core.py``). The record doubles as its own node in the LRU
 list (`prev` / `next`), which is why it is mutable and compared by identity.
 """
