@@ -146,11 +146,9 @@ def _code_of(exc: BaseException, context: Any) -> grpc.StatusCode:
     return code if isinstance(code, grpc.StatusCode) else grpc.StatusCode.INTERNAL
 
 
-def guard_unary(
-    method: str,
+def _guard(
+    method: str, *, drain: bool
 ) -> Callable[[Callable[[S, Req, Any], Awaitable[Resp]]], Callable[[S, Req, Any], Awaitable[Resp]]]:
-    """Wrap a unary-response handler: map errors, time it, count its status."""
-
     def wrap(
         handler: Callable[[S, Req, Any], Awaitable[Resp]],
     ) -> Callable[[S, Req, Any], Awaitable[Resp]]:
@@ -164,6 +162,8 @@ def guard_unary(
                 code = _code_of(exc, context)
                 if _passes(exc):
                     raise
+                if drain:
+                    await _drain(request)
                 code = await _fail(context, method, exc)
                 raise  # pragma: no cover - _fail raised
             finally:
@@ -172,6 +172,13 @@ def guard_unary(
         return guarded
 
     return wrap
+
+
+def guard_unary(
+    method: str,
+) -> Callable[[Callable[[S, Req, Any], Awaitable[Resp]]], Callable[[S, Req, Any], Awaitable[Resp]]]:
+    """Wrap a unary-response handler: map errors, time it, count its status."""
+    return _guard(method, drain=False)
 
 
 def guard_stream_out(
@@ -232,26 +239,4 @@ def guard_stream_in(
     method: str,
 ) -> Callable[[Callable[[S, Req, Any], Awaitable[Resp]]], Callable[[S, Req, Any], Awaitable[Resp]]]:
     """Wrap a client-streaming handler like `guard_unary`, draining the stream on errors."""
-
-    def wrap(
-        handler: Callable[[S, Req, Any], Awaitable[Resp]],
-    ) -> Callable[[S, Req, Any], Awaitable[Resp]]:
-        @functools.wraps(handler)
-        async def guarded(self: S, requests: Req, context: Any) -> Resp:
-            started = time.perf_counter()
-            code = grpc.StatusCode.OK
-            try:
-                return await handler(self, requests, context)
-            except BaseException as exc:
-                code = _code_of(exc, context)
-                if _passes(exc):
-                    raise
-                await _drain(requests)
-                code = await _fail(context, method, exc)
-                raise  # pragma: no cover - _fail raised
-            finally:
-                self.observer.observe_rpc(method, time.perf_counter() - started, code)
-
-        return guarded
-
-    return wrap
+    return _guard(method, drain=True)

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from kvstore.results import BlockRef, MissReason, ReserveStatus
+from kvstore.types import BlockHash, LeaseId, NamespaceId, TenantId
 from kvstore.v1 import kvstore_pb2 as pb
 from service import convert, validate
 from service.errors import FieldError, guard_unary
@@ -16,6 +18,13 @@ _RESERVE_STATUS = {
     ReserveStatus.RESERVED: pb.RESERVE_STATUS_RESERVED,
     ReserveStatus.NO_ROOM: pb.RESERVE_STATUS_NO_ROOM,
 }
+
+
+_HashesRequest = pb.CommitRequest | pb.AbortRequest | pb.ReleaseRequest
+"""The requests that name a lease and a list of block hashes."""
+
+_StoreVerb = Callable[[NamespaceId, TenantId, LeaseId, Sequence[BlockHash], float], int]
+"""`Store.commit`, `Store.abort` or `Store.release`."""
 
 
 class BlockRpcs(ServicerBase):
@@ -100,38 +109,31 @@ class BlockRpcs(ServicerBase):
             entries.append(msg)
         return pb.ReserveResponse(entries=entries, pool_epoch=node.epoch)
 
-    @guard_unary("Commit")
-    async def Commit(self, request: pb.CommitRequest, context: Any) -> pb.CommitResponse:
-        """Make written blocks READY."""
+    def _on_hashes(self, request: _HashesRequest, context: Any, verb: _StoreVerb) -> int:
+        """Validate a (namespace, lease, hashes) request and apply ``verb`` to it."""
         node = self.node
         tenant = node.tenant(context)
         namespace = self.namespace(request.namespace_id, tenant)
         lease_id = validate.lease_id(request.lease_id)
         hashes = validate.block_hashes(request.hashes, node.config.max_chain_blocks)
-        committed = node.store.commit(namespace, tenant, lease_id, hashes, node.now())
+        count = verb(namespace, tenant, lease_id, hashes, node.now())
         node.publish_events()
+        return count
+
+    @guard_unary("Commit")
+    async def Commit(self, request: pb.CommitRequest, context: Any) -> pb.CommitResponse:
+        """Make written blocks READY."""
+        committed = self._on_hashes(request, context, self.node.store.commit)
         return pb.CommitResponse(committed=committed)
 
     @guard_unary("Abort")
     async def Abort(self, request: pb.AbortRequest, context: Any) -> pb.AbortResponse:
         """Free reserved blocks that will not be written."""
-        node = self.node
-        tenant = node.tenant(context)
-        namespace = self.namespace(request.namespace_id, tenant)
-        lease_id = validate.lease_id(request.lease_id)
-        hashes = validate.block_hashes(request.hashes, node.config.max_chain_blocks)
-        aborted = node.store.abort(namespace, tenant, lease_id, hashes, node.now())
-        node.publish_events()
+        aborted = self._on_hashes(request, context, self.node.store.abort)
         return pb.AbortResponse(aborted=aborted)
 
     @guard_unary("Release")
     async def Release(self, request: pb.ReleaseRequest, context: Any) -> pb.ReleaseResponse:
         """Drop this lease's pins on the named blocks."""
-        node = self.node
-        tenant = node.tenant(context)
-        namespace = self.namespace(request.namespace_id, tenant)
-        lease_id = validate.lease_id(request.lease_id)
-        hashes = validate.block_hashes(request.hashes, node.config.max_chain_blocks)
-        released = node.store.release(namespace, tenant, lease_id, hashes, node.now())
-        node.publish_events()
+        released = self._on_hashes(request, context, self.node.store.release)
         return pb.ReleaseResponse(released=released)
