@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 from kvstore import wire
 from kvstore.block import BlockState
@@ -47,6 +47,30 @@ def scheme_from_proto(value: int) -> HashScheme:
 
 layout_to_proto = wire.layout_to_proto
 scheme_to_proto = wire.scheme_to_proto
+
+
+def locations(pool: BlockPool, refs: Iterable[BlockRef]) -> list[pb.BlockLocation]:
+    """`location` of many blocks: the hot path of every Lookup.
+
+    The slots come from the store, so they are in range; the arena and offset
+    arithmetic of `PoolDescriptor.locate` is inlined.
+    """
+    per_arena = pool.descriptor.slots_per_arena
+    block_bytes = pool.descriptor.block_bytes
+    message = pb.BlockLocation
+    out = []
+    for ref in refs:
+        arena, index = divmod(ref.slot, per_arena)
+        out.append(
+            message(
+                hash=ref.hash,
+                slot=ref.slot,
+                generation=ref.generation,
+                arena=arena,
+                offset=index * block_bytes,
+            )
+        )
+    return out
 
 
 def location(pool: BlockPool, ref: BlockRef) -> pb.BlockLocation:

@@ -77,7 +77,7 @@ class BlockRpcs(ServicerBase):
         return pb.LookupResponse(
             hit_blocks=result.hit_blocks,
             hit_tokens=hit_tokens,
-            blocks=[convert.location(pool, ref) for ref in result.blocks],
+            blocks=convert.locations(pool, result.blocks),
             pinned=result.pinned and bool(result.blocks),
             miss_reason=int(result.miss_reason),  # type: ignore[arg-type]
             pool_epoch=node.epoch,

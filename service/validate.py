@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
+from typing import cast
 
 from kvstore.types import HASH_BYTES, BlockHash, LeaseId, NamespaceId
 from service.errors import FieldError
@@ -53,7 +54,11 @@ def block_hashes(
         raise FieldError(field, "is empty; name at least one block")
     if len(values) > max_blocks:
         raise FieldError(field, f"names {len(values)} blocks, at most {max_blocks} per call")
-    return [block_hash(v, f"{field}[{i}]") for i, v in enumerate(values)]
+    hashes = list(values)
+    for i, value in enumerate(hashes):  # hot path: no per-item call or string
+        if len(value) != HASH_BYTES:
+            block_hash(value, f"{field}[{i}]")  # raises with the field named
+    return cast(list[BlockHash], hashes)
 
 
 def chain_source(
