@@ -90,6 +90,32 @@ class _NodeCollector(Collector):
             yield GaugeMetricFamily(f"kvstore_node_{name}", doc, value=info[name])
 
 
+ClusterInfo = Callable[[], dict[str, float] | None]
+"""Redis and peer-fetch figures read at scrape time; None on a node without Redis."""
+
+_CLUSTER_METRICS = (
+    ("redis_connected", "1 while the node reaches Redis, else 0", GaugeMetricFamily),
+    ("directory_resyncs", "Full rewrites of this node's directory entry", CounterMetricFamily),
+    ("events_dropped", "Cluster events dropped while Redis was away", CounterMetricFamily),
+    ("peer_fetched_blocks", "Blocks pulled from peer nodes", CounterMetricFamily),
+    ("peer_failed_fetches", "Peer fetches that failed (answered as misses)", CounterMetricFamily),
+)
+
+
+class _ClusterCollector(Collector):
+    """Cross-node figures (Redis link, directory, peer fetch) read at scrape time."""
+
+    def __init__(self, cluster_info: ClusterInfo) -> None:
+        self._cluster_info = cluster_info
+
+    def collect(self) -> Iterator[Metric]:
+        info = self._cluster_info()
+        if info is None:
+            return
+        for name, doc, family in _CLUSTER_METRICS:
+            yield family(f"kvstore_{name}", doc, value=info[name])
+
+
 class Metrics:
     """The node's metrics; `start_http` serves them on the metrics port."""
 
@@ -126,6 +152,10 @@ class Metrics:
     def add_node_info(self, node_info: NodeInfo) -> None:
         """Export ``kvstore_node_capacity_bytes``, ``_allocated_bytes``, ``_uptime_seconds``."""
         self.registry.register(_NodeCollector(node_info))
+
+    def add_cluster_info(self, cluster_info: ClusterInfo) -> None:
+        """Export the Redis link, directory resync and peer-fetch figures."""
+        self.registry.register(_ClusterCollector(cluster_info))
 
     def observe_rpc(self, method: str, seconds: float, code: grpc.StatusCode) -> None:
         """Record one finished RPC."""

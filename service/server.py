@@ -135,6 +135,7 @@ class Server:
         for name in ("", SERVICE_NAME):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         node.metrics.add_node_info(self._node_info)
+        node.metrics.add_cluster_info(self._cluster_info)
         self._sampler = asyncio.create_task(
             sample_forever(node, self.history, self.config.stats_sample_seconds),
             name="kvstore-stats-sampler",
@@ -160,6 +161,19 @@ class Server:
                 "uptime_seconds": node.now() - node.started,
             },
         )
+
+    def _cluster_info(self) -> dict[str, float] | None:
+        """Cross-node figures for the metrics; plain counters, safe to read from any thread."""
+        agent, peers = self.node.cluster, self.node.peers
+        if agent is None:
+            return None
+        return {
+            "redis_connected": float(agent.connected),
+            "directory_resyncs": agent.resyncs,
+            "events_dropped": agent.events_dropped,
+            "peer_fetched_blocks": peers.fetched_blocks if peers is not None else 0,
+            "peer_failed_fetches": peers.failed_fetches if peers is not None else 0,
+        }
 
     async def _expire_leases(self) -> None:
         """Sleep until the next lease deadline (at most one tick), then expire."""

@@ -133,6 +133,9 @@ async def test_peer_fetch_is_byte_exact_and_per_tenant(nodes):
         assert hit.hit_blocks == 5
         assert await rb.read(7, 5) == [block_bytes(7, i) for i in range(5)]
         assert b.node.peers.fetched_blocks == 5
+        metrics = b.node.metrics.registry
+        assert metrics.get_sample_value("kvstore_peer_fetched_blocks_total") == 5
+        assert metrics.get_sample_value("kvstore_redis_connected") == 1
         # Another tenant asking for the same tokens gets nothing from anyone.
         assert (await other.lookup(7, 5, remote=True)).hit_blocks == 0
         # node-c can now fetch from a or b; the bytes are the same.
@@ -157,6 +160,8 @@ async def test_peer_that_vanished_is_a_miss_not_an_error(nodes):
         hit = await rb.lookup(3, 4, remote=True)
         assert hit.hit_blocks == 0
         assert b.node.peers.failed_fetches >= 1
+        failed = b.node.metrics.registry.get_sample_value("kvstore_peer_failed_fetches_total")
+        assert failed is not None and failed >= 1
     finally:
         await ra.close()
         await rb.close()

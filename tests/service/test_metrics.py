@@ -35,6 +35,7 @@ async def test_lookup_and_occupancy_metrics(stub, namespace, kv_server):
     assert value("kvstore_leases") == 1
     assert value("kvstore_rpc_errors_total", method="Commit", code="FAILED_PRECONDITION") == 1
     assert value("kvstore_rpc_duration_seconds_count", method="Lookup") == 1
+    assert value("kvstore_redis_connected") is None  # no Redis: no cluster metrics
 
 
 async def test_http_endpoint_scrapes_from_another_thread(namespace, kv_server):
