@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from kvstore.errors import KVStoreError
 from kvstore.results import BlockRef, MissReason, ReserveStatus
 from kvstore.types import BlockHash, LeaseId, NamespaceId, TenantId
 from kvstore.v1 import kvstore_pb2 as pb
@@ -52,17 +54,31 @@ class BlockRpcs(ServicerBase):
             request.allow_remote
             and node.peers is not None
             and result.miss_reason is MissReason.ABSENT
-            and await node.peers.fetch(namespace, tenant, chain, result.hit_blocks)
         ):
-            # Blocks arrived from a peer: look up again (counted as a second
-            # lookup), then drop the first lookup's pins (one per block).
-            first = result
-            result = node.store.lookup(
-                namespace, tenant, chain, node.now(), lease_id=lease_id, query_tokens=query_tokens
-            )
-            if first.pinned and first.blocks and lease_id is not None:
-                node.store.release(
-                    namespace, tenant, lease_id, [b.hash for b in first.blocks], node.now()
+            first = [b.hash for b in result.blocks] if result.pinned and lease_id else []
+            try:
+                fetched = await node.peers.fetch(namespace, tenant, chain, result.hit_blocks)
+            except BaseException:
+                # Cancelled (or failed) mid-fetch: the caller never learns of
+                # the first lookup's pins, so drop them here.
+                if first and lease_id is not None:
+                    with contextlib.suppress(KVStoreError):
+                        node.store.release(namespace, tenant, lease_id, first, node.now())
+                raise
+            if fetched:
+                # Blocks arrived from a peer: drop the first lookup's pins (one
+                # per block), then look up again (counted as a second lookup).
+                # No await in between, so nothing is evicted in the gap, and
+                # the pin bound does not count the first pins twice.
+                if first and lease_id is not None:
+                    node.store.release(namespace, tenant, lease_id, first, node.now())
+                result = node.store.lookup(
+                    namespace,
+                    tenant,
+                    chain,
+                    node.now(),
+                    lease_id=lease_id,
+                    query_tokens=query_tokens,
                 )
         pool = node.pool(namespace)
         hit_tokens = result.hit_blocks * table.block_size
