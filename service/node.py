@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -319,4 +320,8 @@ async def _build_pool(
         task.add_done_callback(
             lambda t: t.result().close() if not t.cancelled() and t.exception() is None else None
         )
+        # Wait for that (the caller still holds the register lock), so a
+        # registration that follows never races this pool's file names.
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.wait({task})
         raise
