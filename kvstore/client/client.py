@@ -373,21 +373,25 @@ class Client:
             return await asyncio.shield(call)
         except asyncio.CancelledError:
             # The node may pin before we stop listening: release what it pinned.
-            self._spawn(self._release_when_done(ns, call))
+            self._spawn(self._release_when_done(ns, LeaseId(req.lease_id), call))
             raise
 
     def _spawn_call(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Future[Any]:
         return asyncio.ensure_future(coro)
 
-    async def _release_when_done(self, ns: Namespace, call: asyncio.Future[Any]) -> None:
+    async def _release_when_done(
+        self, ns: Namespace, lease_id: LeaseId, call: asyncio.Future[Any]
+    ) -> None:
         try:
             resp = await call
         except KVStoreError:
             return
         if resp.pinned and resp.blocks:
+            # Under the lease that pinned them: if it was replaced meanwhile,
+            # the new lease's pins of the same blocks are not ours to drop.
             req = pb.ReleaseRequest(
                 namespace_id=ns.id,
-                lease_id=self._lease.lease_id or 0,
+                lease_id=lease_id,
                 hashes=[b.hash for b in resp.blocks],
             )
             await self._quietly("release", self._call("Release", req, None, idempotent=False))
