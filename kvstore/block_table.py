@@ -411,7 +411,8 @@ class BlockTable:
         """Remove every READY unpinned block; pinned and WRITING blocks stay.
 
         Pinned blocks are in use by a runner that has their memory mapped;
-        they are dropped when released. Returns what was removed and kept.
+        once released they stay cached like any other block (a second clear,
+        or eviction, removes them). Returns what was removed and kept.
         """
         removed = list(self._lru)
         for block in removed:
