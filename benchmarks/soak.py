@@ -117,7 +117,7 @@ async def _final_check(target: str) -> dict[str, Any]:
     from kvstore.client import Client
     from kvstore.v1 import kvstore_pb2 as pb
     from kvstore.v1 import kvstore_pb2_grpc
-    from tests.e2e.workload import LAYOUT, MODEL_ID, expected_block
+    from tests.e2e.workload import LAYOUT, MODEL_ID, verify_ready_blocks
 
     deadline = time.monotonic() + LEASE_TTL + 15
     async with grpc.aio.insecure_channel(target) as channel:
@@ -129,27 +129,9 @@ async def _final_check(target: str) -> dict[str, Any]:
             await asyncio.sleep(0.1)
     leaks = {"leases": stats.leases, "pinned": stats.pinned, "writing": stats.writing}
     unaccounted = sum(abs(ns.capacity - ns.free - ns.ready - ns.writing) for ns in stats.namespaces)
-    ready = corrupt = 0
     async with Client(target, client_name="soak-verifier") as client:
         ns = await client.register_namespace(MODEL_ID, LAYOUT)
-        assert ns.mapping is not None
-        async with grpc.aio.insecure_channel(target) as channel:
-            stub = kvstore_pb2_grpc.KVStoreStub(channel)
-            token = ""
-            while True:
-                page = await stub.ListBlocks(
-                    pb.ListBlocksRequest(namespace_id=ns.id, page_size=1000, page_token=token),
-                    timeout=10,
-                )
-                for info in page.blocks:
-                    if info.state == pb.BLOCK_STATE_READY:
-                        ready += 1
-                        data = ns.mapping.buffer(info.slot)
-                        corrupt += bytes(data) != expected_block(info.hash).tobytes()
-                        del data
-                token = page.next_page_token
-                if not token:
-                    break
+        ready, corrupt = await verify_ready_blocks(target, ns)
     return {
         "leaks": leaks,
         "unaccounted_slots": unaccounted,

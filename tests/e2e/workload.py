@@ -10,10 +10,14 @@ from __future__ import annotations
 import hashlib
 import random
 
+import grpc
 import numpy as np
 import numpy.typing as npt
 
+from kvstore.client import Namespace
 from kvstore.layout import KVLayout
+from kvstore.v1 import kvstore_pb2 as pb
+from kvstore.v1 import kvstore_pb2_grpc
 
 MODEL_ID = "e2e-model"
 """Model id of the namespace the runners share (unless a test names another)."""
@@ -60,3 +64,31 @@ def system_prompt(name: int | str, count: int = 72) -> list[int]:
 def user_prompt(name: int | str, count: int = 40) -> list[int]:
     """A user prompt."""
     return tokens(f"user/{name}", count)
+
+
+async def verify_ready_blocks(target: str, ns: Namespace) -> tuple[int, int]:
+    """Read every READY block of ``ns`` through its mapping and compare its bytes.
+
+    Orphaned blocks (unreachable by lookups) are read too: ListBlocks names
+    every resident block. Returns (READY blocks read, mismatches).
+    """
+    assert ns.mapping is not None
+    ready = mismatches = 0
+    async with grpc.aio.insecure_channel(target) as channel:
+        stub = kvstore_pb2_grpc.KVStoreStub(channel)
+        token = ""
+        while True:
+            page = await stub.ListBlocks(
+                pb.ListBlocksRequest(namespace_id=ns.id, page_size=1000, page_token=token),
+                timeout=10.0,
+            )
+            for info in page.blocks:
+                if info.state != pb.BLOCK_STATE_READY:
+                    continue
+                ready += 1
+                data = ns.mapping.buffer(info.slot)
+                mismatches += bytes(data) != expected_block(info.hash).tobytes()
+                del data
+            token = page.next_page_token
+            if not token:
+                return ready, mismatches

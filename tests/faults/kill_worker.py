@@ -38,14 +38,20 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import grpc
 import numpy as np
 
 from kvstore.client import Client, Hit, Namespace
 from kvstore.types import BlockHash
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc
-from tests.e2e.workload import LAYOUT, MODEL_ID, expected_block, system_prompt, tokens
+from tests.e2e.workload import (
+    LAYOUT,
+    MODEL_ID,
+    expected_block,
+    system_prompt,
+    tokens,
+    verify_ready_blocks,
+)
 
 PHASES = (
     "connect",  # 0: channel, lease, RegisterNamespace, AttachPool
@@ -322,27 +328,8 @@ async def _verify_node(target: str) -> dict[str, Any]:
                 hit_blocks += 1
             del views
             await client.release(hit)
-        ready = 0
-        assert ns.mapping is not None
-        async with grpc.aio.insecure_channel(target) as channel:
-            stub = kvstore_pb2_grpc.KVStoreStub(channel)
-            token = ""
-            while True:
-                page = await stub.ListBlocks(
-                    pb.ListBlocksRequest(namespace_id=ns.id, page_size=1000, page_token=token),
-                    timeout=10.0,
-                )
-                for info in page.blocks:
-                    if info.state != pb.BLOCK_STATE_READY:
-                        continue
-                    ready += 1
-                    data = ns.mapping.buffer(info.slot)
-                    if bytes(data) != expected_block(info.hash).tobytes():
-                        mismatches += 1
-                    del data
-                token = page.next_page_token
-                if not token:
-                    break
+        ready, corrupt = await verify_ready_blocks(target, ns)
+        mismatches += corrupt
     return {"hit_blocks": hit_blocks, "ready_blocks": ready, "mismatches": mismatches}
 
 
