@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 
-from kvstore import wire
+from kvstore.api import wire
 from kvstore.block import BlockState
 from kvstore.errors import InvalidArgument
 from kvstore.events import CacheEvent, EventKind

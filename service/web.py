@@ -5,10 +5,10 @@ Routes (GET only):
 - ``/`` — one HTML page (``service/web/index.html``, no external assets:
   the page must work offline) that polls the endpoints below and draws
   occupancy, hit rate over time and the prefix tree as SVG.
-- ``/api/stats`` — `kvstore.cli.summary.status_json` plus ``history``,
+- ``/api/stats`` — `kvstore.ops.summary.status_json` plus ``history``,
   the hit-rate samples the node keeps (`HitRateHistory`).
 - ``/api/tree?namespace=NS&max_blocks=N`` — the namespace's prefix tree
-  collapsed into runs (`kvstore.cli.prefix_tree`), the ``kvstore tree`` JSON.
+  collapsed into runs (`kvstore.ops.prefix_tree`), the ``kvstore tree`` JSON.
 - anything else — the Prometheus exposition (``/metrics``).
 
 The HTTP server runs in a thread; the store is driven by the event loop and
@@ -30,9 +30,9 @@ from typing import Any, TypeVar
 from urllib.parse import parse_qs
 
 from kvstore.block import BlockState
-from kvstore.cli.prefix_tree import BlockRecord, build_tree, tree_json
-from kvstore.cli.summary import status_json
 from kvstore.errors import KVStoreError
+from kvstore.ops.prefix_tree import BlockRecord, build_tree, tree_json
+from kvstore.ops.summary import status_json
 from kvstore.types import NamespaceId
 from service.metrics import WsgiApp
 from service.node import Node

@@ -10,8 +10,8 @@ from rich.table import Table
 from rich.tree import Tree
 
 from kvstore.cli.app import DEFAULT_TARGET, Json, Target, Timeout, app, connect, console, print_json
-from kvstore.cli.prefix_tree import BlockRecord, Run, build_tree, tree_json
-from kvstore.cli.summary import namespace_json, status_json, tenants_json
+from kvstore.ops.prefix_tree import BlockRecord, Run, build_tree, tree_json
+from kvstore.ops.summary import namespace_json, status_json, tenants_json
 from kvstore.v1 import kvstore_pb2 as pb
 
 Namespace = Annotated[str, typer.Argument(help="Namespace id, a unique id prefix, or model id.")]

@@ -31,6 +31,7 @@ from typing import Any
 
 import grpc
 
+from kvstore.api.wire import layout_to_proto, scheme_to_proto
 from kvstore.client.blocks import BlockSupplier
 from kvstore.client.convert import (
     chain_fields,
@@ -50,7 +51,6 @@ from kvstore.pool import attach, current_torch_device
 from kvstore.types import BlockHash, LeaseId, NamespaceId
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc
-from kvstore.wire import layout_to_proto, scheme_to_proto
 
 log = logging.getLogger(__name__)
 
