@@ -13,17 +13,15 @@ from kvstore.pool.base import (
     PoolDescriptor,
     PoolMapping,
     PoolUnavailable,
-    attach,
 )
 from kvstore.pool.cuda import (
     CudaDevice,
-    CudaMapping,
     CudaPool,
     current_torch_device,
     find_device,
-    open_handles,
     parse_device,
 )
+from kvstore.pool.cuda_mapping import CudaMapping, open_handles
 from kvstore.pool.cuda_runtime import (
     CudaCallFailed,
     CudaRuntime,
@@ -31,6 +29,7 @@ from kvstore.pool.cuda_runtime import (
     default_runtime,
     set_default_runtime,
 )
+from kvstore.pool.factory import attach
 from kvstore.pool.host import HostMapping, HostPool, arena_file_name, cleanup_stale
 from kvstore.pool.views import NUMPY_DTYPES, numpy_block_view, torch_block_view, torch_dtype
 

@@ -245,29 +245,3 @@ class PoolMapping(ABC):
         tb: TracebackType | None,
     ) -> None:
         self.close()
-
-
-def attach(descriptor: PoolDescriptor, *, device: str | int | None = None) -> PoolMapping:
-    """Map a pool described by the server into this process.
-
-    Args:
-        descriptor: what ``AttachPool`` returned.
-        device: CUDA pools only: the runner's GPU (ordinal of this process,
-            ``"cuda:N"`` or UUID) for the peer-access check; None means the
-            pool's own GPU.
-
-    Raises:
-        PoolUnavailable: the pool's memory is gone or resized (the server
-            restarted: ask for a new descriptor), or this process cannot
-            map its kind (a CUDA pool without cupy or without the pool's GPU).
-    """
-    # Imported here: both modules subclass the classes of this one.
-    if descriptor.kind == "host":
-        from kvstore.pool.host import HostMapping
-
-        return HostMapping.open(descriptor)
-    if descriptor.kind == "cuda":
-        from kvstore.pool.cuda import CudaMapping
-
-        return CudaMapping.open(descriptor, device=device)
-    raise PoolUnavailable(f"this build cannot attach pools of kind {descriptor.kind!r}")

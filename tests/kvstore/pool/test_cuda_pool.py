@@ -221,9 +221,9 @@ def test_epoch_change_invalidates_old_handles(rt):
 
 
 def _cache_keys():
-    from kvstore.pool import cuda
+    from kvstore.pool import cuda_mapping
 
-    return list(cuda._CACHE.entries)
+    return list(cuda_mapping._CACHE.entries)
 
 
 def test_runner_on_another_gpu_gets_peer_access(rt):
