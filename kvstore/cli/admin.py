@@ -6,13 +6,12 @@ from typing import Annotated
 
 import typer
 
-from kvstore.cli.app import (
+from kvstore.cli.common import (
     DEFAULT_TARGET,
     AdminToken,
     Json,
     Target,
     Timeout,
-    app,
     connect,
     console,
     fail,
@@ -36,7 +35,6 @@ def confirm(question: str, yes: bool) -> None:
         fail("not confirmed; nothing was changed (pass --yes to skip the question)")
 
 
-@app.command()
 def evict(
     namespace: Namespace,
     blocks: Annotated[int, typer.Option(min=1, help="How many unpinned blocks to evict.")],
@@ -64,7 +62,6 @@ def evict(
         console.print(f"evicted {resp.evicted} blocks of {ns.namespace_id}")
 
 
-@app.command()
 def clear(
     namespace: Namespace,
     target: Target = DEFAULT_TARGET,
@@ -98,3 +95,7 @@ def clear(
 
 
 __all__ = ["clear", "evict"]
+
+
+COMMANDS = (evict, clear)
+"""The subcommands of this module, in help order; `kvstore.cli.app` registers them."""

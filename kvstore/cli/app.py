@@ -1,33 +1,21 @@
-"""The ``kvstore`` command's skeleton: the typer app, shared options, exit codes,
-the gRPC connection and the one place RPC errors become messages.
+"""The ``kvstore`` command: the typer app, its subcommands registered in help order.
 
 Exit codes: 0 ok, 1 the node refused (bad namespace, bad input), 2 usage,
 3 the node cannot be reached, 4 admin credentials refused, 5 not configured
 (no Redis for a cluster view), 130 interrupted.
+
+The command modules expose plain functions (``COMMANDS``) and import only
+`kvstore.cli.common`; this module imports them and registers them, so no
+command module imports the app.
 """
 
 from __future__ import annotations
 
-import json
 import sys
-from collections.abc import Iterator
-from contextlib import contextmanager
-from typing import Annotated, Any, NoReturn
 
-import grpc
 import typer
-from rich.console import Console
 
-from kvstore.v1 import kvstore_pb2 as pb
-from kvstore.v1 import kvstore_pb2_grpc
-
-EXIT_REFUSED = 1
-EXIT_UNREACHABLE = 3
-EXIT_DENIED = 4
-EXIT_NOT_CONFIGURED = 5
-
-DEFAULT_TARGET = "127.0.0.1:50051"
-"""The local node (the server's default host and port)."""
+from kvstore.cli import admin, bench, live, reads
 
 app = typer.Typer(
     name="kvstore",
@@ -37,135 +25,12 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
 )
 
-Target = Annotated[
-    str,
-    typer.Option(
-        "--target", "-t", envvar="KVSTORE_TARGET", help="Node address HOST:PORT (KVSTORE_TARGET)."
-    ),
-]
-Json = Annotated[bool, typer.Option("--json", help="Print JSON for scripts instead of tables.")]
-Timeout = Annotated[float, typer.Option("--timeout", min=0.1, help="Seconds per call.")]
-AdminToken = Annotated[
-    str,
-    typer.Option(
-        "--admin-token",
-        envvar="KVSTORE_ADMIN_TOKEN",
-        help="The node's admin token (KVSTORE_ADMIN_TOKEN).",
-        show_default=False,
-    ),
-]
-
-console = Console(highlight=False)
-"""Where tables go (stdout)."""
-
-
-def fail(message: str, code: int = EXIT_REFUSED) -> NoReturn:
-    """Print ``kvstore: message`` to stderr and exit with ``code``."""
-    print(f"kvstore: {message}", file=sys.stderr, flush=True)
-    raise typer.Exit(code)
-
-
-def print_json(doc: Any) -> None:
-    """Print ``doc`` as indented JSON on stdout."""
-    sys.stdout.write(json.dumps(doc, indent=2) + "\n")
-    sys.stdout.flush()
-
-
-_UNREACHABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
-_DENIED = (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED)
-
-
-def exit_code(code: grpc.StatusCode | None) -> int:
-    """The command's exit code for an RPC that ended with ``code``."""
-    if code in _UNREACHABLE:
-        return EXIT_UNREACHABLE
-    if code in _DENIED:
-        return EXIT_DENIED
-    return EXIT_REFUSED
-
-
-def describe(exc: grpc.RpcError, target: str) -> str:
-    """A one-line message for a failed RPC."""
-    code = exc.code() if hasattr(exc, "code") else None
-    details = exc.details() if hasattr(exc, "details") else str(exc)
-    if code in _UNREACHABLE:
-        return f"cannot reach the kvstore node at {target} ({code.name.lower()}): is it running?"
-    if code in _DENIED:
-        return f"refused ({code.name}): {details}"
-    name = code.name if code is not None else "error"
-    return f"the node at {target} answered {name}: {details}"
-
-
-class NodeClient:
-    """Synchronous calls to one node; every call carries the timeout."""
-
-    def __init__(self, target: str, channel: grpc.Channel, timeout: float, token: str) -> None:
-        self.target = target
-        self.stub = kvstore_pb2_grpc.KVStoreStub(channel)
-        self.timeout = timeout
-        self.metadata: tuple[tuple[str, str], ...] = (
-            (("authorization", f"Bearer {token}"),) if token else ()
-        )
-
-    def stats(self) -> pb.StatsResponse:
-        """The node's Stats."""
-        resp: pb.StatsResponse = self.stub.Stats(
-            pb.StatsRequest(), timeout=self.timeout, metadata=self.metadata
-        )
-        return resp
-
-    def list_blocks(self, namespace: str, page_size: int, token: str) -> pb.ListBlocksResponse:
-        """One ListBlocks page."""
-        resp: pb.ListBlocksResponse = self.stub.ListBlocks(
-            pb.ListBlocksRequest(namespace_id=namespace, page_size=page_size, page_token=token),
-            timeout=self.timeout,
-            metadata=self.metadata,
-        )
-        return resp
-
-    def all_blocks(self, namespace: str, limit: int) -> tuple[list[pb.BlockInfo], int]:
-        """Up to ``limit`` blocks of ``namespace`` over as many pages as needed, and the total."""
-        blocks: list[pb.BlockInfo] = []
-        token, total = "", 0
-        while len(blocks) < limit:
-            page = self.list_blocks(namespace, min(1000, limit - len(blocks)), token)
-            blocks.extend(page.blocks)
-            total, token = page.total, page.next_page_token
-            if not token:
-                break
-        return blocks, total
-
-    def resolve_namespace(self, name: str) -> pb.NamespaceStats:
-        """The namespace named by its id, a unique id prefix, or its model id."""
-        namespaces = list(self.stats().namespaces)
-        for ns in namespaces:
-            if ns.namespace_id == name:
-                return ns
-        found = [ns for ns in namespaces if ns.model_id == name]
-        found = found or [ns for ns in namespaces if ns.namespace_id.startswith(name)]
-        if len(found) == 1:
-            return found[0]
-        known = ", ".join(f"{ns.namespace_id} ({ns.model_id})" for ns in namespaces) or "none"
-        what = "is ambiguous" if found else "is not a namespace of this node"
-        fail(f"{name!r} {what}; namespaces: {known}", EXIT_REFUSED)
-
-
-@contextmanager
-def connect(target: str, timeout: float, token: str = "") -> Iterator[NodeClient]:
-    """A `NodeClient` to ``target``; an RPC error ends the command with a message."""
-    channel = grpc.insecure_channel(target)
-    try:
-        yield NodeClient(target, channel, timeout, token)
-    except grpc.RpcError as exc:
-        fail(describe(exc, target), exit_code(exc.code() if hasattr(exc, "code") else None))
-    finally:
-        channel.close()
+for _command in (*reads.COMMANDS, *admin.COMMANDS, *bench.COMMANDS, *live.COMMANDS):
+    app.command()(_command)
 
 
 def main() -> None:
     """The ``kvstore`` console script."""
-    from kvstore.cli import commands  # noqa: F401  (registers the commands)
-
     try:
         app()
     except KeyboardInterrupt:

@@ -18,7 +18,7 @@ import typer
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from kvstore.cli.app import EXIT_NOT_CONFIGURED, EXIT_REFUSED, Json, app, console, fail, print_json
+from kvstore.cli.common import EXIT_NOT_CONFIGURED, EXIT_REFUSED, Json, console, fail, print_json
 
 
 def flatten(doc: Any, prefix: str = "") -> dict[str, float]:
@@ -69,7 +69,6 @@ def _run_one(root: Path, name: str, quick: bool, timeout: float) -> dict[str, An
     return {"ok": True, "numbers": flatten(doc), "result": doc}
 
 
-@app.command()
 def bench(
     only: Annotated[
         list[str] | None, typer.Argument(help="Benchmarks to run (core, service…); default all.")
@@ -118,3 +117,7 @@ def bench(
 
 
 __all__ = ["bench", "flatten"]
+
+
+COMMANDS = (bench,)
+"""The subcommands of this module, in help order; `kvstore.cli.app` registers them."""

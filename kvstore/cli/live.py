@@ -11,13 +11,12 @@ import grpc
 import typer
 from rich.table import Table
 
-from kvstore.cli.app import (
+from kvstore.cli.common import (
     DEFAULT_TARGET,
     EXIT_NOT_CONFIGURED,
     EXIT_UNREACHABLE,
     Json,
     Target,
-    app,
     connect,
     console,
     fail,
@@ -47,7 +46,6 @@ def event_json(ev: pb.Event) -> dict[str, Any]:
     }
 
 
-@app.command()
 def watch(
     target: Target = DEFAULT_TARGET,
     json: Json = False,
@@ -93,7 +91,6 @@ def watch(
             call.cancel()
 
 
-@app.command()
 def nodes(
     json: Json = False,
     redis_url: Annotated[
@@ -157,3 +154,7 @@ def read_registry(url: str, prefix: str, timeout: float) -> list[dict[str, Any]]
         doc["expires_in_seconds"] = max(0.0, (deadline - now_ms) / 1000)
         rows.append(doc)
     return sorted(rows, key=lambda r: str(r["node_id"]))
+
+
+COMMANDS = (watch, nodes)
+"""The subcommands of this module, in help order; `kvstore.cli.app` registers them."""

@@ -9,7 +9,7 @@ import typer
 from rich.table import Table
 from rich.tree import Tree
 
-from kvstore.cli.app import DEFAULT_TARGET, Json, Target, Timeout, app, connect, console, print_json
+from kvstore.cli.common import DEFAULT_TARGET, Json, Target, Timeout, connect, console, print_json
 from kvstore.ops.prefix_tree import BlockRecord, Run, build_tree, tree_json
 from kvstore.ops.summary import namespace_json, status_json, tenants_json
 from kvstore.v1 import kvstore_pb2 as pb
@@ -42,7 +42,6 @@ def duration(seconds: float) -> str:
     return f"{s // 3600}h{s % 3600 // 60:02d}m{s % 60:02d}s"
 
 
-@app.command()
 def status(target: Target = DEFAULT_TARGET, json: Json = False, timeout: Timeout = 5.0) -> None:
     """Node capacity, use, pins, hit rates (tokens and blocks), leases, uptime."""
     with connect(target, timeout) as node:
@@ -73,7 +72,6 @@ def status(target: Target = DEFAULT_TARGET, json: Json = False, timeout: Timeout
     console.print(t)
 
 
-@app.command()
 def namespaces(target: Target = DEFAULT_TARGET, json: Json = False, timeout: Timeout = 5.0) -> None:
     """Every namespace: model, block size, occupancy, evictions, hit rate."""
     with connect(target, timeout) as node:
@@ -93,7 +91,6 @@ def namespaces(target: Target = DEFAULT_TARGET, json: Json = False, timeout: Tim
     console.print(t)
 
 
-@app.command()
 def tenants(
     target: Target = DEFAULT_TARGET,
     json: Json = False,
@@ -139,7 +136,6 @@ def block_json(b: pb.BlockInfo) -> dict[str, Any]:
     }
 
 
-@app.command()
 def blocks(
     namespace: Namespace,
     target: Target = DEFAULT_TARGET,
@@ -202,7 +198,6 @@ def _label(run: Run) -> str:
     )
 
 
-@app.command()
 def tree(
     namespace: Namespace,
     target: Target = DEFAULT_TARGET,
@@ -240,3 +235,7 @@ def tree(
 
 
 __all__ = ["blocks", "namespace_json", "namespaces", "status", "tenants", "tree"]
+
+
+COMMANDS = (status, namespaces, tenants, blocks, tree)
+"""The subcommands of this module, in help order; `kvstore.cli.app` registers them."""
