@@ -3,7 +3,8 @@
 Invariants (checked by ``tests/kvstore/test_store_state_machine.py`` after
 every step of random interleavings):
 
-- ``free + ready + writing == capacity``; a slot belongs to at most one block.
+- ``free + ready + writing == capacity``; a slot belongs to at most one block
+  (the counts, slots, LRU and quotas are kept by `kvstore.residency`).
 - A block is in the LRU iff it is READY with no pins; WRITING blocks are never
   returned by a lookup; pinned blocks are never evicted.
 - Recency order is consistent with the prefix tree: a block in the LRU is
@@ -23,11 +24,17 @@ every step of random interleavings):
 
 Pins and writes are recorded in the lease as well as in the block, so ending
 a lease costs O(what it holds).
+
+Over 400 lines on purpose: this file is one concept, the block life cycle
+as leases drive it (lookup/pin, reserve, commit, abort, release, lease
+expiry), whose transitions share the lease and chain bookkeeping and are
+checked together by the state-machine test. What sits below them (slots,
+LRU, counts, quotas) is in `kvstore.residency`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 
 from kvstore.block import Block, BlockState
 from kvstore.errors import (
@@ -38,9 +45,9 @@ from kvstore.errors import (
     StaleSlot,
 )
 from kvstore.events import CacheEvent, EventKind, removed_events, stored_events
-from kvstore.eviction import ScopedLRU
 from kvstore.layout import NamespaceSpec
 from kvstore.lease import Lease
+from kvstore.residency import Residency
 from kvstore.results import (
     BlockInfo,
     BlockRef,
@@ -54,7 +61,6 @@ from kvstore.results import (
     ReserveStatus,
     TenantCounters,
 )
-from kvstore.slots import SlotAllocator
 from kvstore.types import HASH_BYTES, SHARED_SCOPE, BlockHash, SlotId, TenantId
 
 
@@ -91,14 +97,7 @@ class BlockTable:
         self.block_size = spec.layout.block_size
         self.max_pins_per_lease = max_pins_per_lease
         self._events = events if events is not None else []
-        self._scopes: dict[TenantId, dict[BlockHash, Block]] = {}
-        self._slots = SlotAllocator(capacity)
-        self._lru = ScopedLRU()
-        self._quota: Callable[[TenantId], int] | None = quota
-        self._writing = 0
-        self._pinned = 0
-        self._evictions = 0
-        self._resident: dict[TenantId, int] = {}
+        self._res = Residency(capacity, quota)
         self._counters: dict[TenantId, TenantCounters] = {}
 
     # --- queries -------------------------------------------------------------
@@ -109,11 +108,11 @@ class BlockTable:
 
     def __len__(self) -> int:
         """Resident blocks (READY or WRITING)."""
-        return self.capacity - self._slots.free
+        return self._res.resident()
 
     def generation(self, slot: SlotId) -> int:
         """Current generation of a slot."""
-        return self._slots.generation(slot)
+        return self._res.generation(slot)
 
     def check_slot(self, tenant: TenantId, ref: BlockRef) -> Block:
         """The READY or WRITING block that ``ref`` names, or `StaleSlot`.
@@ -121,7 +120,7 @@ class BlockTable:
         Used by the byte-streaming RPCs to make sure a slot is still what the
         caller thinks it is before reading or writing it.
         """
-        block = self._scopes.get(self.scope_of(tenant), {}).get(ref.hash)
+        block = self._res.find(self.scope_of(tenant), ref.hash)
         if block is None or block.slot != ref.slot or block.generation != ref.generation:
             raise StaleSlot(
                 f"slot {ref.slot} generation {ref.generation} no longer holds block "
@@ -151,7 +150,7 @@ class BlockTable:
             NotWriter: the block is not reserved under this lease (never
                 reserved, aborted, committed, or the lease expired).
         """
-        block = self._scopes.get(self.scope_of(lease.tenant), {}).get(block_hash)
+        block = self._res.find(self.scope_of(lease.tenant), block_hash)
         if block is None or block not in lease.writes.get(self.namespace, ()):
             raise NotWriter(
                 f"block {block_hash.hex()[:16]} is not reserved under lease {lease.lease_id} "
@@ -184,7 +183,7 @@ class BlockTable:
                 (defaults to ``len(chain) * block_size``).
         """
         _check_chain(chain)
-        blocks = self._scopes.get(self.scope_of(tenant), {})
+        blocks = self._res.blocks(self.scope_of(tenant))
         hits: list[Block] = []
         prev: Block | None = None
         reason = MissReason.NONE
@@ -203,14 +202,14 @@ class BlockTable:
             self._check_pin_bound(lease, len(hits))
             pins = lease.pins_in(self.namespace)
             for block in hits:
-                self._pin(block)
+                self._res.pin(block)
                 pins[block] = pins.get(block, 0) + 1
             lease.pin_total += len(hits)
         for block in hits:
             block.hits += 1
             block.last_used = now
         if lease is None:
-            self._lru.touch_prefix(hits)
+            self._res.touch_prefix(hits)
         self._counters_for(tenant).count_lookup(
             len(chain), len(hits), reason, self.block_size, query_tokens
         )
@@ -236,7 +235,6 @@ class BlockTable:
         """
         _check_chain(chain)
         scope = self.scope_of(lease.tenant)
-        blocks = self._scopes.setdefault(scope, {})
         writes = lease.writes_in(self.namespace)
         entries: list[ReserveEntry] = []
         protected: list[Block] = []
@@ -244,12 +242,12 @@ class BlockTable:
         removed: list[Block] = []
         try:
             for depth, h in enumerate(chain):
-                block = blocks.get(h)
+                block = self._res.find(scope, h)
                 if block is not None:
                     if block.parent is not prev:
                         block.parent = prev
                     if block.state is BlockState.READY:
-                        self._pin(block)
+                        self._res.pin(block)
                         protected.append(block)
                         entries.append(
                             ReserveEntry(h, ReserveStatus.HIT, block.slot, block.generation)
@@ -262,7 +260,7 @@ class BlockTable:
                         entries.append(ReserveEntry(h, ReserveStatus.IN_FLIGHT))
                     prev = block
                     continue
-                slot = self._allocate(scope, removed)
+                slot = self._res.allocate(scope, removed)
                 if slot is None:
                     entries.extend(
                         ReserveEntry(rest, ReserveStatus.NO_ROOM) for rest in chain[depth:]
@@ -272,23 +270,21 @@ class BlockTable:
                     hash=h,
                     scope=scope,
                     slot=slot,
-                    generation=self._slots.generation(slot),
+                    generation=self._res.generation(slot),
                     parent=prev,
                     depth=depth,
                     writer=lease.lease_id,
                     created=now,
                     last_used=now,
                 )
-                blocks[h] = block
+                self._res.add_writing(block)
                 writes.add(block)
-                self._writing += 1
-                self._resident[scope] = self._resident.get(scope, 0) + 1
                 entries.append(ReserveEntry(h, ReserveStatus.RESERVED, slot, block.generation))
                 prev = block
         finally:
             for block in protected:
-                self._unpin(block)
-            self._touch(protected, now)
+                self._res.unpin(block)
+            self._res.touch(protected, now)
             self._emit_removed(removed, now)
         return ReserveResult(tuple(entries))
 
@@ -300,7 +296,7 @@ class BlockTable:
         A hash already READY is accepted (a retried commit) and not counted.
         """
         _check_chain(hashes)
-        blocks = self._scopes.get(self.scope_of(lease.tenant), {})
+        blocks = self._res.blocks(self.scope_of(lease.tenant))
         writes = lease.writes_in(self.namespace)
         todo: list[Block] = []
         for h in hashes:
@@ -315,15 +311,12 @@ class BlockTable:
         todo = list(dict.fromkeys(todo))
         if not todo:
             return 0
+        self._res.mark_ready(todo, now)
         for block in todo:
-            block.state = BlockState.READY
-            block.writer = None
             writes.discard(block)
-            block.last_used = now
-        self._writing -= len(todo)
         counters = self._counters_for(lease.tenant)
         counters.stored_blocks += len(todo)
-        self._touch(todo, now)
+        self._res.touch(todo, now)
         self._emit_stored(todo, now)
         return len(todo)
 
@@ -334,14 +327,14 @@ class BlockTable:
         have been aborted already, or freed with an expired lease).
         """
         _check_chain(hashes)
-        blocks = self._scopes.get(self.scope_of(lease.tenant), {})
+        blocks = self._res.blocks(self.scope_of(lease.tenant))
         writes = lease.writes_in(self.namespace)
         freed = 0
         for h in hashes:
             block = blocks.get(h)
             if block is not None and block in writes:
                 writes.discard(block)
-                self._drop_writing(block)
+                self._res.drop_writing(block)
                 freed += 1
         return freed
 
@@ -355,7 +348,7 @@ class BlockTable:
         drives a count below zero.
         """
         _check_chain(hashes)
-        blocks = self._scopes.get(self.scope_of(lease.tenant), {})
+        blocks = self._res.blocks(self.scope_of(lease.tenant))
         pins = lease.pins.get(self.namespace, {})
         released: list[Block] = []
         for h in hashes:
@@ -367,10 +360,10 @@ class BlockTable:
                 del pins[block]
             else:
                 pins[block] = count - 1
-            self._unpin(block)
+            self._res.unpin(block)
             released.append(block)
         lease.pin_total -= len(released)
-        self._touch(released, now)
+        self._res.touch(released, now)
         return len(released)
 
     def drop_lease(self, lease: Lease, now: float) -> tuple[int, int]:
@@ -384,14 +377,14 @@ class BlockTable:
         dropped = 0
         for block, count in pins.items():
             for _ in range(count):
-                self._unpin(block)
+                self._res.unpin(block)
             dropped += count
             released.append(block)
         lease.pin_total -= dropped
-        self._touch(released, now)
+        self._res.touch(released, now)
         writes = lease.writes.pop(self.namespace, set())
         for block in writes:
-            self._drop_writing(block)
+            self._res.drop_writing(block)
         return dropped, len(writes)
 
     # --- eviction -------------------------------------------------------------
@@ -400,10 +393,7 @@ class BlockTable:
         """Evict up to ``n`` unpinned READY blocks, leaves first; returns how many."""
         if n < 0:
             raise InvalidArgument(f"cannot evict a negative number of blocks ({n})")
-        removed: list[Block] = []
-        for _ in range(n):
-            if not self._evict_one(removed, self._lru.first()):
-                break
+        removed = self._res.evict(n)
         self._emit_removed(removed, now)
         return len(removed)
 
@@ -414,51 +404,35 @@ class BlockTable:
         once released they stay cached like any other block (a second clear,
         or eviction, removes them). Returns what was removed and kept.
         """
-        removed = list(self._lru)
-        for block in removed:
-            self._remove(block)
+        removed = self._res.clear()
         self._emit_removed(removed, now)
         self._events.append(CacheEvent(EventKind.CLEARED, self.namespace, SHARED_SCOPE, (), at=now))
         return ClearReport(
-            removed=len(removed), kept_pinned=self._pinned, kept_writing=self._writing
+            removed=len(removed), kept_pinned=self._res.pinned, kept_writing=self._res.writing
         )
 
     # --- inspection -----------------------------------------------------------
 
     def resident(self, scope: TenantId | None = None) -> int:
         """Resident blocks (READY or WRITING) of one scope, or of all."""
-        return len(self) if scope is None else self._resident.get(scope, 0)
+        return self._res.resident(scope)
 
     def quota_of(self, scope: TenantId) -> int:
         """Most blocks ``scope`` may hold here (0 = no quota)."""
-        return self._quota(scope) if self._quota is not None else 0
+        return self._res.quota_of(scope)
 
     def iter_blocks(self, scope: TenantId | None = None) -> Iterator[BlockInfo]:
         """Snapshot of every resident block (of one scope if given), scope by scope."""
-        groups = list(self._scopes.values()) if scope is None else [self._scopes.get(scope, {})]
-        for scope_blocks in groups:
-            for b in list(scope_blocks.values()):
-                yield BlockInfo(
-                    hash=b.hash,
-                    parent=b.parent.hash if b.parent is not None else None,
-                    scope=b.scope,
-                    slot=b.slot,
-                    generation=b.generation,
-                    state=b.state,
-                    refcount=b.refcount,
-                    hits=b.hits,
-                    depth=b.depth,
-                    created=b.created,
-                    last_used=b.last_used,
-                )
+        return self._res.iter_blocks(scope)
 
     def lru_order(self) -> list[BlockHash]:
         """Hashes of evictable blocks, next victim first (for tests and tools)."""
-        return [b.hash for b in self._lru]
+        return self._res.lru_order()
 
     def stats(self) -> NamespaceStats:
         """Occupancy and per-tenant counters (copies)."""
-        free = self._slots.free
+        res = self._res
+        free = res.free
         return NamespaceStats(
             namespace=self.namespace,
             model_id=self.spec.model_id,
@@ -466,16 +440,16 @@ class BlockTable:
             block_bytes=self.spec.layout.block_bytes,
             capacity=self.capacity,
             free=free,
-            ready=self.capacity - free - self._writing,
-            writing=self._writing,
-            pinned=self._pinned,
-            evictable=len(self._lru),
-            evictions=self._evictions,
+            ready=self.capacity - free - res.writing,
+            writing=res.writing,
+            pinned=res.pinned,
+            evictable=res.evictable,
+            evictions=res.evictions,
             tenants={
                 t: TenantCounters(**{f: getattr(c, f) for f in TenantCounters.__slots__})
                 for t, c in self._counters.items()
             },
-            resident_by_tenant=dict(self._resident),
+            resident_by_tenant=res.resident_by_scope(),
         )
 
     # --- internals --------------------------------------------------------------
@@ -487,78 +461,6 @@ class BlockTable:
                 f"lease {lease.lease_id} would hold {lease.pin_total + more} pins, over the "
                 f"limit of {limit}; release blocks you no longer read"
             )
-
-    def _pin(self, block: Block) -> None:
-        if block.refcount == 0:
-            if block in self._lru:
-                self._lru.remove(block)
-            self._pinned += 1
-        block.refcount += 1
-
-    def _unpin(self, block: Block) -> None:
-        if block.refcount <= 0:
-            raise RuntimeError(f"bug: unpinning block {block.hash.hex()[:16]} with no pins")
-        block.refcount -= 1
-        if block.refcount == 0:
-            self._pinned -= 1
-
-    def _touch(self, touched: Iterable[Block], now: float) -> None:
-        """Move blocks and their ancestors to the recently used end (`ScopedLRU.touch`)."""
-        self._lru.touch(touched, now, self._relink)
-
-    def _relink(self, block: Block) -> None:
-        """Point ``block`` at the live record of its parent's hash, if one exists.
-
-        A parent that was removed and later stored again is a new record; the
-        child's hash still chains through it, so the child is reachable again.
-        """
-        parent = block.parent
-        if parent is not None and parent.state is BlockState.FREE:
-            live = self._scopes[block.scope].get(parent.hash)
-            if live is not None:
-                block.parent = live
-
-    def _allocate(self, scope: TenantId, removed: list[Block]) -> SlotId | None:
-        limit = self.quota_of(scope)
-        if limit and self._resident.get(scope, 0) >= limit:
-            # At quota: only this scope's own blocks may make room.
-            if not self._evict_one(removed, self._lru.first_in(scope)):
-                return None
-        elif not self._slots.free and not self._evict_one(removed, self._lru.first()):
-            return None
-        slot = self._slots.take()
-        assert slot is not None, "bug: no free slot after an eviction"
-        return slot
-
-    def _evict_one(self, removed: list[Block], victim: Block | None = None) -> bool:
-        if victim is None:
-            return False
-        self._remove(victim)
-        self._evictions += 1
-        removed.append(victim)
-        return True
-
-    def _remove(self, block: Block) -> None:
-        """Free a READY unpinned block's slot and forget it."""
-        assert block.state is BlockState.READY and block.refcount == 0, "evicting a live block"
-        self._lru.remove(block)
-        self._forget(block)
-
-    def _drop_writing(self, block: Block) -> None:
-        assert block.state is BlockState.WRITING
-        self._writing -= 1
-        self._forget(block)
-
-    def _forget(self, block: Block) -> None:
-        # An emptied scope dict is kept: `reserve` holds a reference to it
-        # while it evicts, and inserts into it afterwards.
-        del self._scopes[block.scope][block.hash]
-        block.state = BlockState.FREE
-        block.writer = None
-        self._slots.give_back(block.slot)
-        self._resident[block.scope] -= 1
-        if not self._resident[block.scope]:
-            del self._resident[block.scope]
 
     def _counters_for(self, tenant: TenantId) -> TenantCounters:
         counters = self._counters.get(tenant)

@@ -98,14 +98,14 @@ def test_expiry_cost_is_proportional_to_what_the_lease_owns() -> None:
     a.hits(one, pin=True)
     table = store.table(NS)
     touched: list[int] = []
-    original = table._touch
+    original = table._res.touch
 
     def counting_touch(blocks, now):  # type: ignore[no-untyped-def]
         blocks = list(blocks)
         touched.append(len(blocks))
         original(blocks, now)
 
-    table._touch = counting_touch  # type: ignore[method-assign]
+    table._res.touch = counting_touch  # type: ignore[method-assign]
     report = store.expire(10.5)
     assert report.pins_dropped == 1
     assert sum(touched) == 1

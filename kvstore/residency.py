@@ -1,0 +1,224 @@
+"""The resident blocks of one namespace's pool: where they are, what they hold, who goes next.
+
+`Residency` owns the bookkeeping below the block table's protocol: the
+blocks of each tenant scope by hash, the slot allocator, the per-scope LRU
+of evictable blocks, the pin and WRITING counts and the scope quotas. The
+block table (`kvstore.block_table`) decides *what* happens to a lease's
+blocks; this module carries the state changes out and keeps the counts
+true:
+
+- ``free + ready + writing == capacity``; a slot belongs to at most one block.
+- A block is in the LRU iff it is READY with no pins.
+- With a quota, a scope never holds more than its ``max_blocks`` resident
+  blocks: at its quota an allocation evicts the scope's own least recently
+  used block, or fails, so a tenant at quota never evicts another's blocks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+
+from kvstore.block import Block, BlockState
+from kvstore.eviction import ScopedLRU
+from kvstore.results import BlockInfo, QuotaOf
+from kvstore.slots import SlotAllocator
+from kvstore.types import BlockHash, SlotId, TenantId
+
+
+class Residency:
+    """Scope maps, slots, LRU, pin and WRITING counts of one namespace's pool."""
+
+    def __init__(self, capacity: int, quota: QuotaOf | None) -> None:
+        """Empty residency of ``capacity`` slots; ``quota`` as in `BlockTable`."""
+        self.capacity = capacity
+        self.writing = 0
+        """Blocks in state WRITING."""
+        self.pinned = 0
+        """READY blocks with at least one pin."""
+        self.evictions = 0
+        """Blocks evicted to make room (clear and abort are not evictions)."""
+        self._scopes: dict[TenantId, dict[BlockHash, Block]] = {}
+        self._slots = SlotAllocator(capacity)
+        self._lru = ScopedLRU()
+        self._quota = quota
+        self._resident: dict[TenantId, int] = {}
+
+    # --- lookups ------------------------------------------------------------------
+
+    @property
+    def free(self) -> int:
+        """Free slots."""
+        return self._slots.free
+
+    @property
+    def evictable(self) -> int:
+        """READY blocks without pins (the LRU's length)."""
+        return len(self._lru)
+
+    def generation(self, slot: SlotId) -> int:
+        """Current generation of a slot."""
+        return self._slots.generation(slot)
+
+    def blocks(self, scope: TenantId) -> dict[BlockHash, Block]:
+        """The blocks of ``scope`` by hash (read only: change them through this class)."""
+        return self._scopes.get(scope, {})
+
+    def find(self, scope: TenantId, block_hash: BlockHash) -> Block | None:
+        """The resident block of ``scope`` with that hash, if any."""
+        return self._scopes.get(scope, {}).get(block_hash)
+
+    def resident(self, scope: TenantId | None = None) -> int:
+        """Resident blocks (READY or WRITING) of one scope, or of all."""
+        if scope is None:
+            return self.capacity - self._slots.free
+        return self._resident.get(scope, 0)
+
+    def resident_by_scope(self) -> dict[TenantId, int]:
+        """Resident blocks per scope (a copy)."""
+        return dict(self._resident)
+
+    def quota_of(self, scope: TenantId) -> int:
+        """Most blocks ``scope`` may hold here (0 = no quota)."""
+        return self._quota(scope) if self._quota is not None else 0
+
+    def iter_blocks(self, scope: TenantId | None = None) -> Iterator[BlockInfo]:
+        """Snapshot of every resident block (of one scope if given), scope by scope."""
+        groups = list(self._scopes.values()) if scope is None else [self._scopes.get(scope, {})]
+        for scope_blocks in groups:
+            for b in list(scope_blocks.values()):
+                yield BlockInfo(
+                    hash=b.hash,
+                    parent=b.parent.hash if b.parent is not None else None,
+                    scope=b.scope,
+                    slot=b.slot,
+                    generation=b.generation,
+                    state=b.state,
+                    refcount=b.refcount,
+                    hits=b.hits,
+                    depth=b.depth,
+                    created=b.created,
+                    last_used=b.last_used,
+                )
+
+    def lru_order(self) -> list[BlockHash]:
+        """Hashes of evictable blocks, next victim first."""
+        return [b.hash for b in self._lru]
+
+    # --- pins and recency ----------------------------------------------------------
+
+    def pin(self, block: Block) -> None:
+        """Add a pin; the first one takes the block out of the LRU."""
+        if block.refcount == 0:
+            if block in self._lru:
+                self._lru.remove(block)
+            self.pinned += 1
+        block.refcount += 1
+
+    def unpin(self, block: Block) -> None:
+        """Drop a pin; the block re-enters the LRU on its next `touch`."""
+        if block.refcount <= 0:
+            raise RuntimeError(f"bug: unpinning block {block.hash.hex()[:16]} with no pins")
+        block.refcount -= 1
+        if block.refcount == 0:
+            self.pinned -= 1
+
+    def touch_prefix(self, hits: list[Block]) -> None:
+        """Unpinned lookup hits: most recently used, ancestors included (`ScopedLRU`)."""
+        self._lru.touch_prefix(hits)
+
+    def touch(self, touched: Iterable[Block], now: float) -> None:
+        """Move blocks and their ancestors to the recently used end (`ScopedLRU.touch`)."""
+        self._lru.touch(touched, now, self._relink)
+
+    def _relink(self, block: Block) -> None:
+        """Point ``block`` at the live record of its parent's hash, if one exists.
+
+        A parent that was removed and later stored again is a new record; the
+        child's hash still chains through it, so the child is reachable again.
+        """
+        parent = block.parent
+        if parent is not None and parent.state is BlockState.FREE:
+            live = self._scopes[block.scope].get(parent.hash)
+            if live is not None:
+                block.parent = live
+
+    # --- allocation and state changes ---------------------------------------------
+
+    def allocate(self, scope: TenantId, removed: list[Block]) -> SlotId | None:
+        """A free slot for a new block of ``scope``, evicting (into ``removed``) if needed.
+
+        None when nothing may be evicted: the pool is full of pinned or
+        WRITING blocks, or the scope is at its quota with nothing of its own
+        to evict.
+        """
+        limit = self.quota_of(scope)
+        if limit and self._resident.get(scope, 0) >= limit:
+            # At quota: only this scope's own blocks may make room.
+            if not self._evict_one(removed, self._lru.first_in(scope)):
+                return None
+        elif not self._slots.free and not self._evict_one(removed, self._lru.first()):
+            return None
+        slot = self._slots.take()
+        assert slot is not None, "bug: no free slot after an eviction"
+        return slot
+
+    def add_writing(self, block: Block) -> None:
+        """Record a new WRITING block in the slot `allocate` gave it."""
+        self._scopes.setdefault(block.scope, {})[block.hash] = block
+        self.writing += 1
+        self._resident[block.scope] = self._resident.get(block.scope, 0) + 1
+
+    def mark_ready(self, blocks: list[Block], now: float) -> None:
+        """WRITING blocks become READY (committed); the caller then `touch`es them."""
+        for block in blocks:
+            assert block.state is BlockState.WRITING, "bug: committing a block not WRITING"
+            block.state = BlockState.READY
+            block.writer = None
+            block.last_used = now
+        self.writing -= len(blocks)
+
+    def drop_writing(self, block: Block) -> None:
+        """Free an aborted WRITING block's slot and forget it."""
+        assert block.state is BlockState.WRITING
+        self.writing -= 1
+        self._forget(block)
+
+    def evict(self, n: int) -> list[Block]:
+        """Evict up to ``n`` unpinned READY blocks, leaves first; returns them."""
+        removed: list[Block] = []
+        for _ in range(n):
+            if not self._evict_one(removed, self._lru.first()):
+                break
+        return removed
+
+    def clear(self) -> list[Block]:
+        """Remove every READY unpinned block (not counted as evictions); returns them."""
+        removed = list(self._lru)
+        for block in removed:
+            self._remove(block)
+        return removed
+
+    def _evict_one(self, removed: list[Block], victim: Block | None) -> bool:
+        if victim is None:
+            return False
+        self._remove(victim)
+        self.evictions += 1
+        removed.append(victim)
+        return True
+
+    def _remove(self, block: Block) -> None:
+        """Free a READY unpinned block's slot and forget it."""
+        assert block.state is BlockState.READY and block.refcount == 0, "evicting a live block"
+        self._lru.remove(block)
+        self._forget(block)
+
+    def _forget(self, block: Block) -> None:
+        # An emptied scope dict is kept: scopes come back, and `blocks` hands
+        # the dict out to callers iterating a chain.
+        del self._scopes[block.scope][block.hash]
+        block.state = BlockState.FREE
+        block.writer = None
+        self._slots.give_back(block.slot)
+        self._resident[block.scope] -= 1
+        if not self._resident[block.scope]:
+            del self._resident[block.scope]
