@@ -6,6 +6,13 @@ on ``UNAVAILABLE`` / ``DEADLINE_EXCEEDED``. The caller's timeout is a
 deadline for all attempts together, not per attempt: a call never takes
 longer than the timeout it was given. The channel reconnects by itself;
 the backoff only spaces the attempts.
+
+Why not gRPC's own retries (a ``retryPolicy`` in the ``grpc.service_config``
+channel option): that policy is per *method*, and ``Lookup`` is idempotent
+only without ``pin`` (a retried pinned Lookup could pin twice), so it cannot
+say which calls may repeat; it also caps ``maxAttempts`` at 5 and treats
+``DEADLINE_EXCEEDED`` as the end of the call, not as retryable. One policy
+object for every idempotent call keeps the rule in one place.
 """
 
 from __future__ import annotations

@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from kvstore.client.background import quietly
 from kvstore.client.blocks import (
     BlockSupplier,
     block_at,
@@ -22,18 +23,16 @@ from kvstore.client.blocks import (
 )
 from kvstore.client.errors import PoolEpochChanged
 from kvstore.client.handles import Hit, Namespace, StoreResult
+from kvstore.client.session import NodeSession
 from kvstore.errors import FailedPrecondition, InvalidArgument, NotFound
 from kvstore.types import SlotId
 from kvstore.v1 import kvstore_pb2 as pb
-
-if TYPE_CHECKING:
-    from kvstore.client.client import Client
 
 _RESERVED = pb.RESERVE_STATUS_RESERVED
 
 
 async def store_chain(
-    client: Client,
+    session: NodeSession,
     ns: Namespace,
     fields: dict[str, Any],
     blocks: BlockSupplier,
@@ -41,13 +40,13 @@ async def store_chain(
 ) -> StoreResult:
     """Reserve the missing blocks of a chain, write them and commit them (see `Client.store`)."""
     for attempt in (0, 1):
-        await client._ensure_ready(ns, timeout)
-        lease_id, _ = await client.lease.current()
+        await session.ensure_ready(ns, timeout)
+        lease_id, _ = await session.lease.current()
         try:
-            resp = await _reserve(client, ns, lease_id, fields, timeout)
+            resp = await _reserve(session, ns, lease_id, fields, timeout)
         except (NotFound, FailedPrecondition):
             # After a node restart the lease (or namespace) is unknown: recover once.
-            if attempt == 0 and await client._recover(True):
+            if attempt == 0 and await session.recover(True):
                 continue
             raise
         break
@@ -55,24 +54,24 @@ async def store_chain(
     hashes = [e.hash for _, e in reserved]
     committed = 0
     try:
-        if client._observe_epoch(resp.pool_epoch) or (
-            client.map_pool and resp.pool_epoch != ns.epoch
+        if session.observe_epoch(resp.pool_epoch) or (
+            session.map_pool and resp.pool_epoch != ns.epoch
         ):
             raise PoolEpochChanged("the node restarted during a store; store again")
         if hashes:
-            if client.map_pool:
+            if session.map_pool:
                 _copy_in(ns, reserved, blocks)
                 req_c = pb.CommitRequest(namespace_id=ns.id, lease_id=lease_id, hashes=hashes)
                 committed = (
-                    await client._call("Commit", req_c, timeout, idempotent=False)
+                    await session.rpc.call("Commit", req_c, timeout, idempotent=False)
                 ).committed
             else:
-                committed = await _stream_in(client, ns, lease_id, reserved, blocks, timeout)
+                committed = await _stream_in(session, ns, lease_id, reserved, blocks, timeout)
     except BaseException:
         if hashes:
             abort = pb.AbortRequest(namespace_id=ns.id, lease_id=lease_id, hashes=hashes)
-            await client._cleanup(
-                client._quietly("abort", client._call("Abort", abort, None, idempotent=False))
+            await session.background.cleanup(
+                quietly("abort", session.rpc.call("Abort", abort, None, idempotent=False))
             )
         raise
     counts = [0, 0, 0, 0]
@@ -89,19 +88,19 @@ async def store_chain(
 
 
 async def _reserve(
-    client: Client,
+    session: NodeSession,
     ns: Namespace,
     lease_id: int,
     fields: dict[str, Any],
     timeout: float | None,
 ) -> pb.ReserveResponse:
     req = pb.ReserveRequest(namespace_id=ns.id, lease_id=lease_id, **fields)
-    call = asyncio.ensure_future(client._call("Reserve", req, timeout, idempotent=False))
+    call = asyncio.ensure_future(session.rpc.call("Reserve", req, timeout, idempotent=False))
     try:
         resp: pb.ReserveResponse = await asyncio.shield(call)
     except asyncio.CancelledError:
         # The node may reserve before we stop listening: abort what it reserved.
-        client._spawn(_abort_when_done(client, ns.id, lease_id, call))
+        session.background.spawn(_abort_when_done(session, ns.id, lease_id, call))
         raise
     return resp
 
@@ -130,7 +129,7 @@ def _copy_in(
 
 
 async def _stream_in(
-    client: Client,
+    session: NodeSession,
     ns: Namespace,
     lease_id: int,
     reserved: list[tuple[int, pb.ReserveEntry]],
@@ -149,12 +148,12 @@ async def _stream_in(
         for digest, data in payloads:
             yield pb.WriteBlocksRequest(block=pb.BlockData(hash=digest, data=data))
 
-    resp = await client._call("WriteBlocks", requests(), timeout, idempotent=False)
+    resp = await session.rpc.call("WriteBlocks", requests(), timeout, idempotent=False)
     return int(resp.committed)
 
 
 async def _abort_when_done(
-    client: Client, namespace: str, lease_id: int, call: asyncio.Future[Any]
+    session: NodeSession, namespace: str, lease_id: int, call: asyncio.Future[Any]
 ) -> None:
     try:
         resp = await call
@@ -163,35 +162,21 @@ async def _abort_when_done(
     hashes = [e.hash for e in resp.entries if e.status == _RESERVED]
     if hashes:
         req = pb.AbortRequest(namespace_id=namespace, lease_id=lease_id, hashes=hashes)
-        await client._quietly("abort", client._call("Abort", req, None, idempotent=False))
+        await quietly("abort", session.rpc.call("Abort", req, None, idempotent=False))
 
 
 async def read_hit(
-    client: Client,
+    session: NodeSession,
     hit: Hit,
     timeout: float | None,
 ) -> list[bytes]:
     """The bytes of a pinned hit's blocks, streamed with ``ReadBlocks``."""
     if not hit.pinned or hit.released:
         raise FailedPrecondition("read_blocks needs a pinned, unreleased hit")
-    lease_id = client.lease.lease_id or 0
+    lease_id = session.lease.lease_id or 0
     refs = [pb.BlockRef(hash=b.hash, slot=b.slot, generation=b.generation) for b in hit.blocks]
     req = pb.ReadBlocksRequest(namespace_id=hit.namespace.id, lease_id=lease_id, blocks=refs)
-    if client._stub is None:
-        raise FailedPrecondition("the client is not connected")
     by_hash: dict[bytes, bytes] = {}
-    try:
-        stream = client._stub.ReadBlocks(
-            req, timeout=client.timeout if timeout is None else timeout, metadata=client._metadata
-        )
-        async for item in stream:
-            by_hash[item.hash] = item.data
-    except Exception as err:
-        import grpc
-
-        from kvstore.client.errors import error_from_rpc
-
-        if isinstance(err, grpc.RpcError):
-            raise error_from_rpc(err) from err
-        raise
+    async for item in session.rpc.stream("ReadBlocks", req, timeout):
+        by_hash[item.hash] = item.data
     return [by_hash[b.hash] for b in hit.blocks]

@@ -25,7 +25,7 @@ async def test_cancelled_pinned_lookup_never_releases_the_next_leases_pins(kv: C
 
     answered = asyncio.Event()
     gate = asyncio.Event()
-    real_call = kv._call
+    real_call = kv._rpc.call
     gated = True
 
     async def call(method: str, request, *args, **kwargs):  # type: ignore[no-untyped-def]
@@ -37,7 +37,7 @@ async def test_cancelled_pinned_lookup_never_releases_the_next_leases_pins(kv: C
             await gate.wait()  # the answer is slow to reach the runner
         return resp
 
-    kv._call = call  # type: ignore[method-assign]
+    kv._rpc.call = call  # type: ignore[method-assign]
     task = asyncio.ensure_future(kv.lookup(ns, TOKENS, pin=True))
     await asyncio.wait_for(answered.wait(), 5)
     task.cancel()

@@ -100,20 +100,20 @@ async def test_cancelled_store_aborts(kv: Client) -> None:
         await asyncio.sleep(30)
         raise AssertionError("unreachable")
 
-    real_call = kv._call
+    real_call = kv._rpc.call
 
     async def call(method: str, *args: object, **kwargs: object) -> object:
         if method == "Commit":
             return await slow_commit()
         return await real_call(method, *args, **kwargs)  # type: ignore[arg-type]
 
-    kv._call = call  # type: ignore[method-assign]
+    kv._rpc.call = call  # type: ignore[method-assign]
     task = asyncio.ensure_future(kv.store(ns, TOKENS, [block(i) for i in range(5)]))
     await entered.wait()
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
-    kv._call = real_call  # type: ignore[method-assign]
+    kv._rpc.call = real_call  # type: ignore[method-assign]
     assert await writing(kv) == 0
 
 

@@ -168,7 +168,7 @@ async def _half_write(client: Client, ns: Namespace, chain: Sequence[bytes], set
     """Reserve the chain's missing blocks under the client's lease; write half of the first."""
     lease_id, _ = await client.lease.current()
     set_phase("reserve")
-    stub = kvstore_pb2_grpc.KVStoreStub(client._channel)
+    stub = kvstore_pb2_grpc.KVStoreStub(client._rpc.channel)
     resp = await stub.Reserve(
         pb.ReserveRequest(namespace_id=ns.id, lease_id=lease_id, hashes=chain), timeout=10.0
     )
