@@ -37,9 +37,9 @@ import redis.asyncio as aioredis
 from kvstore.client import Client
 from kvstore.layout import KVLayout
 from kvstore.types import BlockHash, NamespaceId
+from service.cluster.directory import Change, Directory, QueuedChange
+from service.cluster.keys import Keys, member
 from service.config import Config
-from service.directory import Change, Directory, QueuedChange
-from service.redis_keys import Keys, member
 from service.server import Server
 
 SHM_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else None

@@ -2,7 +2,7 @@
 
 Start one with ``kvstore-server`` (`service.server.main`), ``python -m
 service``, or from code with `Server` / `serve`. The names below are
-imported lazily, so ``python -m service.config`` runs without importing the
+imported lazily, so ``python -m service.config.docs`` runs without importing the
 server first.
 """
 

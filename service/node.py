@@ -14,7 +14,6 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -28,18 +27,17 @@ from kvstore.results import ExpiryReport, NamespaceStats
 from kvstore.store import Store, StoreLimits, StoreStats
 from kvstore.types import SHARED_SCOPE, BlockHash, NamespaceId, TenantId
 from kvstore.v1 import kvstore_pb2 as pb
-from service import auth, convert, validate
+from service.api import convert, validate
+from service.api.errors import FieldError
+from service.cluster.agent import RedisAgent
+from service.cluster.peer_fetch import PeerFetcher
 from service.config import Config, ConfigError
-from service.errors import FieldError
-from service.event_hub import EventHub
-from service.metrics import Metrics
+from service.ops.event_hub import EventHub
+from service.ops.metrics import Metrics
 from service.pools import PoolManager
-from service.tenancy import Caller, ChainRoots, TenantResolver
-from service.tenants import TenantDirectory, TenantsFileError
-
-if TYPE_CHECKING:
-    from service.peer_fetch import PeerFetcher
-    from service.redis_agent import RedisAgent
+from service.tenancy import auth
+from service.tenancy.callers import Caller, ChainRoots, TenantResolver
+from service.tenancy.tenants import TenantDirectory, TenantsFileError
 
 log = logging.getLogger(__name__)
 
@@ -88,7 +86,7 @@ class Node:
         """The loop that drives the store; set by the server when it starts."""
         self.metrics = Metrics(self.snapshot)
         self.cluster: RedisAgent | None = None
-        """The node's Redis agent when `redis_url` is set (the server starts it)."""
+        """The node's Redis agent when `redis_url` is set (`join_cluster`)."""
         self.peers: PeerFetcher | None = None
         """Fetches missed blocks from peers; set with `cluster`."""
         self.started = clock()
@@ -121,7 +119,7 @@ class Node:
         return caller.tenant
 
     def require_admin(self, context: object) -> None:
-        """Raise unless the caller may use the admin verbs (`service.auth`)."""
+        """Raise unless the caller may use the admin verbs (`service.tenancy.auth`)."""
         if not self.tenants.auth_on:
             self.tenant(context)  # a malformed tenant header is still INVALID_ARGUMENT
         auth.require_admin(context, self.config.admin_token, loopback_ok=not self.tenants.auth_on)
@@ -178,6 +176,31 @@ class Node:
             capacity_bytes=self.pools.capacity_bytes,
             allocated_bytes=self.pools.allocated_bytes,
         )
+
+    # --- cluster ----------------------------------------------------------------
+
+    async def join_cluster(self, address: str) -> None:
+        """Start the Redis agent and the peer fetcher when `redis_url` is set (else nothing).
+
+        Args:
+            address: this node's gRPC address, advertised to peers unless
+                `advertise_address` is set.
+        """
+        if not self.config.redis_url:
+            return
+        agent = RedisAgent(self, self.config.advertise_address or address)
+        self.cluster = agent
+        self.peers = PeerFetcher(self, agent.locate)
+        await agent.start()
+
+    async def leave_cluster(self) -> None:
+        """Leave the cluster (registry, directory) and close peer channels; idempotent."""
+        agent, peers = self.cluster, self.peers
+        self.cluster = self.peers = None
+        if peers is not None:
+            await peers.close()
+        if agent is not None:
+            await agent.stop()
 
     # --- namespaces -------------------------------------------------------------
 

@@ -26,8 +26,8 @@ from kvstore.pool.cuda import CudaDevice, CudaPool, find_device
 from kvstore.pool.cuda_runtime import CudaRuntime, default_runtime
 from kvstore.pool.host import HostPool, cleanup_stale
 from kvstore.types import NamespaceId
+from service.api.errors import ResourceExhausted
 from service.config import Config, ConfigError
-from service.errors import ResourceExhausted
 
 log = logging.getLogger(__name__)
 

@@ -24,11 +24,10 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from kvstore.v1 import kvstore_pb2, kvstore_pb2_grpc
+from service.api.servicer import KVStoreServicer
 from service.config import Config, ConfigError, load_config, resolve
 from service.node import Clock, Node
-from service.redis_agent import start_cluster, stop_cluster
-from service.servicer import KVStoreServicer
-from service.web import HitRateHistory, WebApp, on_loop, sample_forever
+from service.ops.web import HitRateHistory, WebApp, on_loop, sample_forever
 
 log = logging.getLogger(__name__)
 
@@ -146,7 +145,7 @@ class Server:
                 self.config.host, self.config.metrics_port, web
             )
         self._expiry = asyncio.create_task(self._expire_leases(), name="kvstore-lease-expiry")
-        await start_cluster(node, self.address)  # no-op without redis_url
+        await node.join_cluster(self.address)  # no-op without redis_url
         log.info("node %s serving on %s (pool epoch %d)", node.node_id, self.address, node.epoch)
         return self.port
 
@@ -193,7 +192,7 @@ class Server:
         """Stop serving: NOT_SERVING, end streams, drain for ``grace`` s, close pools."""
         grace = self.config.grace_seconds if grace is None else grace
         await self.health.enter_graceful_shutdown()
-        await stop_cluster(self.node)  # leave the registry first: peers stop routing here
+        await self.node.leave_cluster()  # leave the registry first: peers stop routing here
         self.node.events.close()
         if self._expiry is not None:
             self._expiry.cancel()

@@ -15,9 +15,9 @@ import time
 import pytest
 import redis.asyncio as aioredis
 
-from service.directory import Directory
-from service.redis_keys import Keys
-from service.registry import Registry
+from service.cluster.directory import Directory
+from service.cluster.keys import Keys
+from service.cluster.registry import Registry
 from tests.e2e.compose_stack import load_stack, spawn, stop
 from tests.redis.rpc import Rpc, block_bytes
 from tests.redis.server import RedisServer, free_port

@@ -14,8 +14,8 @@ import pytest
 import redis.asyncio as aioredis
 
 from kvstore.v1 import kvstore_pb2 as pb
-from service.directory import Directory
-from service.redis_keys import Keys, member
+from service.cluster.directory import Directory
+from service.cluster.keys import Keys, member
 from tests.redis.conftest import NodeFactory
 from tests.redis.rpc import Rpc
 from tests.redis.server import REDIS_SERVER, RedisServer

@@ -9,9 +9,9 @@ import pytest
 import redis.asyncio as aioredis
 
 from kvstore.v1 import kvstore_pb2 as pb
-from service.directory import Directory
-from service.redis_keys import Keys
-from service.registry import NodeInfo, Registry
+from service.cluster.directory import Directory
+from service.cluster.keys import Keys
+from service.cluster.registry import NodeInfo, Registry
 from tests.redis.rpc import Rpc, block_bytes
 
 KEYS = Keys("kvt")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from redis.crc import key_slot as redis_slot
 
-from service.redis_keys import Keys, key_slot, member, split_member
+from service.cluster.keys import Keys, key_slot, member, split_member
 
 
 def test_slot_function_matches_redis_py():

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import asyncio
 
-from service.directory import Change, Directory, DirectoryQueue
-from service.redis_keys import Keys
+from service.cluster.directory import Change, Directory, DirectoryQueue
+from service.cluster.keys import Keys
 from tests.redis.rpc import Rpc
 from tests.redis.server import RedisServer, free_port
 from tests.redis.test_cluster_nodes import until

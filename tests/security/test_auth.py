@@ -10,7 +10,7 @@ import pytest
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc
 from service.server import Server
-from service.tenants import TenantDirectory, TenantsFileError
+from service.tenancy.tenants import TenantDirectory, TenantsFileError
 from tests.security.conftest import (
     ADMIN_TOKEN,
     ALICE_TOKEN,

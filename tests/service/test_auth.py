@@ -1,12 +1,12 @@
-"""The admin rule of `service.auth`: token when configured, loopback otherwise."""
+"""The admin rule of `service.tenancy.auth`: token when configured, loopback otherwise."""
 
 from __future__ import annotations
 
 import pytest
 
 from kvstore.errors import PermissionDenied
-from service.auth import bearer_token, check_admin, is_loopback_peer
-from service.errors import Unauthenticated, status_code_of
+from service.api.errors import Unauthenticated, status_code_of
+from service.tenancy.auth import bearer_token, check_admin, is_loopback_peer
 
 
 @pytest.mark.parametrize(

@@ -7,14 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from service.config import (
-    Config,
-    ConfigError,
-    field_names,
-    load_config,
-    parse_size,
-)
-from service.config_docs import render_markdown
+from service.config import Config, ConfigError, load_config
+from service.config.docs import render_markdown
+from service.config.schema import field_names
+from service.config.values import parse_size
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -91,5 +87,5 @@ def test_docs_table_lists_every_field_and_is_committed():
     for name in field_names():
         assert f"`{name}`" in table and f"KVSTORE_{name.upper()}" in table
     assert (ROOT / "docs" / "config.md").read_text() == table, (
-        "docs/config.md is stale: run python -m service.config_docs > docs/config.md"
+        "docs/config.md is stale: run python -m service.config.docs > docs/config.md"
     )

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
-from service.event_hub import EventHub
+from service.ops.event_hub import EventHub
 
 
 async def test_fan_out_filters_and_drops_oldest():

@@ -9,7 +9,7 @@ import grpc
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc
 from service.server import Server
-from service.tenancy import ChainRoots
+from service.tenancy.callers import ChainRoots
 from tests.service.conftest import BLOCK_SIZE, LAYOUT, tenant
 
 TOKENS = list(range(2 * BLOCK_SIZE))

@@ -1,8 +1,8 @@
-"""docs/config.md, generated from the `Config` schema: ``python -m service.config_docs``."""
+"""docs/config.md, generated from the `Config` schema: ``python -m service.config.docs``."""
 
 from __future__ import annotations
 
-from service.config import ENV_PREFIX, Config, field_docs, field_names
+from service.config.schema import ENV_PREFIX, Config, field_docs, field_names
 
 DERIVED = {"node_id"}
 """Fields whose empty default is filled in at start (`service.config.resolve`)."""
@@ -28,7 +28,8 @@ def render_markdown() -> str:
     lines = [
         "# Configuration",
         "",
-        "Generated from `service/config.py` by `python -m service.config_docs`; do not edit.",
+        "Generated from `service/config/schema.py` by `python -m service.config.docs`;"
+        " do not edit.",
         "",
         "Precedence: flags > environment > config file (`--config file.toml|.json` or",
         "`KVSTORE_CONFIG`, keys are the field names) > defaults.",

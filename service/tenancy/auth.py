@@ -14,7 +14,7 @@ The rule (docs/operations.md):
   runner is a local process, and loopback proves nothing about who it is.
   No ``admin_token`` configured then means no admin verbs at all.
 
-Tenant tokens travel in the same metadata key (`service.tenancy`).
+Tenant tokens travel in the same metadata key (`service.tenancy.callers`).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import ipaddress
 from collections.abc import Iterable
 
 from kvstore.errors import PermissionDenied
-from service.errors import Unauthenticated
+from service.api.errors import Unauthenticated
 
 AUTH_HEADER = "authorization"
 """Metadata key carrying ``Bearer <token>``."""

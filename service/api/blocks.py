@@ -10,9 +10,9 @@ from kvstore.errors import KVStoreError
 from kvstore.results import BlockRef, MissReason, ReserveStatus
 from kvstore.types import BlockHash, LeaseId, NamespaceId, TenantId
 from kvstore.v1 import kvstore_pb2 as pb
-from service import convert, validate
-from service.errors import FieldError, guard_unary
-from service.servicer_base import ServicerBase
+from service.api import convert, validate
+from service.api.base import ServicerBase
+from service.api.errors import FieldError, guard_unary
 
 _RESERVE_STATUS = {
     ReserveStatus.HIT: pb.RESERVE_STATUS_HIT,

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from kvstore.types import NamespaceId, TenantId
-from service import validate
-from service.errors import RpcObserver
+from service.api import validate
+from service.api.errors import RpcObserver
 from service.node import Node
 
 

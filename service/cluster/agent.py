@@ -8,7 +8,7 @@ One background task owns every write to Redis, so ordering is simple:
         every heartbeat_seconds: registry heartbeat + per-namespace liveness
         flush: queued directory changes and events, one pipeline
         Redis error: count the node as disconnected, mark for resync, wait
-            Backoff.compute(failures), try again
+            backoff.compute(failures) (redis-py's backoff), try again
 
 `Node.publish_events` hands the agent each `CacheEvent` synchronously
 (`publish`); nothing an RPC does ever waits on Redis. While Redis is away,
@@ -29,22 +29,20 @@ import contextlib
 import logging
 from collections import deque
 from collections.abc import AsyncIterator, Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
+
+from redis.backoff import AbstractBackoff
 
 from kvstore.block import BlockState
-from kvstore.client.retry import Backoff
 from kvstore.events import CacheEvent, EventKind
 from kvstore.types import BlockHash, NamespaceId, TenantId
 from kvstore.v1 import kvstore_pb2 as pb
-from service import redis_events, redis_link
-from service.directory import Change, Directory, DirectoryQueue, Holder
-from service.peer_fetch import PeerFetcher
-from service.redis_keys import Keys, member
-from service.redis_link import REDIS_ERRORS
-from service.registry import NodeInfo, Registry
-
-if TYPE_CHECKING:
-    from service.node import Node
+from service.cluster import events, link
+from service.cluster.directory import Change, Directory, DirectoryQueue, Holder
+from service.cluster.keys import Keys, member
+from service.cluster.link import REDIS_ERRORS, backoff_seconds, reconnect_backoff
+from service.cluster.local import LocalNode
+from service.cluster.registry import NodeInfo, Registry
 
 log = logging.getLogger(__name__)
 
@@ -59,11 +57,11 @@ class RedisAgent:
 
     def __init__(
         self,
-        node: Node,
+        node: LocalNode,
         address: str,
         *,
         connect: Callable[[], Any] | None = None,
-        backoff: Backoff | None = None,
+        backoff: AbstractBackoff | None = None,
     ) -> None:
         """Prepare the agent; nothing connects until `start`.
 
@@ -81,8 +79,8 @@ class RedisAgent:
         self.directory = Directory(self.keys, node.node_id, ttl_ms)
         self.registry = Registry(self.keys, ttl_ms, config.event_stream_maxlen)
         self.queue = DirectoryQueue(config.directory_queue_blocks)
-        self.backoff = backoff or Backoff(base=0.1, cap=2.0)
-        self._connect = connect or (lambda: redis_link.connect(config))
+        self.backoff = backoff or reconnect_backoff()
+        self._connect = connect or (lambda: link.connect(config))
         self._events: deque[dict[str, bytes]] = deque()
         self._events_limit = config.directory_queue_blocks
         self._events_shed = 0  # dropped from the head since start (see _flush)
@@ -110,7 +108,7 @@ class RedisAgent:
             self._events.popleft()
             self._events_shed += 1
             self.events_dropped += 1
-        self._events.append(redis_events.fields_of(ev, self.node.node_id, at_unix))
+        self._events.append(events.fields_of(ev, self.node.node_id, at_unix))
         self._wake.set()
 
     # --- life cycle -------------------------------------------------------------
@@ -146,7 +144,7 @@ class RedisAgent:
         finally:
             with contextlib.suppress(TimeoutError, *REDIS_ERRORS):
                 async with asyncio.timeout(grace):
-                    await redis_link.close(self.client)
+                    await link.close(self.client)
             self.client = None
 
     async def wait_synced(self) -> None:
@@ -156,6 +154,7 @@ class RedisAgent:
     # --- the loop ---------------------------------------------------------------
 
     async def _run(self) -> None:
+        # Hand-written, not redis-py's Retry: an outage must also buffer, mark a resync and rebuild.
         loop = asyncio.get_running_loop()
         config = self.node.config
         failures = 0
@@ -177,19 +176,19 @@ class RedisAgent:
                 self.queue.needs_resync = True
                 self.queue.clear()
                 failures += 1
-                await asyncio.sleep(self.backoff.compute(failures))
+                await asyncio.sleep(backoff_seconds(self.backoff, failures))
                 continue
             except Exception:
                 log.exception("bug: Redis agent step failed")
                 self.queue.needs_resync = True
-                await asyncio.sleep(self.backoff.compute(max(failures, 1)))
+                await asyncio.sleep(backoff_seconds(self.backoff, max(failures, 1)))
                 continue
             if not self.connected:
                 log.info("Redis reachable: directory of node %s in sync", self.node.node_id)
             self.connected = True
             self._synced.set()
             failures = 0
-            self.backoff.reset()
+            self.backoff.reset()  # type: ignore[no-untyped-call]  # unannotated in redis-py
             await self._idle(max(0.0, next_beat - loop.time()))
 
     async def _idle(self, until_beat: float) -> None:
@@ -266,7 +265,7 @@ class RedisAgent:
         self.directory.write_changes(pipe, changes)
         maxlen = self.node.config.event_stream_maxlen
         for i in range(count):
-            redis_events.append(pipe, self.keys.events, self._events[i], maxlen)
+            events.append(pipe, self.keys.events, self._events[i], maxlen)
         shed = self._events_shed
         await pipe.execute()
         # Entries shed from the head while we awaited were among those sent.
@@ -300,13 +299,13 @@ class RedisAgent:
         """
         try:
             async with asyncio.timeout(self.node.config.redis_timeout):
-                start = await redis_events.last_id(self.client, self.keys.events)
+                start = await events.last_id(self.client, self.keys.events)
         except REDIS_ERRORS:
             start = b"$"
         # A blocking read must return before the socket timeout counts Redis as down.
         timeout_ms = int(self.node.config.redis_timeout * 500)
-        block_ms = max(10, min(redis_events.READ_BLOCK_MS, timeout_ms))
-        return redis_events.watch(
+        block_ms = max(10, min(events.READ_BLOCK_MS, timeout_ms))
+        return events.watch(
             self.client,
             self.keys.events,
             namespace,
@@ -318,23 +317,3 @@ class RedisAgent:
 
 def _text(value: bytes | str) -> str:
     return value.decode() if isinstance(value, bytes) else value
-
-
-async def start_cluster(node: Node, address: str) -> None:
-    """Attach and start the Redis agent and the peer fetcher when `redis_url` is set."""
-    if not node.config.redis_url:
-        return
-    agent = RedisAgent(node, node.config.advertise_address or address)
-    node.cluster = agent
-    node.peers = PeerFetcher(node, agent)
-    await agent.start()
-
-
-async def stop_cluster(node: Node) -> None:
-    """Leave the cluster (registry, directory) and close peer channels; idempotent."""
-    agent, peers = node.cluster, node.peers
-    node.cluster = node.peers = None
-    if peers is not None:
-        await peers.close()
-    if agent is not None:
-        await agent.stop()

@@ -2,7 +2,7 @@
 
 Routes (GET only):
 
-- ``/`` — one HTML page (``service/web/index.html``, no external assets:
+- ``/`` — one HTML page (``service/ops/web/index.html``, no external assets:
   the page must work offline) that polls the endpoints below and draws
   occupancy, hit rate over time and the prefix tree as SVG.
 - ``/api/stats`` — `kvstore.ops.summary.status_json` plus ``history``,
@@ -34,8 +34,8 @@ from kvstore.errors import KVStoreError
 from kvstore.ops.prefix_tree import BlockRecord, build_tree, tree_json
 from kvstore.ops.summary import status_json
 from kvstore.types import NamespaceId
-from service.metrics import WsgiApp
 from service.node import Node
+from service.ops.metrics import WsgiApp
 
 log = logging.getLogger(__name__)
 

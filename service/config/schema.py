@@ -5,7 +5,7 @@ environment variables (``KVSTORE_CAPACITY_BYTES=2GiB``), a config file
 (``--config kvstore.toml`` or ``KVSTORE_CONFIG``; TOML or JSON, keys are the
 field names), then the defaults below. `load_config` builds a `Config` from
 all of them; a bad value raises `ConfigError` naming the field, the value and
-where it came from. `service.config_docs` turns the schema into docs/config.md.
+where it came from. `service.config.docs` turns the schema into docs/config.md.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from dataclasses import dataclass, fields, replace
 from functools import cache
 from pathlib import Path
 
-from service.config_values import (
+from service.config.values import (
     parse_bool,
     parse_device,
     parse_file_mode,

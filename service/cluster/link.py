@@ -1,9 +1,10 @@
 """The node's Redis connection: one factory for single Redis and Redis Cluster.
 
-redis-py's own retries are turned off: the agent owns the retry loop (one
-`Backoff`, see `service.redis_agent`), and a command against a Redis that is
-down must fail within `redis_timeout` so that nothing waits on it. Every
-caller treats `REDIS_ERRORS` as "Redis is away", never as a failed RPC.
+redis-py's per-command retries are turned off: the agent owns the retry loop
+(`service.cluster.agent`, spaced by redis-py's own `EqualJitterBackoff`, see
+`reconnect_backoff`), and a command against a Redis that is down must fail
+within `redis_timeout` so that nothing waits on it. Every caller treats
+`REDIS_ERRORS` as "Redis is away", never as a failed RPC.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from typing import Any
 import redis.asyncio as aioredis
 import redis.exceptions
 from redis.asyncio.retry import Retry
-from redis.backoff import NoBackoff
+from redis.backoff import AbstractBackoff, EqualJitterBackoff, NoBackoff
 
 from service.config import Config
 
@@ -26,6 +27,27 @@ REDIS_ERRORS: tuple[type[BaseException], ...] = (
     TimeoutError,
 )
 """What a Redis command raises when Redis is down, slow or misconfigured."""
+
+MAX_FAILURES_COUNTED = 30
+"""Failures past this add nothing to a backoff (its cap is reached long before)."""
+
+
+def reconnect_backoff() -> AbstractBackoff:
+    """Spacing of reconnect attempts: 50-100 ms after the first failure, doubling to 1-2 s.
+
+    Equal jitter (half fixed, half random): nodes that lost Redis together
+    spread out, yet none retries almost at once.
+    """
+    return EqualJitterBackoff(cap=2.0, base=0.05)
+
+
+def backoff_seconds(backoff: AbstractBackoff, failures: int) -> float:
+    """``backoff.compute(failures)``, with ``failures`` bounded.
+
+    redis-py's backoffs compute ``base * 2**failures`` before capping, which
+    overflows a float after about a thousand failures (half an hour of outage).
+    """
+    return backoff.compute(min(failures, MAX_FAILURES_COUNTED))
 
 
 def connect(config: Config) -> Any:

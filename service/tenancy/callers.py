@@ -7,7 +7,7 @@
   claim any tenant: trust mode, for a single user or a closed network only.
 - Auth on: ``x-kvstore-tenant`` is ignored entirely; the tenant comes only
   from ``authorization: Bearer <token>`` looked up in the tenants file
-  (`service.tenants`). No token or an unknown one is ``UNAUTHENTICATED``.
+  (`service.tenancy.tenants`). No token or an unknown one is ``UNAUTHENTICATED``.
   The admin token authenticates the admin, who is no tenant.
 
 `ChainRoots` derives each tenant's salt as HMAC-SHA256(salt_secret, tenant)
@@ -27,9 +27,9 @@ from kvstore.errors import InvalidArgument
 from kvstore.hashing import HashScheme, kvstore_root, vllm_root
 from kvstore.layout import NamespaceSpec
 from kvstore.types import BlockHash, TenantId
-from service.auth import bearer_token
-from service.errors import Unauthenticated
-from service.tenants import TenantDirectory, TenantPolicy
+from service.api.errors import Unauthenticated
+from service.tenancy.auth import bearer_token
+from service.tenancy.tenants import TenantDirectory, TenantPolicy
 
 TENANT_HEADER = "x-kvstore-tenant"
 """Metadata key naming the caller's tenant when auth is off (ignored when it is on)."""

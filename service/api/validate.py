@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from typing import cast
 
 from kvstore.types import HASH_BYTES, BlockHash, LeaseId, NamespaceId
-from service.errors import FieldError
+from service.api.errors import FieldError
 
 _NAMESPACE_RE = re.compile(r"^[0-9a-f]{16}$")
 

@@ -17,8 +17,8 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from service.redis_keys import Keys
-from service.redis_link import LuaScript
+from service.cluster.keys import Keys
+from service.cluster.link import LuaScript
 
 _NOW = """
 local t = redis.call('TIME')

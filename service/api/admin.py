@@ -11,14 +11,14 @@ from kvstore.errors import FailedPrecondition, UnknownNamespace
 from kvstore.results import NamespaceStats
 from kvstore.types import SHARED_SCOPE, NamespaceId, TenantId
 from kvstore.v1 import kvstore_pb2 as pb
-from service import convert, validate
-from service.errors import FieldError, guard_stream_out, guard_unary
-from service.servicer_base import ServicerBase
-from service.tenancy import Caller
+from service.api import convert, validate
+from service.api.base import ServicerBase
+from service.api.errors import FieldError, guard_stream_out, guard_unary
+from service.tenancy.callers import Caller
 
 
 class AdminRpcs(ServicerBase):
-    """Inspection and admin RPCs of the KVStore service (admin verbs checked by `service.auth`).
+    """Inspection and admin RPCs of the KVStore service (admin rule: `service.tenancy.auth`).
 
     With auth on, a tenant's inspection is confined to itself: Stats lists
     only the namespaces it may use and only its own counters, ListBlocks

@@ -24,11 +24,12 @@ import logging
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from kvstore.client.retry import Backoff
+from redis.backoff import AbstractBackoff
+
 from kvstore.events import CacheEvent, EventKind
 from kvstore.v1 import kvstore_pb2 as pb
-from service.redis_keys import HASH_BYTES
-from service.redis_link import REDIS_ERRORS
+from service.cluster.keys import HASH_BYTES
+from service.cluster.link import REDIS_ERRORS, backoff_seconds, reconnect_backoff
 
 log = logging.getLogger(__name__)
 
@@ -95,14 +96,15 @@ async def watch(
     *,
     stopping: Callable[[], bool],
     block_ms: int = READ_BLOCK_MS,
-    backoff: Backoff | None = None,
+    backoff: AbstractBackoff | None = None,
 ) -> AsyncIterator[pb.Event]:
     """Events appended after ``start`` (of ``namespace``, or all when ""), until ``stopping()``.
 
     Node events have no namespace and are delivered to every watcher.
     """
-    backoff = backoff or Backoff(base=0.1, cap=2.0)
+    backoff = backoff or reconnect_backoff()
     cursor = start
+    # Hand-written, not redis-py's Retry: it retries forever yet must see stopping() between tries.
     failures = 0
     while not stopping():
         try:
@@ -110,7 +112,7 @@ async def watch(
         except REDIS_ERRORS as exc:
             failures += 1
             log.debug("cluster watch: Redis unavailable (%s); retrying", exc)
-            await asyncio.sleep(backoff.compute(failures))
+            await asyncio.sleep(backoff_seconds(backoff, failures))
             continue
         failures = 0
         for _, entries in reply or ():

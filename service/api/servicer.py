@@ -2,7 +2,7 @@
 
 Every method only translates: proto in, validated domain values to the
 store, domain results back to proto. Errors leave through the guards of
-`service.errors`, mapped to status codes in one table.
+`service.api.errors`, mapped to status codes in one table.
 """
 
 from __future__ import annotations
@@ -16,12 +16,12 @@ from kvstore.layout import NamespaceSpec
 from kvstore.types import LeaseId
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc
-from service import convert, validate
-from service.errors import FieldError, guard_unary
-from service.servicer_admin import AdminRpcs
-from service.servicer_blocks import BlockRpcs
-from service.servicer_data import DataRpcs
-from service.servicer_peer import PeerRpcs
+from service.api import convert, validate
+from service.api.admin import AdminRpcs
+from service.api.blocks import BlockRpcs
+from service.api.data import DataRpcs
+from service.api.errors import FieldError, guard_unary
+from service.api.peer import PeerRpcs
 
 log = logging.getLogger(__name__)
 

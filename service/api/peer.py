@@ -1,4 +1,4 @@
-"""FetchBlocks: the node-to-node read that peer fetch (`service.peer_fetch`) uses.
+"""FetchBlocks: the node-to-node read that peer fetch (`service.cluster.peer_fetch`) uses.
 
 Only cache nodes call it. When `cluster_token` is configured the call must
 carry it (``x-kvstore-peer-token``, compared in constant time); with auth on
@@ -19,11 +19,11 @@ from typing import Any
 
 from kvstore.errors import PermissionDenied, StaleSlot
 from kvstore.v1 import kvstore_pb2 as pb
-from service import validate
-from service.errors import Unauthenticated, guard_stream_out
-from service.peer_fetch import PEER_TOKEN_HEADER
-from service.servicer_base import ServicerBase
-from service.tenancy import TENANT_HEADER
+from service.api import validate
+from service.api.base import ServicerBase
+from service.api.errors import Unauthenticated, guard_stream_out
+from service.cluster.peer_fetch import PEER_TOKEN_HEADER
+from service.tenancy.callers import TENANT_HEADER
 
 
 def check_peer_token(metadata: Any, expected: str, *, auth_on: bool = False) -> None:

@@ -1,12 +1,13 @@
 """Peer fetch: copy blocks a local lookup missed from a live peer that holds them.
 
 A ``Lookup`` with ``allow_remote`` that stops short of its chain asks the
-directory which live peer holds the longest prefix (`RedisAgent.locate`,
-one round trip). If a peer holds more than we do, we open an internal lease,
-``reserve`` the chain up to what the peer holds (our hits stay hits, the
-missing blocks become WRITING under the internal lease), stream the missing
-blocks from the peer (``FetchBlocks``), write each into its slot, commit
-what arrived, and close the lease (which aborts whatever did not arrive).
+directory which live peer holds the longest prefix (``locate``, which the
+node wires to `RedisAgent.locate`: one round trip). If a peer holds more
+than we do, we open an internal lease, ``reserve`` the chain up to what the
+peer holds (our hits stay hits, the missing blocks become WRITING under the
+internal lease), stream the missing blocks from the peer (``FetchBlocks``),
+write each into its slot, commit what arrived, and close the lease (which
+aborts whatever did not arrive).
 The caller's lookup is then redone against the local store.
 
 - Bounded: at most `peer_fetch_concurrency` fetches run; a lookup that finds
@@ -25,8 +26,8 @@ import asyncio
 import contextlib
 import logging
 import secrets
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
 
 import grpc
 
@@ -35,11 +36,8 @@ from kvstore.results import ReserveStatus
 from kvstore.types import BlockHash, LeaseId, NamespaceId, TenantId
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc
-from service.directory import Holder
-
-if TYPE_CHECKING:
-    from service.node import Node
-    from service.redis_agent import RedisAgent
+from service.cluster.directory import Holder
+from service.cluster.local import LocalNode
 
 log = logging.getLogger(__name__)
 
@@ -49,13 +47,22 @@ PEER_TOKEN_HEADER = "x-kvstore-peer-token"
 MAX_HOLDERS_TRIED = 2
 """Peers tried, longest prefix first, before a lookup settles for a miss."""
 
+Locate = Callable[[NamespaceId, TenantId, list[BlockHash]], Awaitable[list[Holder]]]
+"""Live peers holding a prefix of a chain in a scope, longest first ([] when unknown)."""
+
 
 class PeerFetcher:
     """Copies missing blocks from peers into this node's pools."""
 
-    def __init__(self, node: Node, agent: RedisAgent) -> None:
+    def __init__(self, node: LocalNode, locate: Locate) -> None:
+        """Prepare the fetcher; channels to peers open on first use.
+
+        Args:
+            node: the node the fetched blocks are written into.
+            locate: asks the directory who holds a chain (`RedisAgent.locate`).
+        """
         self.node = node
-        self.agent = agent
+        self._locate = locate
         self._slots = asyncio.Semaphore(node.config.peer_fetch_concurrency)
         self._channels: dict[str, grpc.aio.Channel] = {}
         token = node.config.cluster_token
@@ -88,7 +95,7 @@ class PeerFetcher:
         self, namespace: NamespaceId, tenant: TenantId, chain: list[BlockHash], have: int
     ) -> int:
         scope = self.node.table(namespace).scope_of(tenant)
-        holders = await self.agent.locate(namespace, scope, chain)
+        holders = await self._locate(namespace, scope, chain)
         for holder in holders[:MAX_HOLDERS_TRIED]:
             if holder.blocks <= have or not holder.address:
                 break  # longest first: nobody further down has more

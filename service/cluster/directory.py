@@ -11,7 +11,7 @@ future), and counts for each how long a prefix of the chain its set holds.
 A dead node's entries therefore never win, even in the seconds before its
 sets expire (they carry the node TTL and are refreshed by its heartbeat).
 Every key a script touches is in the namespace's hash slot (see
-`service.redis_keys`), so it runs unchanged on Redis Cluster.
+`service.cluster.keys`), so it runs unchanged on Redis Cluster.
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ from enum import Enum
 from typing import Any
 
 from kvstore.types import BlockHash, NamespaceId, TenantId
-from service.redis_keys import Keys, member
-from service.redis_link import LuaScript
+from service.cluster.keys import Keys, member
+from service.cluster.link import LuaScript
 
 LOCATE = LuaScript("""
 -- KEYS[1] ns alive zset, KEYS[2] ns addr hash

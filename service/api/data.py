@@ -15,9 +15,9 @@ from typing import Any
 from kvstore.results import BlockRef
 from kvstore.types import BlockHash, LeaseId, SlotId
 from kvstore.v1 import kvstore_pb2 as pb
-from service import validate
-from service.errors import FieldError, guard_stream_in, guard_stream_out
-from service.servicer_base import ServicerBase
+from service.api import validate
+from service.api.base import ServicerBase
+from service.api.errors import FieldError, guard_stream_in, guard_stream_out
 
 
 class DataRpcs(ServicerBase):

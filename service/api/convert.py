@@ -13,7 +13,7 @@ from kvstore.layout import KVLayout
 from kvstore.pool.base import BlockPool, PoolDescriptor
 from kvstore.results import BlockInfo, BlockRef, NamespaceStats
 from kvstore.v1 import kvstore_pb2 as pb
-from service.errors import FieldError
+from service.api.errors import FieldError
 
 _EVENT_KINDS = {
     EventKind.STORED: pb.EVENT_KIND_STORED,
