@@ -37,6 +37,7 @@ import numpy as np
 import numpy.typing as npt
 
 from benchmarks._server import ServerProcess
+from benchmarks._stats import best_and_median, gbps, summary_us
 from kvstore.client import Client, Namespace
 from kvstore.client.blocks import copy_block
 from kvstore.layout import KVLayout
@@ -49,21 +50,6 @@ MiB = 1 << 20
 TENANT = "bench"
 META = (("x-kvstore-tenant", TENANT),)
 """Call metadata of the raw-stub calls: the client's tenant, who owns its lease."""
-
-
-def percentile(samples: list[float], q: float) -> float:
-    """The ``q`` quantile (0..1) of ``samples``, nearest rank."""
-    ordered = sorted(samples)
-    return ordered[min(len(ordered) - 1, max(0, round(q * len(ordered)) - 1))]
-
-
-def summary_us(samples: list[float]) -> dict[str, float]:
-    """Median, p99 and mean of latencies given in seconds, in microseconds."""
-    return {
-        "median_us": round(statistics.median(samples) * 1e6, 1),
-        "p99_us": round(percentile(samples, 0.99) * 1e6, 1),
-        "mean_us": round(statistics.fmean(samples) * 1e6, 1),
-    }
 
 
 async def run_concurrent(
@@ -151,10 +137,6 @@ async def bench_latency(
 # --- bandwidth ---------------------------------------------------------------------
 
 
-def gbps(nbytes: int, seconds: float) -> float:
-    return round(nbytes / seconds / 1e9, 3)
-
-
 async def clear(stub: Any, ns: Namespace) -> None:
     await stub.Clear(pb.ClearRequest(namespace_id=ns.id), timeout=30, metadata=META)
 
@@ -224,21 +206,6 @@ def numpy_copy(src: list[npt.NDArray[np.uint8]], dst: list[npt.NDArray[np.uint8]
     for target, block in zip(dst, src, strict=True):
         np.copyto(target, block)
     return time.perf_counter() - start
-
-
-def best_and_median(runs: list[dict[str, float]], nbytes: int) -> dict[str, Any]:
-    """Per phase: best and median milliseconds; GB/s of the copy and of the whole."""
-    out: dict[str, Any] = {}
-    for phase in runs[0]:
-        values = [r[phase] for r in runs]
-        out[f"{phase}_ms"] = {
-            "best": round(min(values) * 1e3, 2),
-            "median": round(statistics.median(values) * 1e3, 2),
-        }
-    out["copy_gbps_best"] = gbps(nbytes, min(r["copy"] for r in runs))
-    out["copy_gbps_median"] = gbps(nbytes, statistics.median(r["copy"] for r in runs))
-    out["end_to_end_gbps_median"] = gbps(nbytes, statistics.median(r["total"] for r in runs))
-    return out
 
 
 async def bench_bandwidth(
