@@ -4,7 +4,7 @@ A caller's mistake is one of these; a capacity shortfall is a *result*
 (`NO_ROOM`, a partial reservation), never an exception; a broken invariant is
 an ``AssertionError`` or ``RuntimeError`` that says it is a bug. The service
 maps each class to one gRPC status code in a single table
-(``service/errors.py``).
+(``service/api/errors.py``).
 
 Exception tree::
 

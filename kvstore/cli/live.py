@@ -128,7 +128,7 @@ def read_registry(url: str, prefix: str, timeout: float) -> list[dict[str, Any]]
     """Live nodes from the registry keys (``{P}:alive`` deadlines, ``{P}:nodes`` infos).
 
     Read with plain commands, by Redis's own clock, like the service's
-    registry does; the key layout is documented in ``service/redis_keys.py``.
+    registry does; the key layout is documented in ``service/cluster/keys.py``.
     """
     import redis  # only this command needs it
 

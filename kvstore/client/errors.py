@@ -1,7 +1,7 @@
 """Errors of the client SDK: gRPC status codes back to `kvstore.errors` classes.
 
 The server maps each core error class to one status code
-(``service/errors.py``); `error_from_rpc` is the inverse, so runner code
+(``service/api/errors.py``); `error_from_rpc` is the inverse, so runner code
 catches the same classes whether it talks to a store in-process or over
 gRPC. The original `grpc.aio.AioRpcError` is the ``__cause__``.
 
