@@ -1,0 +1,181 @@
+"""`KVStoreConnector`: vLLM's KV connector (v1) backed by a kvstore cache node.
+
+vLLM makes one instance per role: the scheduler's (in the engine-core
+process) and one per worker. Each owns its own client and lease on the
+node; this class only routes vLLM's hooks to `SchedulerSide` or
+`WorkerSide`. See `docs/vllm.md` for the configuration and the design.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorWorkerMetadata,
+)
+from vllm.v1.core.kv_cache_utils import generate_block_hash_extra_keys
+
+from kvstore.integrations.vllm.config import ConnectorConfig
+from kvstore.integrations.vllm.identity import kv_layout, namespace_model_id
+from kvstore.integrations.vllm.link import NodeLink
+from kvstore.integrations.vllm.metadata import KVStoreConnectorMetadata
+from kvstore.integrations.vllm.scheduler import SchedulerSide
+from kvstore.integrations.vllm.worker import WorkerSide
+
+if TYPE_CHECKING:
+    import torch
+
+log = logging.getLogger(__name__)
+
+
+class KVStoreConnector(KVConnectorBase_V1):
+    """Loads cached prefixes from a kvstore node and saves new prompt blocks to it."""
+
+    def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None) -> None:
+        """Read the config and derive the namespace; the node is contacted on first use.
+
+        Raises:
+            InvalidArgument: an unknown or ill-typed setting, or a model the
+                connector cannot cache (hybrid, MLA, sliding window, TP > 1).
+        """
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        extra = self._kv_transfer_config.kv_connector_extra_config
+        self.config = ConnectorConfig.from_extra(extra)
+        layout, layer_names = kv_layout(kv_cache_config)
+        model_id = namespace_model_id(vllm_config, self.config.model_id)
+        is_scheduler = role == KVConnectorRole.SCHEDULER
+        if is_scheduler:
+            self._recompute_failed_loads()
+        link = NodeLink(
+            self.config,
+            model_id,
+            layout,
+            client_name=f"vllm-{'scheduler' if is_scheduler else 'worker'}",
+            map_pool=not is_scheduler,
+        )
+        self._scheduler: SchedulerSide | None = None
+        self._worker: WorkerSide | None = None
+        if is_scheduler:
+            self._scheduler = SchedulerSide(
+                link,
+                layout.block_size,
+                load=self.config.load,
+                save=self.config.save,
+                extra_keys=generate_block_hash_extra_keys,
+            )
+        else:
+            self._worker = WorkerSide(link, layout, layer_names, fail_loads=self.config.fail_loads)
+        log.info(
+            "kvstore connector (%s) for %s, block %d tokens, node %s",
+            "scheduler" if is_scheduler else "worker",
+            model_id,
+            layout.block_size,
+            self.config.target,
+        )
+
+    def _recompute_failed_loads(self) -> None:
+        """A cache miss must cost a recompute, never the request: vLLM's default policy
+        for failed loads is to fail the request, so switch it (the scheduler reads it
+        right after making this connector)."""
+        config = self._kv_transfer_config
+        if getattr(config, "kv_load_failure_policy", "recompute") == "recompute":
+            return
+        try:
+            config.kv_load_failure_policy = "recompute"
+        except (AttributeError, TypeError, ValueError) as exc:
+            log.warning(
+                "kvstore connector: set kv_load_failure_policy='recompute' in "
+                "kv_transfer_config, or a failed cache load fails its request (%s)",
+                exc,
+            )
+        else:
+            log.info("kvstore connector: kv_load_failure_policy set to 'recompute'")
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        """A best-effort cache: a dropped save is only a future miss."""
+        return False
+
+    # --- worker side ------------------------------------------------------------------------
+
+    def _worker_side(self) -> WorkerSide:
+        assert self._worker is not None, "bug: a worker hook called on the scheduler connector"
+        return self._worker
+
+    def _meta(self) -> KVStoreConnectorMetadata:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, KVStoreConnectorMetadata)
+        return meta
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        """Recognise vLLM's paged KV tensors and map the node's pool."""
+        self._worker_side().register_kv_caches(kv_caches)
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        """Copy this step's cached blocks into vLLM's paged cache (before the forward)."""
+        if self.has_connector_metadata():
+            self._worker_side().start_load(self._meta())
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Loads are done whole in `start_load_kv`: nothing to wait for."""
+
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
+    ) -> None:
+        """Saves are done whole in `wait_for_save`, after the forward."""
+
+    def wait_for_save(self) -> None:
+        """Store this step's newly completed full prompt blocks."""
+        if self.has_connector_metadata():
+            self._worker_side().save(self._meta())
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        """vLLM block ids whose load failed this step: vLLM recomputes them."""
+        return self._worker.take_load_errors() if self._worker is not None else set()
+
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        """Which requests' loads finished this step (so their pins are released)."""
+        return self._worker.take_report() if self._worker is not None else None
+
+    def shutdown(self) -> None:
+        """Release pins, unmap the pool, close the client."""
+        if self._worker is not None:
+            self._worker.shutdown()
+        if self._scheduler is not None:
+            self._scheduler.shutdown()
+
+    # --- scheduler side -----------------------------------------------------------------------
+
+    def _scheduler_side(self) -> SchedulerSide:
+        assert self._scheduler is not None, "bug: a scheduler hook called on a worker connector"
+        return self._scheduler
+
+    def get_num_new_matched_tokens(
+        self, request: Any, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        """Tokens cached on the node beyond vLLM's local hit (loaded synchronously)."""
+        return self._scheduler_side().num_new_matched_tokens(request, num_computed_tokens), False
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        """Plan the load of the accepted hit, or release what vLLM did not take."""
+        block_ids = blocks.get_block_ids()[0] if num_external_tokens > 0 else []
+        self._scheduler_side().after_alloc(request, block_ids, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
+        """This step's loads and saves."""
+        return self._scheduler_side().build_meta(scheduler_output)
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        """Release the pins of the loads the workers finished."""
+        self._scheduler_side().on_worker_output(connector_output)
+
+    def request_finished(
+        self, request: Any, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """Release whatever the request still pins; its blocks are freed at once."""
+        self._scheduler_side().request_finished(request.request_id)
+        return False, None

@@ -1,0 +1,98 @@
+"""What the namespace of a vLLM engine is: its model id and KV layout.
+
+Two engines share blocks only when their namespaces are equal, so the
+namespace names everything that changes the bytes of a block:
+
+- the **weights**: ``model_id`` from the connector config when given (it must
+  name the exact weights, e.g. ``org/model@revision``), else vLLM's model and
+  revision, plus a fingerprint of the model's config (catches a different
+  architecture behind one name);
+- the **KV dtype** (``cache_dtype``, ``auto`` meaning the model's dtype) and
+  the **layout**: layers, KV heads, head size and vLLM's block size, which
+  becomes the namespace's block size;
+- the tensor-parallel shape (only 1 x 1 is supported: with TP each worker
+  holds other heads).
+
+Blocks are stored in kvstore's canonical order whatever vLLM's attention
+backend (`kvstore.integrations.vllm.paged`), so the backend is not part of it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any
+
+from kvstore.errors import InvalidArgument
+from kvstore.layout import DTYPE_BYTES, KVLayout
+
+_RUNTIME_KEYS = frozenset({"transformers_version", "torch_dtype", "dtype", "_name_or_path"})
+
+
+def kv_layout(kv_cache_config: Any) -> tuple[KVLayout, list[str]]:
+    """The kvstore layout of an engine's KV and its attention layer names, in order.
+
+    Args:
+        kv_cache_config: vLLM's ``KVCacheConfig`` as given to the connector.
+
+    Raises:
+        InvalidArgument: hybrid models (several KV groups), sliding windows,
+            MLA or a dtype kvstore cannot store.
+    """
+    groups = list(kv_cache_config.kv_cache_groups)
+    if len(groups) != 1:
+        raise InvalidArgument(
+            f"the kvstore connector supports one KV cache group, this model has {len(groups)}"
+        )
+    spec = groups[0].kv_cache_spec
+    kind = type(spec).__name__
+    if kind != "FullAttentionSpec" or getattr(spec, "sliding_window", None):
+        raise InvalidArgument(
+            f"the kvstore connector needs full attention KV, this model has {kind}"
+        )
+    if getattr(spec, "use_mla", False):
+        raise InvalidArgument("the kvstore connector does not support MLA caches")
+    dtype = str(spec.dtype).removeprefix("torch.")
+    if dtype not in DTYPE_BYTES:
+        raise InvalidArgument(f"KV of dtype {dtype} cannot be stored in kvstore")
+    names = list(groups[0].layer_names)
+    layout = KVLayout(
+        num_layers=len(names),
+        num_kv_heads=int(spec.num_kv_heads),
+        head_dim=int(spec.head_size),
+        block_size=int(spec.block_size),
+        dtype=dtype,
+    )
+    return layout, names
+
+
+def namespace_model_id(vllm_config: Any, configured: str = "") -> str:
+    """The namespace's model id for an engine (see the module docstring).
+
+    Raises:
+        InvalidArgument: tensor or pipeline parallelism above 1.
+    """
+    parallel = vllm_config.parallel_config
+    tp = int(getattr(parallel, "tensor_parallel_size", 1))
+    pp = int(getattr(parallel, "pipeline_parallel_size", 1))
+    if tp != 1 or pp != 1:
+        raise InvalidArgument(
+            f"the kvstore connector supports tensor and pipeline parallel size 1, got {tp} x {pp}"
+        )
+    model = vllm_config.model_config
+    name = configured or f"{model.model}@{model.revision or 'default'}"
+    cache_dtype = str(vllm_config.cache_config.cache_dtype)
+    if len(name) > 160:  # a long local path: keep its end, and a digest of all of it
+        name = name[-120:] + "~" + hashlib.sha256(name.encode()).hexdigest()[:16]
+    return f"vllm:{name}#cfg-{config_fingerprint(model.hf_config)}#kv-{cache_dtype}"
+
+
+def config_fingerprint(hf_config: Any) -> str:
+    """12 hex digits of SHA-256 over the model's config, less runtime keys."""
+    try:
+        doc = hf_config.to_dict()
+    except AttributeError:
+        doc = dict(vars(hf_config))
+    doc = {k: v for k, v in doc.items() if not k.startswith("_") and k not in _RUNTIME_KEYS}
+    encoded = json.dumps(doc, sort_keys=True, default=str, separators=(",", ":"))
+    return hashlib.sha256(encoded.encode()).hexdigest()[:12]

@@ -1,0 +1,120 @@
+"""A vLLM engine process for the tests and the benchmark, driven over stdin/stdout.
+
+    KVSTORE_VLLM_PYTHON driver.py '{"model": DIR, "block_size": 32, "connector": {...}}'
+
+Builds one ``LLM`` (eager, float32, prefix caching on; with the kvstore
+connector when ``connector`` is given: its ``kv_connector_extra_config``),
+prints ``@@READY``, then answers one JSON command per stdin line with one
+``@@RESULT {...}`` line (vLLM logs to the same stdout):
+
+- ``{"prompts": [[ids...], ...], "max_tokens": 8}``: greedy generation;
+  answers each prompt's tokens, the logprob of each chosen token and the
+  time to first token, plus the deltas of vLLM's prefix-cache counters
+  (``external_hits``: tokens the connector supplied; ``local_hits``).
+- ``{"reset_prefix_cache": true}``: empties vLLM's own prefix cache.
+- ``{"exit": true}``: shuts the engine down.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from typing import Any
+
+COUNTERS = {
+    "vllm:external_prefix_cache_hits": "external_hits",
+    "vllm:external_prefix_cache_queries": "external_queries",
+    "vllm:prefix_cache_hits": "local_hits",
+    "vllm:prefix_cache_queries": "local_queries",
+}
+
+
+def counters(llm: Any) -> dict[str, float]:
+    out = dict.fromkeys(COUNTERS.values(), 0.0)
+    for metric in llm.get_metrics():
+        if metric.name in COUNTERS:
+            out[COUNTERS[metric.name]] += float(getattr(metric, "value", 0) or 0)
+    return out
+
+
+def build(spec: dict[str, Any]) -> Any:
+    from vllm import LLM
+
+    kwargs: dict[str, Any] = {
+        "model": spec["model"],
+        "dtype": spec.get("dtype", "float32"),
+        "enforce_eager": True,
+        "block_size": spec.get("block_size", 32),
+        "max_model_len": spec.get("max_model_len", 2048),
+        "max_num_batched_tokens": spec.get("max_num_batched_tokens", 8192),
+        "enable_prefix_caching": True,
+        "disable_log_stats": False,
+        "seed": 0,
+    }
+    if spec.get("connector") is not None:
+        kwargs["kv_transfer_config"] = {
+            "kv_connector": "KVStoreConnector",
+            "kv_connector_module_path": "kvstore.integrations.vllm",
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": spec["connector"],
+        }
+    return LLM(**kwargs)
+
+
+def generate(llm: Any, command: dict[str, Any]) -> dict[str, Any]:
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    params = SamplingParams(
+        temperature=0.0, max_tokens=command.get("max_tokens", 8), logprobs=0, ignore_eos=True
+    )
+    before = counters(llm)
+    results = []
+    for ids in command["prompts"]:  # one at a time: per-prompt timings and counters
+        start = time.perf_counter()
+        out = llm.generate([TokensPrompt(prompt_token_ids=ids)], params, use_tqdm=False)[0]
+        wall = time.perf_counter() - start
+        completion = out.outputs[0]
+        logprobs = [
+            float(step[token].logprob)
+            for step, token in zip(completion.logprobs or [], completion.token_ids, strict=False)
+        ]
+        metrics = out.metrics
+        ttft = None
+        if metrics is not None and getattr(metrics, "first_token_latency", None):
+            ttft = float(metrics.first_token_latency)
+        results.append(
+            {
+                "tokens": list(completion.token_ids),
+                "logprobs": logprobs,
+                "cached_tokens": int(out.num_cached_tokens or 0),
+                "ttft": ttft,
+                "wall": wall,
+            }
+        )
+    after = counters(llm)
+    return {"results": results, **{k: after[k] - before[k] for k in after}}
+
+
+def main() -> int:
+    spec = json.loads(sys.argv[1])
+    llm = build(spec)
+    print("@@READY", flush=True)
+    for line in sys.stdin:
+        command = json.loads(line)
+        if command.get("exit"):
+            break
+        if command.get("reset_prefix_cache"):
+            answer: dict[str, Any] = {"reset": bool(llm.reset_prefix_cache())}
+        else:
+            answer = generate(llm, command)
+        print("@@RESULT " + json.dumps(answer), flush=True)
+    del llm
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    sys.exit(main())

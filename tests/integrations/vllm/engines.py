@@ -1,0 +1,232 @@
+"""Real vLLM engine processes and real cache nodes for the vLLM tests and benchmark.
+
+vLLM lives in its own virtual environment (see `.ci/run`): its python is
+``$KVSTORE_VLLM_PYTHON``, else this interpreter when it can import vllm.
+Each `Engine` is one `driver.py` process (one ``LLM``); each `Node` one
+``python -m service`` process of the main environment.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections import deque
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[3]
+DRIVER = Path(__file__).with_name("driver.py")
+_LISTENING = re.compile(r"kvstore-server listening on (\S+)")
+
+
+def vllm_python() -> str | None:
+    """The python of an environment with vLLM, or None."""
+    configured = os.environ.get("KVSTORE_VLLM_PYTHON")
+    if configured:
+        return configured
+    probe = subprocess.run(
+        [sys.executable, "-c", "import vllm"], capture_output=True, timeout=120, check=False
+    )
+    return sys.executable if probe.returncode == 0 else None
+
+
+class Node:
+    """A ``python -m service`` cache node; `kill` and `start` again on the same port."""
+
+    def __init__(self, workdir: Path, *, namespace_capacity: str = "8MiB") -> None:
+        self.workdir = workdir
+        self.namespace_capacity = namespace_capacity
+        self.port = 0
+        self.proc: subprocess.Popen[str] | None = None
+        self._drain: threading.Thread | None = None
+
+    @property
+    def target(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def start(self) -> Node:
+        shm = Path(tempfile.mkdtemp(prefix="shm-", dir=self.workdir))
+        cmd = [
+            sys.executable, "-m", "service", "--host", "127.0.0.1", "--port", str(self.port),
+            "--metrics-port", "0", "--capacity-bytes", "256MiB",
+            "--namespace-capacity-bytes", self.namespace_capacity, "--shm-dir", str(shm),
+            "--pool-prefault", "false", "--log-level", "WARNING",
+        ]  # fmt: skip
+        self.proc = subprocess.Popen(
+            cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
+        assert self.proc.stdout is not None
+        lines = []
+        timer = threading.Timer(60.0, self.proc.kill)
+        timer.start()
+        try:
+            for line in self.proc.stdout:
+                lines.append(line)
+                match = _LISTENING.search(line)
+                if match:
+                    self.port = int(match.group(1).rsplit(":", 1)[1])
+                    break
+            else:
+                raise RuntimeError("the kvstore node did not start:\n" + "".join(lines))
+        finally:
+            timer.cancel()
+        self._drain = threading.Thread(target=self.proc.stdout.read, daemon=True)
+        self._drain.start()
+        return self
+
+    def kill(self) -> None:
+        """SIGKILL: the node dies without draining (as in a crash)."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        self._reap()
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._reap()
+
+    def _reap(self) -> None:
+        if self._drain is not None:
+            self._drain.join(5)
+            self._drain = None
+        if self.proc is not None and self.proc.stdout is not None:
+            self.proc.stdout.close()
+        self.proc = None
+
+    def stats(self) -> Any:
+        from kvstore.client import SyncClient
+
+        with SyncClient(self.target, timeout=5.0) as client:
+            return client.stats(timeout=5.0)
+
+
+class Engine:
+    """One vLLM engine (`driver.py`) in its own process; commands over stdin."""
+
+    def __init__(
+        self,
+        python: str,
+        model: Path,
+        *,
+        connector: dict[str, Any] | None,
+        block_size: int = 32,
+        log_dir: Path,
+        name: str,
+        env: dict[str, str] | None = None,
+        **spec: Any,
+    ) -> None:
+        spec = {"model": str(model), "block_size": block_size, "connector": connector, **spec}
+        cache = tempfile.mkdtemp(prefix="vllm-cache-", dir=log_dir)
+        full_env = {
+            **os.environ,
+            "HF_HUB_OFFLINE": "1",
+            "TRANSFORMERS_OFFLINE": "1",
+            "VLLM_CACHE_ROOT": cache,
+            "VLLM_CPU_KVCACHE_SPACE": "1",
+            "VLLM_NO_USAGE_STATS": "1",
+            "DO_NOT_TRACK": "1",
+            "PYTHONPATH": str(ROOT),
+            **(env or {}),
+        }
+        # vLLM's own block hashes are random per process without this; the connector
+        # must not depend on it (docs/vllm.md), so the tests run with it unset.
+        full_env.pop("PYTHONHASHSEED", None)
+        self.name = name
+        self.log = deque(maxlen=400)
+        self.log_path = log_dir / f"{name}.log"
+        self.proc = subprocess.Popen(
+            [python, str(DRIVER), json.dumps(spec)],
+            cwd=log_dir,
+            env=full_env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
+        self._results: list[str] = []
+        self._cond = threading.Condition()
+        self._ready = False
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        with open(self.log_path, "w") as log:
+            for line in self.proc.stdout:
+                log.write(line)
+                log.flush()
+                self.log.append(line)
+                with self._cond:
+                    if line.startswith("@@READY"):
+                        self._ready = True
+                    elif line.startswith("@@RESULT "):
+                        self._results.append(line[len("@@RESULT ") :])
+                    self._cond.notify_all()
+        with self._cond:
+            self._cond.notify_all()
+
+    def wait_ready(self, timeout: float = 400.0) -> Engine:
+        self._wait(lambda: self._ready, timeout, "start")
+        return self
+
+    def _wait(self, done: Any, timeout: float, what: str) -> None:
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while not done():
+                if self.proc.poll() is not None and not done():
+                    raise RuntimeError(f"engine {self.name} exited during {what}:\n{self.tail()}")
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(f"engine {self.name} did not {what}:\n{self.tail()}")
+                self._cond.wait(min(left, 1.0))
+
+    def tail(self) -> str:
+        return "".join(list(self.log)[-60:])
+
+    def command(self, timeout: float = 300.0, **command: Any) -> dict[str, Any]:
+        assert self.proc.stdin is not None
+        count = len(self._results)
+        self.proc.stdin.write(json.dumps(command) + "\n")
+        self.proc.stdin.flush()
+        self._wait(lambda: len(self._results) > count, timeout, f"answer {command}")
+        return dict(json.loads(self._results[count]))
+
+    def generate(self, prompts: list[list[int]], max_tokens: int = 8) -> dict[str, Any]:
+        return self.command(prompts=prompts, max_tokens=max_tokens)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                assert self.proc.stdin is not None
+                self.proc.stdin.write(json.dumps({"exit": True}) + "\n")
+                self.proc.stdin.flush()
+                self.proc.wait(60)
+            except (OSError, subprocess.TimeoutExpired):
+                pass
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, 9)
+            self.proc.wait()
+        self._reader.join(10)
+        for pipe in (self.proc.stdin, self.proc.stdout):
+            if pipe is not None:
+                with contextlib.suppress(OSError):
+                    pipe.close()
+
+
+def cleanup_dir(path: Path) -> None:
+    shutil.rmtree(path, ignore_errors=True)

@@ -1,0 +1,151 @@
+"""The connector's copy kernels and load path, without vLLM: CPU and GPU (fake CUDA) layouts.
+
+vLLM's paged tensors are made here in the shapes its attention backends
+use; the GPU path maps a CUDA pool through the fake runtime of the pool
+tests (no GPU needed) and loads it with the connector's `WorkerSide`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from kvstore.errors import InvalidArgument
+from kvstore.integrations.vllm.metadata import KVStoreConnectorMetadata, LoadSpec
+from kvstore.integrations.vllm.paged import gather_blocks, paged_layer, scatter_blocks
+from kvstore.integrations.vllm.worker import WorkerSide
+from kvstore.layout import KVLayout
+from kvstore.pool import CudaMapping, CudaPool
+from kvstore.types import NamespaceId
+from tests.kvstore.pool.fake_cuda import FakeCudaRuntime
+
+LAYOUT = KVLayout(num_layers=3, num_kv_heads=2, head_dim=4, block_size=8, dtype="float32")
+NUM_BLOCKS = 6
+
+
+def cpu_layers() -> list[torch.Tensor]:
+    shape = (NUM_BLOCKS, LAYOUT.num_kv_heads, LAYOUT.block_size, 2 * LAYOUT.head_dim)
+    return [torch.randn(shape) for _ in range(LAYOUT.num_layers)]
+
+
+def flash_layers() -> list[torch.Tensor]:
+    shape = (2, NUM_BLOCKS, LAYOUT.block_size, LAYOUT.num_kv_heads, LAYOUT.head_dim)
+    return [torch.randn(shape) for _ in range(LAYOUT.num_layers)]
+
+
+def cpu_kv(tensor: torch.Tensor, block: int, part: int, token: int, head: int) -> torch.Tensor:
+    """What vLLM's CPU attention reads: [blocks, heads, 2 * block_size, dim], K rows first."""
+    viewed = tensor.view(NUM_BLOCKS, LAYOUT.num_kv_heads, 2 * LAYOUT.block_size, LAYOUT.head_dim)
+    return viewed[block, head, part * LAYOUT.block_size + token]
+
+
+def test_cpu_layout_gathers_canonical_blocks() -> None:
+    layers = cpu_layers()
+    paged = [paged_layer(t, LAYOUT) for t in layers]
+    assert {p.kind for p in paged} == {"cpu"}
+    blocks = gather_blocks(paged, [4, 1], LAYOUT)
+    assert blocks.shape == (2, *LAYOUT.block_shape)
+    for i, block in enumerate([4, 1]):
+        for layer in range(LAYOUT.num_layers):
+            for part in (0, 1):
+                for token in (0, 5, 7):
+                    for head in (0, 1):
+                        want = cpu_kv(layers[layer], block, part, token, head)
+                        assert torch.equal(blocks[i, part, layer, token, head], want)
+
+
+def test_flash_layout_gathers_canonical_blocks() -> None:
+    layers = flash_layers()
+    paged = [paged_layer(t, LAYOUT) for t in layers]
+    assert {p.kind for p in paged} == {"flash"}
+    blocks = gather_blocks(paged, [3], LAYOUT)
+    for layer in range(LAYOUT.num_layers):
+        for part in (0, 1):
+            assert torch.equal(blocks[0, part, layer], layers[layer][part, 3])
+
+
+@pytest.mark.parametrize("make", [cpu_layers, flash_layers])
+def test_scatter_after_gather_gives_back_the_exact_bytes(make) -> None:
+    source = [paged_layer(t, LAYOUT) for t in make()]
+    target_tensors = [torch.zeros_like(p.tensor) for p in source]
+    target = [paged_layer(t, LAYOUT) for t in target_tensors]
+    blocks = gather_blocks(source, [0, 2, 5], LAYOUT)
+    scatter_blocks(target, [5, 0, 3], blocks)  # other block ids, same contents
+    again = gather_blocks(target, [5, 0, 3], LAYOUT)
+    assert torch.equal(again, blocks)
+    untouched = gather_blocks(target, [1, 2, 4], LAYOUT)
+    assert not untouched.any()
+
+
+def test_an_unknown_backend_shape_is_refused() -> None:
+    with pytest.raises(InvalidArgument, match="not supported"):
+        paged_layer(torch.zeros(NUM_BLOCKS, 8, 2, 4), LAYOUT)  # heads/tokens swapped
+
+
+@dataclass
+class _Namespace:
+    mapping: CudaMapping
+    epoch: int
+
+
+class _Link:
+    """The one method `WorkerSide` needs of `NodeLink`, over a mapped fake CUDA pool."""
+
+    def __init__(self, ns: _Namespace | None) -> None:
+        self.ns = ns
+
+    def namespace(self) -> _Namespace | None:
+        return self.ns
+
+    def close(self) -> None:
+        pass
+
+
+def test_gpu_path_loads_cuda_pool_slots_into_a_flash_cache() -> None:
+    rt = FakeCudaRuntime(total_bytes=1 << 22)
+    pool = CudaPool.create(
+        NamespaceId("00112233aabbccdd"), LAYOUT.block_bytes, 8, 0xE1, device="cuda:0", runtime=rt
+    )
+    mapping = CudaMapping.open(pool.descriptor, runtime=rt)
+    try:
+        stored = torch.randn(2, *LAYOUT.block_shape)
+        for slot, block in zip((6, 2), stored, strict=True):
+            pool.write(slot, block.numpy().tobytes())
+        cache = flash_layers()
+        worker = WorkerSide(
+            _Link(_Namespace(mapping, 0xE1)),  # type: ignore[arg-type]
+            LAYOUT,
+            [f"layer.{i}" for i in range(LAYOUT.num_layers)],
+            fail_loads=False,
+        )
+        worker.register_kv_caches({f"layer.{i}": t for i, t in enumerate(cache)})
+        meta = KVStoreConnectorMetadata(loads=[LoadSpec("r1", (4, 1), (6, 2), 0xE1)])
+        worker.start_load(meta)
+        assert worker.take_load_errors() == set()
+        assert torch.equal(gather_blocks(worker.layers, [4, 1], LAYOUT), stored)
+        report = worker.take_report()
+        assert report is not None and report.loaded == {"r1"}
+        # A mapping of another epoch (the node restarted) must not be read: recompute.
+        stale = KVStoreConnectorMetadata(loads=[LoadSpec("r2", (3,), (6,), 0xE2)])
+        worker.start_load(stale)
+        assert worker.take_load_errors() == {3}
+    finally:
+        mapping.close()
+        pool.close()
+
+
+def test_failed_or_unpinned_loads_report_their_blocks() -> None:
+    cache = cpu_layers()
+    names = [f"l{i}" for i in range(LAYOUT.num_layers)]
+    worker = WorkerSide(_Link(None), LAYOUT, names, fail_loads=False)  # type: ignore[arg-type]
+    worker.register_kv_caches(dict(zip(names, cache, strict=True)))
+    before = [t.clone() for t in cache]
+    worker.start_load(KVStoreConnectorMetadata(loads=[LoadSpec("r", (0, 1), (0, 1), 1)]))
+    assert worker.take_load_errors() == {0, 1}  # node unreachable
+    worker.start_load(KVStoreConnectorMetadata(loads=[LoadSpec("s", (2,), (0,), 1, valid=False)]))
+    assert worker.take_load_errors() == {2}  # pins lost before the step
+    assert all(torch.equal(a, b) for a, b in zip(cache, before, strict=True))
+    report = worker.take_report()
+    assert report is not None and report.loaded == {"r", "s"}

@@ -1,0 +1,206 @@
+"""vLLM engines reuse each other's prefixes through a real cache node (real vLLM, no mocks).
+
+One node and four engine processes (started together, reused by every
+test): ``ref`` has no connector (the reference outputs), ``a`` and ``b``
+use the connector as tenant ``acme``, ``f`` as tenant ``other`` with
+``fail_loads`` (every load fails: vLLM must recompute). The engines run
+with ``PYTHONHASHSEED`` unset. Every test uses its own system prompts, and
+every engine's own prefix cache is emptied before a measured request, so
+an external hit can only come from the node. Prompts are token ids; the
+block size is 32, so a 100-token system prompt has 3 full blocks (96 tokens).
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.integrations.vllm.engines import Engine, Node
+
+pytestmark = [pytest.mark.vllm, pytest.mark.e2e, pytest.mark.timeout(900)]
+
+BLOCK = 32
+SYSTEM_TOKENS = 100
+SYSTEM_HIT = SYSTEM_TOKENS // BLOCK * BLOCK  # 96: the system prompt's full blocks
+
+
+def tokens(seed: int, n: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, 1024) for _ in range(n)]
+
+
+def system(seed: int) -> list[int]:
+    return tokens(1000 + seed, SYSTEM_TOKENS)
+
+
+USER_1, USER_2, USER_3 = tokens(1, 20), tokens(2, 27), tokens(3, 9)
+
+
+def connector(node: Node, **extra: Any) -> dict[str, Any]:
+    return {"target": node.target, "tenant": "acme", "retry_interval": 1.0, **extra}
+
+
+@pytest.fixture(scope="module")
+def engines(
+    vllm_py: str, tiny_model: Path, node: Node, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[dict[str, Engine]]:
+    logs = tmp_path_factory.mktemp("engines")
+    specs = {
+        "ref": None,
+        "a": connector(node),
+        "b": connector(node),
+        "f": connector(node, tenant="other", fail_loads=True),
+    }
+    started = {
+        name: Engine(vllm_py, tiny_model, connector=conn, log_dir=logs, name=name)
+        for name, conn in specs.items()
+    }
+    try:
+        for engine in started.values():
+            engine.wait_ready()
+        yield started
+    finally:
+        for engine in started.values():
+            engine.close()
+
+
+def run(engine: Engine, prompt: list[int], *, cold: bool = True) -> dict[str, Any]:
+    """One greedy generation; ``cold`` empties the engine's own prefix cache first."""
+    if cold:
+        engine.command(reset_prefix_cache=True)
+    answer = engine.generate([prompt])
+    return {**answer["results"][0], **{k: v for k, v in answer.items() if k != "results"}}
+
+
+def max_logprob_diff(x: dict[str, Any], y: dict[str, Any]) -> float:
+    return max(abs(p - q) for p, q in zip(x["logprobs"], y["logprobs"], strict=True))
+
+
+def reference(ref: Engine, prompt: list[int], warm_from: list[int]) -> tuple[dict[str, Any], float]:
+    """The cold output of ``prompt``, and how far vLLM's own prefix-cache hit strays from it.
+
+    The hit is taken the way the connector's is: the shared prefix computed
+    while running another prompt (``warm_from``), then ``prompt`` reusing it.
+    """
+    cold = run(ref, prompt)
+    run(ref, warm_from)
+    warm = run(ref, prompt, cold=False)
+    assert warm["local_hits"] > 0, "the reference engine's own prefix cache did not hit"
+    assert warm["tokens"] == cold["tokens"]
+    return cold, max_logprob_diff(cold, warm)
+
+
+def assert_same_output(got: dict[str, Any], ref: dict[str, Any], tolerance: float) -> None:
+    assert got["tokens"] == ref["tokens"]
+    assert max_logprob_diff(got, ref) <= tolerance
+
+
+def assert_nothing_pinned(node: Node) -> None:
+    deadline = time.monotonic() + 5
+    while (stats := node.stats()).pinned and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert stats.pinned == 0
+    assert stats.writing == 0
+
+
+def test_same_system_prompt_loads_exactly_its_full_blocks(engines, node) -> None:
+    a, b, f, ref = engines["a"], engines["b"], engines["f"], engines["ref"]
+    prompt_a, prompt_b = system(1) + USER_1, system(1) + USER_2
+    first = run(a, prompt_a)
+    assert first["external_hits"] == 0
+    got = run(b, prompt_b)
+    # Exactly the system prompt's full blocks: not the partial one, not the user prompt.
+    assert got["external_hits"] == SYSTEM_HIT
+    assert got["local_hits"] == 0
+    # Greedy tokens: those of an engine without the connector.
+    cold, local_hit_diff = reference(ref, prompt_b, warm_from=prompt_a)
+    assert got["tokens"] == cold["tokens"]
+    assert first["tokens"] == run(ref, prompt_a)["tokens"]
+    # Logprobs: as tight as vLLM's own prefix-cache hit against a cold run (measured
+    # above: exactly equal on this CPU build), against a cold run of the same engine
+    # configuration (tenant "other" has nothing cached: f computes the whole prompt).
+    own_cold = run(f, prompt_b)
+    assert own_cold["external_hits"] == 0
+    assert_same_output(got, own_cold, local_hit_diff)
+    # Merely enabling a KV connector changes vLLM's float rounding a little (measured
+    # here as a few float32 ulps of a logprob, with or without a hit); the hit adds
+    # nothing to that.
+    engine_diff = max_logprob_diff(own_cold, cold)
+    assert engine_diff <= 1e-5
+    assert max_logprob_diff(got, cold) <= max(local_hit_diff, engine_diff)
+    assert_nothing_pinned(node)
+
+
+def test_different_system_prompt_gets_no_external_hit(engines, node) -> None:
+    a, b, ref = engines["a"], engines["b"], engines["ref"]
+    run(a, system(2) + USER_1)
+    got = run(b, system(3) + USER_1)  # same user prompt, other system prompt
+    assert got["external_hits"] == 0
+    assert got["tokens"] == run(ref, system(3) + USER_1)["tokens"]
+    assert_nothing_pinned(node)
+
+
+def test_switched_system_prompt_still_hits_until_evicted(engines, node) -> None:
+    a, b = engines["a"], engines["b"]
+    run(a, system(4) + USER_1)
+    run(a, system(5) + USER_1)  # the deployment switched system prompts
+    assert run(b, system(4) + USER_2)["external_hits"] == SYSTEM_HIT
+    assert run(b, system(5) + USER_2)["external_hits"] == SYSTEM_HIT
+    # Memory pressure: more new blocks than the namespace holds (64).
+    stats = node.stats()
+    capacity = max(ns.capacity for ns in stats.namespaces)
+    pressure = [tokens(5000 + i, 4 * BLOCK + 1) for i in range(capacity // 4 + 4)]
+    a.generate(pressure, max_tokens=1)
+    assert run(b, system(4) + USER_3)["external_hits"] == 0
+    assert_nothing_pinned(node)
+
+
+def test_restarted_engine_reuses_what_it_stored(engines, node, vllm_py, tiny_model, tmp_path):
+    run(engines["a"], system(6) + USER_1)
+    engines["a"].close()
+    engines["a"] = Engine(
+        vllm_py, tiny_model, connector=connector(node), log_dir=tmp_path, name="a2"
+    ).wait_ready()
+    got = run(engines["a"], system(6) + USER_2)
+    assert got["external_hits"] == SYSTEM_HIT
+    assert got["tokens"] == run(engines["ref"], system(6) + USER_2)["tokens"]
+    assert_nothing_pinned(node)
+
+
+def test_tenants_do_not_share_and_failed_loads_recompute(engines, node) -> None:
+    a, f, ref = engines["a"], engines["f"], engines["ref"]
+    prompt = system(7) + USER_2
+    run(a, system(7) + USER_1)  # acme caches the system prompt
+    other = run(f, prompt)
+    assert other["external_hits"] == 0, "tenant other saw tenant acme's blocks"
+    cold, local_hit_diff = reference(ref, prompt, warm_from=system(7) + USER_1)
+    assert other["tokens"] == cold["tokens"]
+    # Now "other" has it too: the hit is reported, every load fails, vLLM recomputes.
+    failed = run(f, prompt)
+    assert failed["external_hits"] == SYSTEM_HIT
+    assert failed["tokens"] == cold["tokens"]
+    assert_same_output(failed, other, local_hit_diff)
+    assert "failed" in "".join(f.log)
+    assert_nothing_pinned(node)
+
+
+def test_node_killed_mid_run_keeps_serving(engines, node) -> None:
+    b, ref = engines["b"], engines["ref"]
+    run(b, system(8) + USER_1)
+    node.kill()
+    try:
+        got = run(b, system(8) + USER_2)  # the node is gone: computed, same output
+        assert got["external_hits"] == 0
+        assert got["tokens"] == run(ref, system(8) + USER_2)["tokens"]
+    finally:
+        node.start()  # same port, empty memory
+    time.sleep(1.5)  # the connector's retry_interval
+    run(b, system(9) + USER_1)  # reconnects, stores again
+    run(b, system(9) + USER_1)
+    assert run(b, system(9) + USER_2)["external_hits"] == SYSTEM_HIT
+    assert_nothing_pinned(node)
