@@ -25,6 +25,7 @@ import random
 import statistics
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -37,9 +38,13 @@ def prompt(seed: int, n: int) -> list[int]:
     return [rng.randrange(3, 1024) for _ in range(n)]
 
 
-def one(engine: Engine, tokens: list[int], *, cold: bool) -> dict[str, Any]:
+def one(engine: Engine, tokens: list[int], *, cold: bool, settle: float = 0.0) -> dict[str, Any]:
     if cold:
         engine.command(reset_prefix_cache=True)
+    # After a request, vLLM's processes busy-wait (its shared-memory queues poll for
+    # 1 s, OpenMP threads spin): on a small host the engine that ran last would slow
+    # the next measured request down. Let every engine go idle first.
+    time.sleep(settle)
     answer = engine.generate([tokens], max_tokens=1)
     return {**answer["results"][0], "external_hits": answer["external_hits"]}
 
@@ -51,6 +56,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--hidden", type=int, default=768)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--block-size", type=int, default=128)
+    parser.add_argument(
+        "--settle", type=float, default=2.0, help="idle seconds before each measured request"
+    )
     args = parser.parse_args(argv)
     python = vllm_python()
     if python is None:
@@ -73,6 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     out: dict[str, Any] = {
         "model": {"layers": args.layers, "hidden": args.hidden, "dtype": "float32"},
         "block_size": args.block_size,
+        "settle_s": args.settle,
         "lengths": {},
     }
     try:
@@ -83,9 +92,12 @@ def main(argv: list[str] | None = None) -> int:
             rows: dict[str, list[dict[str, Any]]] = {"cold": [], "kvstore": [], "local": []}
             for r in range(args.repeats):
                 system = prompt(10_000 + 100 * length + r, length)
-                rows["cold"].append(one(a, system + prompt(1 + r, 16), cold=True))  # A stores it
-                rows["kvstore"].append(one(b, system + prompt(2 + r, 16), cold=True))
-                rows["local"].append(one(a, system + prompt(3 + r, 16), cold=False))
+                settle = args.settle
+                # A computes the system prompt (and stores it), B loads it from the
+                # node, then A hits its own prefix cache.
+                rows["cold"].append(one(a, system + prompt(1 + r, 16), cold=True, settle=settle))
+                rows["kvstore"].append(one(b, system + prompt(2 + r, 16), cold=True, settle=settle))
+                rows["local"].append(one(a, system + prompt(3 + r, 16), cold=False, settle=settle))
             summary: dict[str, Any] = {}
             for way, results in rows.items():
                 summary[way] = {

@@ -104,7 +104,7 @@ class WorkerSide:
                 f"the pool mapping is at epoch {ns.epoch}, the lookup at {load.epoch}"
             )
         views = [mapping.torch_view(SlotId(slot), self.layout) for slot in load.slots]
-        scatter_blocks(self.layers, load.block_ids, torch.stack(views))
+        scatter_blocks(self.layers, load.block_ids, views)
         self.loaded_blocks += len(load.block_ids)
 
     def save(self, meta: KVStoreConnectorMetadata) -> None:
