@@ -2,7 +2,7 @@
 and vLLM's own in-process prefix-cache hit (the limit), in one run.
 
     KVSTORE_VLLM_PYTHON=... python -m benchmarks.bench_vllm [--lengths 1024,2048,4096]
-        [--layers 6 --hidden 768] [--repeats 3]
+        [--layers 6 --hidden 768] [--repeats 3] [--settle 2] [--quick]
 
 Makes a random Llama offline (float32), starts a cache node and two vLLM
 engines with the kvstore connector (`tests/integrations/vllm/driver.py`):
@@ -59,7 +59,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--settle", type=float, default=2.0, help="idle seconds before each measured request"
     )
+    parser.add_argument(
+        "--quick", action="store_true", help="one 1k-token prompt on a 2-layer model (smoke run)"
+    )
     args = parser.parse_args(argv)
+    if args.quick:
+        args.lengths, args.repeats, args.layers, args.hidden = "1024", 1, 2, 256
     python = vllm_python()
     if python is None:
         print(json.dumps({"error": "no python with vLLM (set KVSTORE_VLLM_PYTHON)"}))
