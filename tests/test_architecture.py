@@ -98,10 +98,7 @@ def test_core_is_pure(graph: dict[str, set[str]]) -> None:
         m for m in graph if m.startswith("kvstore.") and m.split(".")[1] not in CORE_SUBPACKAGES
     ]
     assert "kvstore.hashing" in core and "kvstore.store" in core
-    offending = {
-        m: sorted(t for t in graph[m] if t.startswith(CORE_FORBIDDEN) or t == "kvstore.v1")
-        for m in core
-    }
+    offending = {m: sorted(t for t in graph[m] if t.startswith(CORE_FORBIDDEN)) for m in core}
     assert {m: t for m, t in offending.items() if t} == {}
 
 

@@ -121,14 +121,15 @@ def gather_blocks(
     if not layers:
         raise InvalidArgument("no KV cache layers were registered")
     device = layers[0].tensor.device
-    ids = torch.tensor(list(block_ids), dtype=torch.long, device=device)
     out = torch.empty(
         (len(block_ids), *layout.block_shape), dtype=layers[0].tensor.dtype, device=device
     )
-    for index, layer in enumerate(layers):
-        if device.type != "cpu":  # one kernel launch per layer
+    if device.type != "cpu":  # one kernel launch per layer, not per block and layer
+        ids = torch.tensor(list(block_ids), dtype=torch.long, device=device)
+        for index, layer in enumerate(layers):
             out[:, :, index] = layer.gather(ids)
-            continue
+        return out
+    for index, layer in enumerate(layers):
         for row, block_id in enumerate(block_ids):
             layer.read_block(block_id, out[row, :, index])
     return out

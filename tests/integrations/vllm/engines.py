@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import re
 import shutil
 import subprocess
 import sys
@@ -22,9 +21,10 @@ from collections import deque
 from pathlib import Path
 from typing import Any
 
+from benchmarks._server import ServerProcess
+
 ROOT = Path(__file__).resolve().parents[3]
 DRIVER = Path(__file__).with_name("driver.py")
-_LISTENING = re.compile(r"kvstore-server listening on (\S+)")
 
 
 def vllm_python() -> str | None:
@@ -39,73 +39,41 @@ def vllm_python() -> str | None:
 
 
 class Node:
-    """A ``python -m service`` cache node; `kill` and `start` again on the same port."""
+    """A cache node (`benchmarks._server.ServerProcess`) that comes back on the same port."""
 
     def __init__(self, workdir: Path, *, namespace_capacity: str = "8MiB") -> None:
         self.workdir = workdir
         self.namespace_capacity = namespace_capacity
         self.port = 0
-        self.proc: subprocess.Popen[str] | None = None
-        self._drain: threading.Thread | None = None
+        self.server: ServerProcess | None = None
 
     @property
     def target(self) -> str:
         return f"127.0.0.1:{self.port}"
 
     def start(self) -> Node:
+        """Start on the port of the last start (a free one the first time), empty memory."""
         shm = Path(tempfile.mkdtemp(prefix="shm-", dir=self.workdir))
-        cmd = [
-            sys.executable, "-m", "service", "--host", "127.0.0.1", "--port", str(self.port),
-            "--metrics-port", "0", "--capacity-bytes", "256MiB",
-            "--namespace-capacity-bytes", self.namespace_capacity, "--shm-dir", str(shm),
-            "--pool-prefault", "false", "--log-level", "WARNING",
-        ]  # fmt: skip
-        self.proc = subprocess.Popen(
-            cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        flags = ("--port", str(self.port), "--namespace-capacity-bytes", self.namespace_capacity)
+        self.server = ServerProcess.start(
+            shm,
+            capacity="256MiB",
+            extra_args=(*flags, "--pool-prefault", "false"),
+            ready_timeout=60.0,
         )
-        assert self.proc.stdout is not None
-        lines = []
-        timer = threading.Timer(60.0, self.proc.kill)
-        timer.start()
-        try:
-            for line in self.proc.stdout:
-                lines.append(line)
-                match = _LISTENING.search(line)
-                if match:
-                    self.port = int(match.group(1).rsplit(":", 1)[1])
-                    break
-            else:
-                raise RuntimeError("the kvstore node did not start:\n" + "".join(lines))
-        finally:
-            timer.cancel()
-        self._drain = threading.Thread(target=self.proc.stdout.read, daemon=True)
-        self._drain.start()
+        self.port = int(self.server.address.rsplit(":", 1)[1])
         return self
 
     def kill(self) -> None:
         """SIGKILL: the node dies without draining (as in a crash)."""
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
-        self._reap()
+        if self.server is not None:
+            self.server.process.kill()
+            self.stop()
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self._reap()
-
-    def _reap(self) -> None:
-        if self._drain is not None:
-            self._drain.join(5)
-            self._drain = None
-        if self.proc is not None and self.proc.stdout is not None:
-            self.proc.stdout.close()
-        self.proc = None
+        if self.server is not None:
+            self.server.stop()
+            self.server = None
 
     def stats(self) -> Any:
         from kvstore.client import SyncClient
