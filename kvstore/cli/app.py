@@ -12,18 +12,49 @@ command module imports the app.
 from __future__ import annotations
 
 import sys
+from typing import Annotated
 
 import typer
 
+import kvstore
 from kvstore.cli import admin, bench, live, reads
+from kvstore.cli.common import TARGET_HELP, set_global_target
 
 app = typer.Typer(
     name="kvstore",
-    help="Inspect and manage kvstore cache nodes (docs/operations.md).",
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
 )
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        print(f"kvstore {kvstore.__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def options(
+    ctx: typer.Context,
+    target: Annotated[
+        str | None,
+        typer.Option("--target", "-t", envvar="KVSTORE_TARGET", help=TARGET_HELP),
+    ] = None,
+    version: Annotated[
+        bool,
+        typer.Option(
+            "--version", is_eager=True, callback=_print_version, help="Print the version and exit."
+        ),
+    ] = False,
+) -> None:
+    """Inspect and manage kvstore cache nodes (docs/operations.md).
+
+    Options given before the command apply to every command; a command's own
+    --target wins over the global one.
+    """
+    set_global_target(ctx, target)
+
 
 for _command in (*reads.COMMANDS, *admin.COMMANDS, *bench.COMMANDS, *live.COMMANDS):
     app.command()(_command)

@@ -1,9 +1,13 @@
-"""``kvstore bench``: run the repository's benchmarks and tabulate their JSON.
+"""``kvstore bench``: run benchmarks and tabulate their numbers.
 
-Each ``benchmarks/bench_*.py`` module runs as ``python -m benchmarks.NAME``
-in its own process (from ``--dir``, the repository checkout), prints one
-JSON document; the numbers in it (nested keys flattened with dots) become
-rows of the table. ``--quick`` is passed to modules that accept it.
+Plain ``kvstore bench`` runs the built-in benchmarks of the core
+(`kvstore.cli.microbench`) in this process: it works wherever the package is
+installed, with no checkout, GPU or torch. ``kvstore bench --dir REPO
+[NAMES…]`` (or NAMES alone, from a checkout) runs the repository's
+``benchmarks/bench_*.py`` modules instead, each as ``python -m
+benchmarks.NAME`` in its own process, each printing one JSON document;
+``--quick`` is passed to modules that accept it. Either way the numbers
+(nested keys flattened with dots) become rows of the table.
 """
 
 from __future__ import annotations
@@ -16,9 +20,18 @@ from typing import Annotated, Any
 
 import typer
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
-from rich.table import Table
 
-from kvstore.cli.common import EXIT_NOT_CONFIGURED, EXIT_REFUSED, Json, console, fail, print_json
+from kvstore.cli import microbench
+from kvstore.cli.common import (
+    EXIT_NOT_CONFIGURED,
+    EXIT_REFUSED,
+    Json,
+    column,
+    console,
+    fail,
+    print_json,
+    table,
+)
 
 
 def flatten(doc: Any, prefix: str = "") -> dict[str, float]:
@@ -69,25 +82,40 @@ def _run_one(root: Path, name: str, quick: bool, timeout: float) -> dict[str, An
     return {"ok": True, "numbers": flatten(doc), "result": doc}
 
 
+def _run_builtin(name: str, quick: bool) -> dict[str, Any]:
+    try:
+        doc = microbench.BENCHMARKS[name](microbench.QUICK if quick else microbench.FULL)
+    except Exception as exc:  # a failed benchmark is a row of the table, not a traceback
+        return {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+    return {"ok": True, "numbers": flatten(doc), "result": doc}
+
+
 def bench(
     only: Annotated[
-        list[str] | None, typer.Argument(help="Benchmarks to run (core, service…); default all.")
+        list[str] | None,
+        typer.Argument(help="Repository benchmarks to run (core, service…) instead of built-in."),
     ] = None,
     quick: Annotated[bool, typer.Option(help="Small sizes (for a smoke run).")] = False,
     directory: Annotated[
-        Path, typer.Option("--dir", help="Repository checkout holding benchmarks/.")
-    ] = Path("."),
-    timeout: Annotated[float, typer.Option(min=1, help="Seconds per benchmark.")] = 600,
+        Path | None,
+        typer.Option(
+            "--dir", help="Run the benchmarks/ of this repository checkout instead of built-in."
+        ),
+    ] = None,
+    timeout: Annotated[float, typer.Option(min=1, help="Seconds per repository benchmark.")] = 600,
     json: Json = False,
 ) -> None:
-    """Run the benchmarks with a progress bar and print a table of their numbers."""
-    root = directory.resolve()
-    if not (root / "benchmarks").is_dir():
-        fail(
-            f"no benchmarks/ in {root}: run from a kvstore checkout or pass --dir",
-            EXIT_NOT_CONFIGURED,
-        )
-    names = discover(root, only or [])
+    """Run benchmarks (built-in core ones, or a checkout's) and print a table of their numbers."""
+    root = None
+    if directory is not None or only:
+        root = (directory or Path(".")).resolve()
+        if not (root / "benchmarks").is_dir():
+            fail(
+                f"no benchmarks/ in {root}: pass --dir REPO, or run `kvstore bench` alone "
+                "for the built-in benchmarks",
+                EXIT_NOT_CONFIGURED,
+            )
+    names = discover(root, only or []) if root else list(microbench.BENCHMARKS)
     results: dict[str, dict[str, Any]] = {}
     with Progress(
         SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(),
@@ -96,19 +124,23 @@ def bench(
         task = progress.add_task("benchmarks", total=len(names))
         for name in names:
             progress.update(task, description=f"running {name}")
-            results[name] = _run_one(root, name, quick, timeout)
+            results[name] = (
+                _run_one(root, name, quick, timeout) if root else _run_builtin(name, quick)
+            )
             progress.advance(task)
         progress.update(task, description="done")
     failed = [n for n, r in results.items() if not r["ok"]]
     if json:
-        print_json({"quick": quick, "benchmarks": results, "failed": failed})
+        source = str(root) if root else "built-in"
+        print_json({"quick": quick, "source": source, "benchmarks": results, "failed": failed})
     else:
-        t = Table(title="benchmarks" + (" (quick)" if quick else ""))
-        for col in ("benchmark", "metric", "value"):
-            t.add_column(col, justify="right" if col == "value" else "left")
+        t = table("benchmarks" + (" (quick)" if quick else ""))
+        column(t, "benchmark")
+        column(t, "metric")
+        column(t, "value", number=True)
         for name, r in results.items():
             if not r["ok"]:
-                t.add_row(name, "error", r["error"])
+                t.add_row(name, f"error: {r['error']}", "-")
             for key, value in r.get("numbers", {}).items():
                 t.add_row(name, key, f"{value:,.3f}" if isinstance(value, float) else f"{value:,}")
         console.print(t)

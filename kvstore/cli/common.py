@@ -20,8 +20,12 @@ from typing import Annotated, Any, NoReturn
 
 import grpc
 import typer
+from rich import box
 from rich.console import Console
+from rich.table import Table
 
+from kvstore.errors import KVStoreError
+from kvstore.ops import names
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc
 
@@ -33,12 +37,13 @@ EXIT_NOT_CONFIGURED = 5
 DEFAULT_TARGET = "127.0.0.1:50051"
 """The local node (the server's default host and port)."""
 
-Target = Annotated[
-    str,
-    typer.Option(
-        "--target", "-t", envvar="KVSTORE_TARGET", help="Node address HOST:PORT (KVSTORE_TARGET)."
-    ),
-]
+TARGET_HELP = "Node address HOST:PORT (default: KVSTORE_TARGET, else the local node)."
+
+Target = Annotated[str, typer.Option("--target", "-t", help=TARGET_HELP)]
+"""A command's ``--target``. It has no envvar of its own: the app's global
+``--target`` (which reads ``KVSTORE_TARGET``) becomes every command's default
+(`set_global_target`), so ``kvstore -t A status``, ``KVSTORE_TARGET=A kvstore
+status`` and ``kvstore status -t A`` all work, the last one winning."""
 Json = Annotated[bool, typer.Option("--json", help="Print JSON for scripts instead of tables.")]
 Timeout = Annotated[float, typer.Option("--timeout", min=0.1, help="Seconds per call.")]
 AdminToken = Annotated[
@@ -53,6 +58,62 @@ AdminToken = Annotated[
 
 console = Console(highlight=False)
 """Where tables go (stdout)."""
+
+
+def set_global_target(ctx: typer.Context, target: str | None) -> None:
+    """Make ``target`` the default ``--target`` of every subcommand of ``ctx``'s group.
+
+    Through click's ``default_map``: a subcommand's own ``--target`` still
+    wins, and commands without the option ignore it.
+    """
+    if target is None:
+        return
+    commands = getattr(ctx.command, "commands", {})
+    defaults = dict(ctx.default_map or {})
+    for name in commands:
+        defaults[name] = {**defaults.get(name, {}), "target": target}
+    ctx.default_map = defaults
+
+
+def table(title: str | None = None, *, show_header: bool = True) -> Table:
+    """A table that reads at 80 columns (pipes, ssh).
+
+    No side rules, two blanks between columns, and cells that fold onto
+    more lines rather than end in "…".
+    """
+    return Table(
+        title=title, box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, collapse_padding=True,
+        show_header=show_header, title_justify="left", title_style="bold",
+    )  # fmt: skip
+
+
+def column(t: Table, header: str, *, number: bool = False, keep: int = 0) -> None:
+    """Add a column to ``t``.
+
+    A ``number`` is right-aligned and never wrapped; ``keep`` characters (an
+    id, a hash prefix) stay on one line; other text folds.
+    """
+    t.add_column(
+        header,
+        justify="right" if number else "left",
+        overflow="fold",
+        min_width=keep or None,
+        no_wrap=number or bool(keep),
+    )
+
+
+def size(n: float) -> str:
+    """Bytes in binary units (``2.5 KiB``)."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def pct(x: float | None) -> str:
+    """A ratio as a percentage ("-" when undefined)."""
+    return "-" if x is None else f"{100 * x:.1f}%"
 
 
 def fail(message: str, code: int = EXIT_REFUSED) -> NoReturn:
@@ -131,19 +192,23 @@ class NodeClient:
                 break
         return blocks, total
 
-    def resolve_namespace(self, name: str) -> pb.NamespaceStats:
-        """The namespace named by its id, a unique id prefix, or its model id."""
-        namespaces = list(self.stats().namespaces)
-        for ns in namespaces:
-            if ns.namespace_id == name:
-                return ns
-        found = [ns for ns in namespaces if ns.model_id == name]
-        found = found or [ns for ns in namespaces if ns.namespace_id.startswith(name)]
-        if len(found) == 1:
-            return found[0]
-        known = ", ".join(f"{ns.namespace_id} ({ns.model_id})" for ns in namespaces) or "none"
-        what = "is ambiguous" if found else "is not a namespace of this node"
-        fail(f"{name!r} {what}; namespaces: {known}", EXIT_REFUSED)
+    def resolve_namespace(
+        self, name: str, stats: pb.StatsResponse | None = None
+    ) -> pb.NamespaceStats:
+        """The namespace ``name`` names (`kvstore.ops.names`: id, model id, unique prefix).
+
+        An unknown or ambiguous name ends the command (exit 1) with the
+        candidates, or every namespace there is, in the message.
+        """
+        stats = stats if stats is not None else self.stats()
+        namespaces = {ns.namespace_id: ns for ns in stats.namespaces}
+        try:
+            found = names.resolve_namespace(
+                name, [(i, ns.model_id) for i, ns in namespaces.items()]
+            )
+        except KVStoreError as exc:
+            fail(f"{exc} (at {self.target})", EXIT_REFUSED)
+        return namespaces[found]
 
 
 @contextmanager

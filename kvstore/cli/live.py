@@ -9,7 +9,6 @@ from typing import Annotated, Any
 
 import grpc
 import typer
-from rich.table import Table
 
 from kvstore.cli.common import (
     DEFAULT_TARGET,
@@ -17,10 +16,13 @@ from kvstore.cli.common import (
     EXIT_UNREACHABLE,
     Json,
     Target,
+    column,
     connect,
     console,
     fail,
     print_json,
+    size,
+    table,
 )
 from kvstore.v1 import kvstore_pb2 as pb
 
@@ -49,15 +51,18 @@ def event_json(ev: pb.Event) -> dict[str, Any]:
 def watch(
     target: Target = DEFAULT_TARGET,
     json: Json = False,
-    namespace: Annotated[str, typer.Option(help="Only this namespace id.")] = "",
+    namespace: Annotated[
+        str, typer.Option(help="Only this namespace: id, unique prefix, or model id.")
+    ] = "",
     cluster: Annotated[bool, typer.Option(help="Every node's events (needs Redis).")] = False,
     count: Annotated[int, typer.Option(min=0, help="Stop after this many events (0: never).")] = 0,
     duration: Annotated[float, typer.Option(min=0, help="Stop after seconds (0: never).")] = 0,
 ) -> None:
     """Stream cache events (stored, removed, cleared, nodes joining and leaving)."""
     with connect(target, duration or 5.0) as node:
+        ns_id = node.resolve_namespace(namespace).namespace_id if namespace else ""
         call = node.stub.WatchEvents(
-            pb.WatchEventsRequest(namespace_id=namespace, cluster=cluster),
+            pb.WatchEventsRequest(namespace_id=ns_id, cluster=cluster),
             timeout=duration or None,  # a stream lives until stopped; --duration bounds it
             metadata=node.metadata,
         )
@@ -113,15 +118,21 @@ def nodes(
     if json:
         print_json(rows)
         return
-    t = Table(title=f"live nodes in {redis_url} (prefix {redis_prefix})")
-    for col in ("node", "address", "devices", "used", "capacity", "version", "heartbeat in"):
-        t.add_column(col)
+    t = table(f"live nodes in {redis_url} (prefix {redis_prefix})")
+    for col in ("node", "address", "devices", "used", "capacity", "version", "expires\nin"):
+        column(t, col, number=col in ("used", "capacity", "expires\nin"))
     for r in rows:
         t.add_row(
-            r["node_id"], r["address"], ",".join(r.get("devices", [])), str(r.get("used_bytes")),
-            str(r.get("capacity_bytes")), str(r.get("version")), f"{r['expires_in_seconds']:.1f}s",
+            r["node_id"], r["address"], ",".join(r.get("devices", [])), _bytes(r, "used_bytes"),
+            _bytes(r, "capacity_bytes"), str(r.get("version", "")),
+            f"{r['expires_in_seconds']:.1f}s",
         )  # fmt: skip
     console.print(t)
+
+
+def _bytes(row: dict[str, Any], key: str) -> str:
+    value = row.get(key)
+    return size(value) if isinstance(value, int | float) else "-"
 
 
 def read_registry(url: str, prefix: str, timeout: float) -> list[dict[str, Any]]:

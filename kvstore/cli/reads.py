@@ -6,29 +6,26 @@ import datetime
 from typing import Annotated, Any
 
 import typer
-from rich.table import Table
 from rich.tree import Tree
 
-from kvstore.cli.common import DEFAULT_TARGET, Json, Target, Timeout, connect, console, print_json
+from kvstore.cli.common import (
+    DEFAULT_TARGET,
+    Json,
+    Target,
+    Timeout,
+    column,
+    connect,
+    console,
+    pct,
+    print_json,
+    size,
+    table,
+)
 from kvstore.ops.prefix_tree import BlockRecord, Run, build_tree, tree_json
 from kvstore.ops.summary import namespace_json, status_json, tenants_json
 from kvstore.v1 import kvstore_pb2 as pb
 
 Namespace = Annotated[str, typer.Argument(help="Namespace id, a unique id prefix, or model id.")]
-
-
-def pct(x: float | None) -> str:
-    """A ratio as a percentage ("-" when undefined)."""
-    return "-" if x is None else f"{100 * x:.1f}%"
-
-
-def size(n: float) -> str:
-    """Bytes in binary units."""
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return str(n)
 
 
 def ago(unix: float) -> str:
@@ -49,9 +46,9 @@ def status(target: Target = DEFAULT_TARGET, json: Json = False, timeout: Timeout
     if json:
         print_json(doc)
         return
-    t = Table(title=f"kvstore node {doc['node_id']} at {target}", show_header=False)
-    t.add_column(style="bold")
-    t.add_column()
+    t = table(f"kvstore node {doc['node_id']} at {target}", show_header=False)
+    column(t, "key", keep=10)
+    column(t, "value")
     rows = [
         ("version", f"{doc['version']} ({doc['pool_kind']} pool, epoch {doc['pool_epoch']})"),
         ("uptime", duration(doc["uptime_seconds"])),
@@ -79,14 +76,16 @@ def namespaces(target: Target = DEFAULT_TARGET, json: Json = False, timeout: Tim
     if json:
         print_json(rows)
         return
-    t = Table(title=f"namespaces at {target}")
-    for col in ("namespace", "model", "block", "used", "capacity", "pinned", "evicted", "hit%"):
-        t.add_column(col, justify="left" if col in ("namespace", "model") else "right")
+    t = table(f"namespaces at {target}")
+    column(t, "namespace", keep=16)
+    column(t, "model")
+    for col in ("block\nsize", "used/\ncapacity", "pinned", "evicted", "hit%"):
+        column(t, col, number=True)
     for r in rows:
         t.add_row(
-            r["namespace"][:16], r["model"], str(r["block_size"]), str(r["used_blocks"]),
-            str(r["capacity_blocks"]), str(r["pinned_blocks"]), str(r["evictions"]),
-            pct(r["hit_rate_tokens"]),
+            r["namespace"], r["model"], str(r["block_size"]),
+            f"{r['used_blocks']}/{r['capacity_blocks']}", str(r["pinned_blocks"]),
+            str(r["evictions"]), pct(r["hit_rate_tokens"]),
         )  # fmt: skip
     console.print(t)
 
@@ -95,25 +94,37 @@ def tenants(
     target: Target = DEFAULT_TARGET,
     json: Json = False,
     timeout: Timeout = 5.0,
-    namespace: Annotated[str, typer.Option(help="Only this namespace id.")] = "",
+    namespace: Annotated[
+        str, typer.Option(help="Only this namespace: id, unique prefix, or model id.")
+    ] = "",
 ) -> None:
     """Per-tenant lookups, hits and misses (tokens, blocks, miss reasons), residency."""
     with connect(target, timeout) as node:
-        rows = tenants_json(node.stats(), namespace)
+        stats = node.stats()
+        ns_id = node.resolve_namespace(namespace, stats).namespace_id if namespace else ""
+        rows = tenants_json(stats, ns_id)
     if json:
         print_json(rows)
         return
-    t = Table(title=f"tenants at {target}")
-    for col in ("namespace", "tenant", "lookups", "hit tok", "miss tok", "hit%", "absent",
-                "in flight", "resident"):  # fmt: skip
-        t.add_column(col, justify="left" if col in ("namespace", "tenant") else "right")
+    models = {ns.namespace_id: ns.model_id for ns in stats.namespaces}
+    by_namespace: dict[str, list[dict[str, Any]]] = {}
     for r in rows:
-        t.add_row(
-            r["namespace"][:16], r["tenant"] or "(shared)", str(r["lookups"]),
-            str(r["hit_tokens"]), str(r["miss_tokens"]), pct(r["hit_rate_tokens"]),
-            str(r["miss_absent"]), str(r["miss_in_flight"]), str(r["resident_blocks"]),
-        )  # fmt: skip
-    console.print(t)
+        by_namespace.setdefault(r["namespace"], []).append(r)
+    if not by_namespace:
+        console.print(f"no tenant has used a namespace at {target} yet")
+    for ns_id, ns_rows in by_namespace.items():  # one table a namespace: fits 80 columns
+        t = table(f"tenants of {models.get(ns_id, '')} {ns_id} at {target}")
+        column(t, "tenant")
+        for col in ("lookups", "hit\ntokens", "miss\ntokens", "hit%", "miss\nabsent",
+                    "miss in\nflight", "resident\nblocks"):  # fmt: skip
+            column(t, col, number=True)
+        for r in ns_rows:
+            t.add_row(
+                r["tenant"] or "(shared)", str(r["lookups"]), str(r["hit_tokens"]),
+                str(r["miss_tokens"]), pct(r["hit_rate_tokens"]), str(r["miss_absent"]),
+                str(r["miss_in_flight"]), str(r["resident_blocks"]),
+            )  # fmt: skip
+        console.print(t)
 
 
 _STATES = {pb.BLOCK_STATE_READY: "ready", pb.BLOCK_STATE_WRITING: "writing"}
@@ -158,9 +169,11 @@ def blocks(
     if json:
         print_json(doc)
         return
-    t = Table(title=f"{ns.model_id} {ns.namespace_id[:16]}: {resp.total} blocks")
-    for col in ("hash", "parent", "depth", "state", "pins", "hits", "last used", "tenant"):
-        t.add_column(col, justify="right" if col in ("depth", "pins", "hits") else "left")
+    t = table(f"{ns.model_id} {ns.namespace_id}: {resp.total} blocks")
+    for col in ("hash", "parent"):
+        column(t, col, keep=12)
+    for col in ("depth", "state", "pins", "hits", "last\nused", "tenant"):
+        column(t, col, number=col in ("depth", "pins", "hits", "last\nused"))
     for b in rows:
         t.add_row(
             b["hash"][:12], b["parent"][:12] or "-", str(b["depth"]), b["state"], str(b["pins"]),
@@ -216,7 +229,7 @@ def tree(
         print_json(doc)
         return
     title = (
-        f"{ns.model_id} {ns.namespace_id[:16]}: {doc['blocks']} blocks in {doc['runs']} runs, "
+        f"{ns.model_id} {ns.namespace_id}: {doc['blocks']} blocks in {doc['runs']} runs, "
         f"{doc['shared_runs']} shared"
     )
     if doc["truncated"]:
