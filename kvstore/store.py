@@ -207,12 +207,16 @@ class Store:
         *,
         lease_id: LeaseId | None = None,
         query_tokens: int | None = None,
+        peek: bool = False,
     ) -> LookupResult:
-        """Longest READY prefix of ``chain``; pinned under ``lease_id`` if given."""
+        """Longest READY prefix of ``chain``; pinned under ``lease_id`` if given.
+
+        ``peek=True`` counts nothing and moves nothing in the LRU (see `BlockTable.lookup`).
+        """
         self._check_len(chain)
         table = self.table(namespace)
         lease = self._leases.get(lease_id, tenant, now) if lease_id is not None else None
-        return table.lookup(tenant, chain, now, lease=lease, query_tokens=query_tokens)
+        return table.lookup(tenant, chain, now, lease=lease, query_tokens=query_tokens, peek=peek)
 
     def reserve(
         self,

@@ -188,3 +188,27 @@ async def test_cluster_watch_sees_every_nodes_events(nodes):
     finally:
         await ra.close()
         await rb.close()
+
+
+async def test_a_peers_fetch_leaves_no_trace_in_the_holders_stats_or_lru(nodes):
+    a = await nodes.start("node-a")
+    b = await nodes.start("node-b")
+    ra, rb = Rpc(a.address, "acme"), Rpc(b.address, "acme")
+    try:
+        ns = await ra.register()
+        await rb.register()
+        chain = await ra.store(seed=11, blocks=4)  # older: first in a's LRU
+        await ra.store(seed=12, blocks=2)
+        table = a.node.table(ns)
+        lru_before = table.lru_order()
+        counters_before = table.stats().tenants.get("acme")
+        hits_before = {i.hash: i.hits for i in table.iter_blocks()}
+        await until(lambda: b.node.cluster.locate(ns, "acme", chain), what="entry")
+        assert (await rb.lookup(11, 4, remote=True)).hit_blocks == 4
+        # node-a served the blocks, yet its tenant did not use its cache.
+        assert table.lru_order() == lru_before
+        assert table.stats().tenants.get("acme") == counters_before
+        assert {i.hash: i.hits for i in table.iter_blocks()} == hits_before
+    finally:
+        await ra.close()
+        await rb.close()
