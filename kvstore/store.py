@@ -154,9 +154,14 @@ class Store:
 
     # --- leases -----------------------------------------------------------------
 
-    def open_lease(self, lease_id: LeaseId, tenant: TenantId, ttl: float, now: float) -> Lease:
-        """Open a lease for ``tenant`` that lives ``ttl`` seconds unless renewed."""
-        return self._leases.open(lease_id, tenant, ttl, now)
+    def open_lease(
+        self, lease_id: LeaseId, tenant: TenantId, ttl: float, now: float, *, internal: bool = False
+    ) -> Lease:
+        """Open a lease for ``tenant`` that lives ``ttl`` seconds unless renewed.
+
+        ``internal=True``: the node's own lease (peer fetch), outside the tenant's lease limit.
+        """
+        return self._leases.open(lease_id, tenant, ttl, now, internal=internal)
 
     def renew_lease(self, lease_id: LeaseId, tenant: TenantId, now: float) -> Lease:
         """Extend a live lease to ``now + ttl``; `LeaseExpired` once it ended."""
