@@ -183,6 +183,8 @@ class PeerFetcher:
                     if lease_id is None:
                         lease_id = self._open_lease(tenant)
                         wanted = self._reserve(namespace, tenant, lease_id, target)
+                        if not wanted:
+                            return 0  # all hits or in flight meanwhile, or no room
                     block_hash = BlockHash(item.hash)
                     if block_hash in wanted:
                         # Checked and written in one synchronous step (no await between).
