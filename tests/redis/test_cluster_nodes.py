@@ -149,22 +149,29 @@ async def test_peer_fetch_is_byte_exact_and_per_tenant(nodes):
 async def test_peer_that_vanished_is_a_miss_not_an_error(nodes):
     a = await nodes.start("node-a", node_ttl_seconds=5.0)
     b = await nodes.start("node-b")
-    ra, rb = Rpc(a.address), Rpc(b.address)
+    ra, rb, other = Rpc(a.address), Rpc(b.address), Rpc(b.address, "other")
     try:
         await ra.register()
         await rb.register()
+        await other.register()
         chain = await ra.store(seed=3, blocks=4)
         await until(lambda: b.node.cluster.locate(ra.namespace, "default", chain), what="entry")
+        # Another tenant fills node-b's namespace.
+        table = b.node.table(rb.namespace)
+        await other.store(seed=9, blocks=table.capacity)
         # Stop a's gRPC without leaving the registry: the directory still names it.
         await a._grpc.stop(0)
         hit = await rb.lookup(3, 4, remote=True)
         assert hit.hit_blocks == 0
+        # Contact first, then make room: the dead holder cost the other tenant nothing.
+        assert table.stats().evictions == 0
         assert b.node.peers.failed_fetches >= 1
         failed = b.node.metrics.registry.get_sample_value("kvstore_peer_failed_fetches_total")
         assert failed is not None and failed >= 1
     finally:
         await ra.close()
         await rb.close()
+        await other.close()
 
 
 async def test_cluster_watch_sees_every_nodes_events(nodes):
