@@ -168,6 +168,7 @@ class BlockTable:
         *,
         lease: Lease | None = None,
         query_tokens: int | None = None,
+        peek: bool = False,
     ) -> LookupResult:
         """Longest run of READY blocks from the start of ``chain``.
 
@@ -181,6 +182,8 @@ class BlockTable:
             lease: pin the hits under this lease (must belong to ``tenant``).
             query_tokens: tokens of the whole query, for token accounting
                 (defaults to ``len(chain) * block_size``).
+            peek: leave no trace: no hit counters, no ``last_used``, no LRU
+                move (a peer node's read is not the tenant's use of its cache).
         """
         _check_chain(chain)
         blocks = self._res.blocks(self.scope_of(tenant))
@@ -205,6 +208,12 @@ class BlockTable:
                 self._res.pin(block)
                 pins[block] = pins.get(block, 0) + 1
             lease.pin_total += len(hits)
+        if peek:
+            return LookupResult(
+                blocks=tuple(BlockRef(b.hash, b.slot, b.generation) for b in hits),
+                pinned=lease is not None,
+                miss_reason=reason,
+            )
         for block in hits:
             block.hits += 1
             block.last_used = now

@@ -50,6 +50,8 @@ class Lease:
     """Per namespace: blocks reserved and not yet committed or aborted."""
     pin_total: int = 0
     """Pins held over all namespaces, counting repeats (bounded by config)."""
+    internal: bool = False
+    """Opened by the node itself (peer fetch): not counted against the tenant's lease limit."""
 
     def pins_in(self, namespace: NamespaceId) -> dict[Block, int]:
         """This lease's pin counts in one namespace (created on first use)."""
@@ -95,8 +97,15 @@ class LeaseTable:
     def __iter__(self) -> Iterator[Lease]:
         return iter(list(self._leases.values()))
 
-    def open(self, lease_id: LeaseId, tenant: TenantId, ttl: float, now: float) -> Lease:
-        """Create a lease that lives ``ttl`` seconds unless renewed."""
+    def open(
+        self, lease_id: LeaseId, tenant: TenantId, ttl: float, now: float, *, internal: bool = False
+    ) -> Lease:
+        """Create a lease that lives ``ttl`` seconds unless renewed.
+
+        ``internal``: the node's own lease on the tenant's behalf (peer
+        fetch); it is not counted against the tenant's lease limit (the node
+        bounds those itself).
+        """
         if not 0 < ttl <= self.max_ttl:
             raise InvalidArgument(f"lease ttl must be in (0, {self.max_ttl}] seconds, got {ttl}")
         if lease_id in self._leases or lease_id in self._ended:
@@ -104,13 +113,16 @@ class LeaseTable:
         count = self._per_tenant.get(tenant, 0)
         limit = self._max_leases_of(tenant) if self._max_leases_of is not None else 0
         limit = limit or self.max_leases_per_tenant
-        if limit and count >= limit:
+        if limit and count >= limit and not internal:
             raise LimitExceeded(
                 f"tenant {tenant!r} already holds {count} leases (limit {limit}); close some first"
             )
-        lease = Lease(lease_id=lease_id, tenant=tenant, ttl=ttl, deadline=now + ttl)
+        lease = Lease(
+            lease_id=lease_id, tenant=tenant, ttl=ttl, deadline=now + ttl, internal=internal
+        )
         self._leases[lease_id] = lease
-        self._per_tenant[tenant] = count + 1
+        if not internal:
+            self._per_tenant[tenant] = count + 1
         heapq.heappush(self._deadlines, (lease.deadline, lease_id))
         return lease
 
@@ -144,9 +156,10 @@ class LeaseTable:
     def remove(self, lease: Lease) -> None:
         """Forget a lease (closed or expired); its holdings are the caller's to drop."""
         del self._leases[lease.lease_id]
-        self._per_tenant[lease.tenant] -= 1
-        if not self._per_tenant[lease.tenant]:
-            del self._per_tenant[lease.tenant]
+        if not lease.internal:
+            self._per_tenant[lease.tenant] -= 1
+            if not self._per_tenant[lease.tenant]:
+                del self._per_tenant[lease.tenant]
         self._ended[lease.lease_id] = None
         if len(self._ended) > ENDED_MEMORY:
             self._ended.popitem(last=False)

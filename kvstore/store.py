@@ -154,9 +154,14 @@ class Store:
 
     # --- leases -----------------------------------------------------------------
 
-    def open_lease(self, lease_id: LeaseId, tenant: TenantId, ttl: float, now: float) -> Lease:
-        """Open a lease for ``tenant`` that lives ``ttl`` seconds unless renewed."""
-        return self._leases.open(lease_id, tenant, ttl, now)
+    def open_lease(
+        self, lease_id: LeaseId, tenant: TenantId, ttl: float, now: float, *, internal: bool = False
+    ) -> Lease:
+        """Open a lease for ``tenant`` that lives ``ttl`` seconds unless renewed.
+
+        ``internal=True``: the node's own lease (peer fetch), outside the tenant's lease limit.
+        """
+        return self._leases.open(lease_id, tenant, ttl, now, internal=internal)
 
     def renew_lease(self, lease_id: LeaseId, tenant: TenantId, now: float) -> Lease:
         """Extend a live lease to ``now + ttl``; `LeaseExpired` once it ended."""
@@ -207,12 +212,16 @@ class Store:
         *,
         lease_id: LeaseId | None = None,
         query_tokens: int | None = None,
+        peek: bool = False,
     ) -> LookupResult:
-        """Longest READY prefix of ``chain``; pinned under ``lease_id`` if given."""
+        """Longest READY prefix of ``chain``; pinned under ``lease_id`` if given.
+
+        ``peek=True`` counts nothing and moves nothing in the LRU (see `BlockTable.lookup`).
+        """
         self._check_len(chain)
         table = self.table(namespace)
         lease = self._leases.get(lease_id, tenant, now) if lease_id is not None else None
-        return table.lookup(tenant, chain, now, lease=lease, query_tokens=query_tokens)
+        return table.lookup(tenant, chain, now, lease=lease, query_tokens=query_tokens, peek=peek)
 
     def reserve(
         self,

@@ -8,7 +8,8 @@ tenant and the block hashes, so such nodes belong on a private network
 (docs/cluster.md). No lease is taken: the chain is looked up once, then
 each block is checked (slot and generation still the same READY block) and
 copied in the same synchronous step, so a block evicted mid-stream is never
-read; the stream simply ends there.
+read; the stream simply ends there. The lookup is a peek: it counts in no
+tenant's hit statistics and does not refresh the blocks in the LRU.
 """
 
 from __future__ import annotations
@@ -64,7 +65,9 @@ class PeerRpcs(ServicerBase):
         tenant = node.tenants.resolve(((TENANT_HEADER, request.tenant),))
         namespace = self.namespace(request.namespace_id, None)
         chain = validate.block_hashes(request.hashes, node.config.max_chain_blocks)
-        result = node.store.lookup(namespace, tenant, chain, node.now())
+        # A peek: a peer's read is not the tenant's use of this node's cache,
+        # so it moves nothing in the LRU and counts in no hit statistics.
+        result = node.store.lookup(namespace, tenant, chain, node.now(), peek=True)
         pool = node.pool(namespace)
         for ref in result.blocks[request.skip :]:
             try:

@@ -71,8 +71,18 @@ def connect(config: Config) -> Any:
 
 
 async def close(client: Any) -> None:
-    """Close a client made by `connect`, whichever kind it is."""
+    """Close a client made by `connect`, whichever kind it is.
+
+    ``RedisCluster.aclose`` does nothing while the client is marked for
+    re-initialisation, which is the state right after a command failed on
+    a dead master: then it would leave every node's connections open. So
+    the cluster client's nodes are closed here in any case (idempotent).
+    """
     await client.aclose()
+    manager = getattr(client, "nodes_manager", None)
+    if manager is not None:
+        await manager.aclose()
+        await manager.aclose("startup_nodes")
 
 
 class LuaScript:

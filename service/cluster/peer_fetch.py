@@ -3,11 +3,13 @@
 A ``Lookup`` with ``allow_remote`` that stops short of its chain asks the
 directory which live peer holds the longest prefix (``locate``, which the
 node wires to `RedisAgent.locate`: one round trip). If a peer holds more
-than we do, we open an internal lease, ``reserve`` the chain up to what the
-peer holds (our hits stay hits, the missing blocks become WRITING under the
-internal lease), stream the missing blocks from the peer (``FetchBlocks``),
-write each into its slot, commit what arrived, and close the lease (which
-aborts whatever did not arrive).
+than we do, we ask it for the missing blocks (``FetchBlocks``) and, only
+once its first block has arrived well-formed (contact first, then make
+room), open an internal lease, ``reserve`` the chain up to what the peer
+holds (our hits stay hits, the missing blocks become WRITING under the
+internal lease), write each block into its slot, commit what arrived, and
+close the lease (which aborts whatever did not arrive). Any early exit
+cancels the peer's stream at once.
 The caller's lookup is then redone against the local store.
 
 - Bounded: at most `peer_fetch_concurrency` fetches run; a lookup that finds
@@ -17,7 +19,10 @@ The caller's lookup is then redone against the local store.
   error of the caller's lookup.
 - Tenants: the directory is asked with the caller's scope, and the peer
   reads in the tenant's scope, so a fetch only ever copies the caller's
-  own tenant's blocks (or a shared namespace's).
+  own tenant's blocks (or a shared namespace's). The internal lease is the
+  node's own: it does not count against the tenant's lease limit (the
+  fetches, hence such leases, are bounded by `peer_fetch_concurrency`).
+- TLS: peer channels use TLS whenever the node serves TLS (`peer_credentials`).
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc
 from service.cluster.directory import Holder
 from service.cluster.local import LocalNode
+from service.config import Config, ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +55,38 @@ MAX_HOLDERS_TRIED = 2
 
 Locate = Callable[[NamespaceId, TenantId, list[BlockHash]], Awaitable[list[Holder]]]
 """Live peers holding a prefix of a chain in a scope, longest first ([] when unknown)."""
+
+
+def peer_credentials(config: Config) -> grpc.ChannelCredentials | None:
+    """Channel credentials to peers: TLS exactly when this node serves TLS, else None.
+
+    The peer's certificate must chain to `peer_tls_ca`, else to
+    `tls_client_ca`, else to the system roots, and name the host of its
+    advertised address. The node presents its own `tls_cert` as client
+    certificate, so peers that require mutual TLS accept it when it chains
+    to their `tls_client_ca` (and allows client auth).
+
+    Raises:
+        ConfigError: a file cannot be read.
+    """
+    if not config.tls_cert:
+        return None
+
+    def read(name: str, path: str) -> bytes:
+        try:
+            with open(path, "rb") as f:
+                return f.read()
+        except OSError as exc:
+            raise ConfigError(f"{name} {path}: {exc.strerror}") from None
+
+    ca = config.peer_tls_ca or config.tls_client_ca
+    return grpc.ssl_channel_credentials(
+        root_certificates=read("peer_tls_ca" if config.peer_tls_ca else "tls_client_ca", ca)
+        if ca
+        else None,
+        private_key=read("tls_key", config.tls_key),
+        certificate_chain=read("tls_cert", config.tls_cert),
+    )
 
 
 class PeerFetcher:
@@ -67,6 +105,7 @@ class PeerFetcher:
         self._channels: dict[str, grpc.aio.Channel] = {}
         token = node.config.cluster_token
         self._metadata: tuple[tuple[str, str], ...] = ((PEER_TOKEN_HEADER, token),) if token else ()
+        self._credentials = peer_credentials(node.config)
         self.fetched_blocks = 0
         """Blocks copied from peers, ever."""
         self.failed_fetches = 0
@@ -99,49 +138,63 @@ class PeerFetcher:
         for holder in holders[:MAX_HOLDERS_TRIED]:
             if holder.blocks <= have or not holder.address:
                 break  # longest first: nobody further down has more
-            got = await self._copy(holder, namespace, tenant, chain[: holder.blocks])
+            got = await self._copy(holder, namespace, tenant, chain[: holder.blocks], have)
             if got:
                 return got
         return 0
 
     async def _copy(
-        self, holder: Holder, namespace: NamespaceId, tenant: TenantId, target: list[BlockHash]
+        self,
+        holder: Holder,
+        namespace: NamespaceId,
+        tenant: TenantId,
+        target: list[BlockHash],
+        have: int,
     ) -> int:
-        """Reserve ``target``'s missing blocks, stream them from ``holder``, commit."""
+        """Stream ``target[have:]`` from ``holder``; once it answers, reserve, write, commit.
+
+        Contact first, then make room: nothing is reserved (and so nothing
+        local evicted) before the peer has sent a well-formed first block, so
+        a dead or empty holder costs no other tenant a block.
+        """
         node = self.node
         store = node.store
-        lease_id = LeaseId(secrets.randbits(63) | 1)
-        store.open_lease(lease_id, tenant, node.config.peer_fetch_timeout + 1.0, node.now())
+        pool = node.pool(namespace)
+        block_bytes = pool.descriptor.block_bytes
+        request = pb.FetchBlocksRequest(
+            namespace_id=namespace, tenant=tenant, hashes=target, skip=have
+        )
+        call = self._stub(holder.address).FetchBlocks(
+            request, metadata=self._metadata, timeout=node.config.peer_fetch_timeout
+        )
+        lease_id: LeaseId | None = None
         written: list[BlockHash] = []
         try:
-            result = store.reserve(namespace, tenant, lease_id, target, node.now())
-            node.publish_events()  # the reservation may have evicted blocks
-            wanted = {e.hash for e in result.entries if e.status is ReserveStatus.RESERVED}
-            if not wanted:
-                return 0
-            skip = next(
-                i for i, e in enumerate(result.entries) if e.status is ReserveStatus.RESERVED
-            )
-            pool = node.pool(namespace)
-            block_bytes = pool.descriptor.block_bytes
-            request = pb.FetchBlocksRequest(
-                namespace_id=namespace, tenant=tenant, hashes=target, skip=skip
-            )
-            call = self._stub(holder.address).FetchBlocks(
-                request, metadata=self._metadata, timeout=node.config.peer_fetch_timeout
-            )
             try:
-                async for item in call:
-                    block_hash = BlockHash(item.hash)
-                    if block_hash not in wanted:
-                        continue  # became a local hit, or someone else writes it
+                item = await call.read()
+                if item is grpc.aio.EOF:
+                    return 0  # the peer no longer holds the chain
+                wanted: set[BlockHash] = set()
+                while item is not grpc.aio.EOF:
                     if len(item.data) != block_bytes:
+                        self.failed_fetches += 1
                         log.warning("peer %s sent a %d-byte block", holder.node_id, len(item.data))
-                        break
-                    # Checked and written in one synchronous step (no await between).
-                    slot = store.writing_slot(namespace, tenant, lease_id, block_hash, node.now())
-                    pool.write(slot, item.data)
-                    written.append(block_hash)
+                        break  # the finally cancels the peer's stream
+                    if lease_id is None:
+                        lease_id = self._open_lease(tenant)
+                        wanted = self._reserve(namespace, tenant, lease_id, target)
+                        if not wanted:
+                            return 0  # all hits or in flight meanwhile, or no room
+                    block_hash = BlockHash(item.hash)
+                    if block_hash in wanted:
+                        # Checked and written in one synchronous step (no await between).
+                        slot = store.writing_slot(
+                            namespace, tenant, lease_id, block_hash, node.now()
+                        )
+                        pool.write(slot, item.data)
+                        written.append(block_hash)
+                    # else: a local hit meanwhile, or another lease writes it
+                    item = await call.read()
             except grpc.RpcError as err:
                 self.failed_fetches += 1
                 log.info(
@@ -151,27 +204,53 @@ class PeerFetcher:
                     len(written),
                 )
             if written:
+                assert lease_id is not None
                 store.commit(namespace, tenant, lease_id, written, node.now())
                 self.fetched_blocks += len(written)
             return len(written)
         finally:
-            # Runs on cancellation too: the lease's unwritten reservations are aborted.
-            # Expired meanwhile: expiry already aborted its writes.
-            with contextlib.suppress(KVStoreError):
-                store.close_lease(lease_id, tenant, node.now())
-            node.publish_events()
+            # An early exit (bad block, error, cancellation) must stop the
+            # peer's stream now, not at its deadline; a no-op once it ended.
+            call.cancel()
+            if lease_id is not None:
+                # Runs on cancellation too: the lease's unwritten reservations
+                # are aborted. Expired meanwhile: expiry already aborted them.
+                with contextlib.suppress(KVStoreError):
+                    store.close_lease(lease_id, tenant, node.now())
+                node.publish_events()
+
+    def _open_lease(self, tenant: TenantId) -> LeaseId:
+        """The fetch's internal lease: the node's own, outside the tenant's lease limit.
+
+        At most `peer_fetch_concurrency` exist at once, so the node bounds them.
+        """
+        node = self.node
+        lease_id = LeaseId(secrets.randbits(63) | 1)
+        ttl = node.config.peer_fetch_timeout + 1.0
+        node.store.open_lease(lease_id, tenant, ttl, node.now(), internal=True)
+        return lease_id
+
+    def _reserve(
+        self, namespace: NamespaceId, tenant: TenantId, lease_id: LeaseId, target: list[BlockHash]
+    ) -> set[BlockHash]:
+        """Reserve ``target``'s missing blocks; returns those this fetch must write."""
+        node = self.node
+        result = node.store.reserve(namespace, tenant, lease_id, target, node.now())
+        node.publish_events()  # the reservation may have evicted blocks
+        return {e.hash for e in result.entries if e.status is ReserveStatus.RESERVED}
 
     def _stub(self, address: str) -> Any:
         channel = self._channels.get(address)
         if channel is None:
             limit = self.node.config.max_message_bytes
-            channel = grpc.aio.insecure_channel(
-                address,
-                options=[
-                    ("grpc.max_receive_message_length", limit),
-                    ("grpc.max_send_message_length", limit),
-                ],
-            )
+            options = [
+                ("grpc.max_receive_message_length", limit),
+                ("grpc.max_send_message_length", limit),
+            ]
+            if self._credentials is None:
+                channel = grpc.aio.insecure_channel(address, options=options)
+            else:
+                channel = grpc.aio.secure_channel(address, self._credentials, options=options)
             self._channels[address] = channel
         return kvstore_pb2_grpc.KVStoreStub(channel)
 

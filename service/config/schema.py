@@ -106,6 +106,8 @@ class Config:
     """PEM private key of tls_cert."""
     tls_client_ca: str = ""
     """PEM CA bundle that client certificates must chain to; set = mutual TLS required."""
+    peer_tls_ca: str = ""
+    """PEM CA bundle peers' certificates chain to (peer fetch); empty = tls_client_ca or system."""
     log_level: str = "INFO"
     """Python logging level: DEBUG, INFO, WARNING, ERROR."""
     admin_token: str = ""
@@ -173,6 +175,7 @@ _PARSERS: dict[str, Callable[[object], object]] = {
     "tls_cert": parse_str,
     "tls_key": parse_str,
     "tls_client_ca": parse_str,
+    "peer_tls_ca": parse_str,
     "log_level": parse_log_level,
     "admin_token": parse_str,
     "stats_sample_seconds": parse_positive_float,
@@ -290,6 +293,8 @@ def check(config: Config) -> None:
         raise ConfigError("tls_cert and tls_key go together: set both or neither")
     if config.tls_client_ca and not config.tls_cert:
         raise ConfigError("tls_client_ca (mutual TLS) needs tls_cert and tls_key")
+    if config.peer_tls_ca and not config.tls_cert:
+        raise ConfigError("peer_tls_ca needs tls_cert and tls_key (peers speak TLS when we do)")
     if config.namespace_capacity_bytes > config.capacity_bytes:
         log.info("namespace_capacity_bytes exceeds capacity_bytes; namespaces get what is left")
 

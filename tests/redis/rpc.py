@@ -37,9 +37,9 @@ class Rpc:
     async def close(self) -> None:
         await self.channel.close()
 
-    async def register(self) -> str:
+    async def register(self, model: str = MODEL) -> str:
         resp = await self.stub.RegisterNamespace(
-            pb.RegisterNamespaceRequest(model_id=MODEL, layout=LAYOUT), metadata=self.md, timeout=10
+            pb.RegisterNamespaceRequest(model_id=model, layout=LAYOUT), metadata=self.md, timeout=10
         )
         self.namespace = resp.namespace_id
         return self.namespace

@@ -149,22 +149,29 @@ async def test_peer_fetch_is_byte_exact_and_per_tenant(nodes):
 async def test_peer_that_vanished_is_a_miss_not_an_error(nodes):
     a = await nodes.start("node-a", node_ttl_seconds=5.0)
     b = await nodes.start("node-b")
-    ra, rb = Rpc(a.address), Rpc(b.address)
+    ra, rb, other = Rpc(a.address), Rpc(b.address), Rpc(b.address, "other")
     try:
         await ra.register()
         await rb.register()
+        await other.register()
         chain = await ra.store(seed=3, blocks=4)
         await until(lambda: b.node.cluster.locate(ra.namespace, "default", chain), what="entry")
+        # Another tenant fills node-b's namespace.
+        table = b.node.table(rb.namespace)
+        await other.store(seed=9, blocks=table.capacity)
         # Stop a's gRPC without leaving the registry: the directory still names it.
         await a._grpc.stop(0)
         hit = await rb.lookup(3, 4, remote=True)
         assert hit.hit_blocks == 0
+        # Contact first, then make room: the dead holder cost the other tenant nothing.
+        assert table.stats().evictions == 0
         assert b.node.peers.failed_fetches >= 1
         failed = b.node.metrics.registry.get_sample_value("kvstore_peer_failed_fetches_total")
         assert failed is not None and failed >= 1
     finally:
         await ra.close()
         await rb.close()
+        await other.close()
 
 
 async def test_cluster_watch_sees_every_nodes_events(nodes):
@@ -185,6 +192,30 @@ async def test_cluster_watch_sees_every_nodes_events(nodes):
         assert list(got[-1].hashes) == chain
         assert got[-1].namespace_id == ra.namespace
         call.cancel()
+    finally:
+        await ra.close()
+        await rb.close()
+
+
+async def test_a_peers_fetch_leaves_no_trace_in_the_holders_stats_or_lru(nodes):
+    a = await nodes.start("node-a")
+    b = await nodes.start("node-b")
+    ra, rb = Rpc(a.address, "acme"), Rpc(b.address, "acme")
+    try:
+        ns = await ra.register()
+        await rb.register()
+        chain = await ra.store(seed=11, blocks=4)  # older: first in a's LRU
+        await ra.store(seed=12, blocks=2)
+        table = a.node.table(ns)
+        lru_before = table.lru_order()
+        counters_before = table.stats().tenants.get("acme")
+        hits_before = {i.hash: i.hits for i in table.iter_blocks()}
+        await until(lambda: b.node.cluster.locate(ns, "acme", chain), what="entry")
+        assert (await rb.lookup(11, 4, remote=True)).hit_blocks == 4
+        # node-a served the blocks, yet its tenant did not use its cache.
+        assert table.lru_order() == lru_before
+        assert table.stats().tenants.get("acme") == counters_before
+        assert {i.hash: i.hits for i in table.iter_blocks()} == hits_before
     finally:
         await ra.close()
         await rb.close()

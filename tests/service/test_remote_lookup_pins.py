@@ -1,8 +1,10 @@
-"""A pinned Lookup with ``allow_remote`` never leaves the first lookup's pins behind.
+"""A Lookup with ``allow_remote``: pins, eviction, leases and the peer's stream.
 
 The servicer pins the local hits, awaits the peer fetch, then looks up again.
-The peer fetcher is faked here (no Redis): it either stores the missing
-block itself (as a real fetch would) or blocks until the call is cancelled.
+Without Redis: the first tests fake the whole fetcher (it stores the missing
+blocks itself, or blocks until cancelled); the later ones run the real
+`PeerFetcher` against a fake peer (a gRPC server whose FetchBlocks is
+scripted) named by a fake directory.
 """
 
 from __future__ import annotations
@@ -16,8 +18,11 @@ import pytest
 from kvstore.types import BlockHash, LeaseId, NamespaceId, TenantId
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc
+from service.cluster.directory import Holder
+from service.cluster.peer_fetch import PeerFetcher
 from service.server import Server
-from tests.service.conftest import BLOCK_SIZE, LAYOUT
+from tests.redis.server import free_port
+from tests.service.conftest import BLOCK_BYTES, BLOCK_SIZE, LAYOUT, tenant
 from tests.service.test_leases import wait_for_stats
 
 
@@ -112,5 +117,123 @@ async def test_remote_lookup_near_the_pin_bound_does_not_count_its_first_pins(se
             )
             assert released.released == 3
             assert (await stub.Stats(pb.StatsRequest())).pinned == 0
+    finally:
+        await server.stop(0.1)
+
+
+class FakePeer(kvstore_pb2_grpc.KVStoreServicer):
+    """A peer whose FetchBlocks sends ``block_bytes``-sized blocks, then maybe hangs."""
+
+    def __init__(self) -> None:
+        self.block_bytes = BLOCK_BYTES
+        self.hang = False
+        self.address = ""
+        self.calls = 0
+        self.ended = asyncio.Event()
+
+    async def FetchBlocks(self, request, context):
+        self.calls += 1
+        try:
+            for h in request.hashes[request.skip :]:
+                yield pb.BlockData(hash=h, data=bytes([7]) * self.block_bytes)
+            if self.hang:
+                await asyncio.Event().wait()
+        finally:  # cancelled: grpc closes the generator (GeneratorExit)
+            self.ended.set()
+
+
+@pytest.fixture
+async def fake_peer():
+    peer = FakePeer()
+    server = grpc.aio.server()
+    kvstore_pb2_grpc.add_KVStoreServicer_to_server(peer, server)
+    peer.address = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
+    await server.start()
+    try:
+        yield peer
+    finally:
+        await server.stop(0)
+
+
+def use_peer(server: Server, address: str, blocks: int) -> PeerFetcher:
+    """Give the node a real fetcher whose directory names ``address`` as the holder."""
+
+    async def locate(namespace, scope, chain) -> list[Holder]:
+        return [Holder("peer", address, blocks)]
+
+    fetcher = PeerFetcher(server.node, locate)
+    server.node.peers = fetcher
+    return fetcher
+
+
+async def _lookup(stub, ns: str, tokens: list[int], who: str = "default") -> pb.LookupResponse:
+    request = pb.LookupRequest(namespace_id=ns, tokens=tokens, allow_remote=True)
+    return await stub.Lookup(request, metadata=tenant(who), timeout=30)
+
+
+async def test_a_dead_holder_evicts_nothing(stub, namespace, kv_server):
+    # Another tenant fills the namespace; the directory names a holder that is gone.
+    md = tenant("other")
+    lid = (await stub.OpenLease(pb.OpenLeaseRequest(), metadata=md)).lease_id
+    tokens = [10_000 + i for i in range(namespace.capacity * BLOCK_SIZE)]
+    res = await stub.Reserve(
+        pb.ReserveRequest(namespace_id=namespace.id, lease_id=lid, tokens=tokens), metadata=md
+    )
+    hashes = [e.hash for e in res.entries]
+    await stub.Commit(
+        pb.CommitRequest(namespace_id=namespace.id, lease_id=lid, hashes=hashes), metadata=md
+    )
+    await stub.CloseLease(pb.CloseLeaseRequest(lease_id=lid), metadata=md)
+    fetcher = use_peer(kv_server, f"127.0.0.1:{free_port()}", 4)
+    resp = await _lookup(stub, namespace.id, list(range(4 * BLOCK_SIZE)), "acme")
+    assert resp.hit_blocks == 0
+    assert fetcher.failed_fetches == 1
+    table = kv_server.node.table(namespace.id)
+    assert table.stats().evictions == 0  # contact first, then make room
+    assert len(list(table.iter_blocks())) == namespace.capacity
+
+
+async def test_peer_fetch_works_with_the_tenant_at_its_lease_limit(server_config, clock, fake_peer):
+    server = Server(replace(server_config, max_leases_per_tenant=1), clock=clock)
+    await server.start()
+    try:
+        async with grpc.aio.insecure_channel(server.address) as channel:
+            stub = kvstore_pb2_grpc.KVStoreStub(channel)
+            reg = await stub.RegisterNamespace(
+                pb.RegisterNamespaceRequest(model_id="m", layout=LAYOUT)
+            )
+            await stub.OpenLease(pb.OpenLeaseRequest())  # the tenant's one lease
+            fetcher = use_peer(server, fake_peer.address, 4)
+            resp = await _lookup(stub, reg.namespace_id, list(range(4 * BLOCK_SIZE)))
+            assert resp.hit_blocks == 4
+            assert fetcher.fetched_blocks == 4
+            # The internal lease is gone and the tenant is still at exactly its limit.
+            assert (await stub.Stats(pb.StatsRequest())).leases == 1
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await stub.OpenLease(pb.OpenLeaseRequest())
+            assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    finally:
+        await server.stop(0.1)
+
+
+async def test_a_wrong_sized_block_cancels_the_peers_stream(server_config, clock, fake_peer):
+    # A long timeout: the peer's stream must end because we cancel it, not by deadline.
+    server = Server(replace(server_config, peer_fetch_timeout=120.0), clock=clock)
+    await server.start()
+    try:
+        async with grpc.aio.insecure_channel(server.address) as channel:
+            stub = kvstore_pb2_grpc.KVStoreStub(channel)
+            reg = await stub.RegisterNamespace(
+                pb.RegisterNamespaceRequest(model_id="m", layout=LAYOUT)
+            )
+            fake_peer.block_bytes = BLOCK_BYTES - 1
+            fake_peer.hang = True
+            fetcher = use_peer(server, fake_peer.address, 4)
+            resp = await _lookup(stub, reg.namespace_id, list(range(4 * BLOCK_SIZE)))
+            assert resp.hit_blocks == 0
+            assert fetcher.failed_fetches == 1
+            await asyncio.wait_for(fake_peer.ended.wait(), 10)
+            # Nothing was reserved for the bad stream, so nothing is left WRITING.
+            assert (await stub.Stats(pb.StatsRequest())).writing == 0
     finally:
         await server.stop(0.1)
