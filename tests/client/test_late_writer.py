@@ -1,0 +1,92 @@
+"""A runner that stalls past its lease's expiry never writes the slot it had reserved.
+
+Issue #13: runner A reserves a slot and stalls in a long synchronous call
+inside its store (its lease keeper cannot renew meanwhile); its lease
+expires and the node takes the slot back; tenant B stores and commits a
+block in it; A wakes up. A's copy must be refused (`LeaseExpired`) and B's
+block keep its bytes. With ``write_quarantine_seconds = 0`` the node hands
+A's slot straight to B, so only the SDK's lease check stands between A's
+late copy and B's block; with the default quarantine both fences hold.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import threading
+import time
+from collections.abc import AsyncIterator
+
+import pytest
+
+from kvstore.client import Client, SyncClient
+from kvstore.errors import FailedPrecondition, LeaseExpired
+from service.config import Config
+from service.server import Server
+
+from .conftest import LAYOUT
+
+CAPACITY = 64
+"""Blocks of the namespace's pool (the test server's default share)."""
+
+
+@pytest.fixture(params=[0.0, 300.0], ids=["no-quarantine", "quarantine"])
+def server_config(server_config: Config, request: pytest.FixtureRequest) -> Config:
+    return dataclasses.replace(server_config, write_quarantine_seconds=request.param)
+
+
+async def wait_for(condition, what: str, deadline: float = 10.0) -> None:  # type: ignore[no-untyped-def]
+    end = time.monotonic() + deadline
+    while not await condition():
+        assert time.monotonic() < end, f"timed out waiting for {what}"
+        await asyncio.sleep(0.02)
+
+
+async def test_a_stalled_writer_is_refused_and_the_next_owner_keeps_its_bytes(
+    kv_server: Server, server_config: Config
+) -> None:
+    runner_a = await asyncio.to_thread(
+        SyncClient, kv_server.address, tenant="acme", lease_ttl=1.0, timeout=5.0
+    )
+    stalled, resume = threading.Event(), threading.Event()
+    late_bytes = b"\xaa" * LAYOUT.block_bytes
+
+    def stalling_block(i: int) -> bytes:
+        stalled.set()
+        resume.wait(30)  # a long synchronous call: A's loop (and its keeper) is stuck here
+        return late_bytes
+
+    try:
+        ns_a = await asyncio.to_thread(runner_a.register_namespace, "m", LAYOUT)
+        store_a = asyncio.ensure_future(
+            asyncio.to_thread(runner_a.store, ns_a, list(range(4)), stalling_block)
+        )
+        assert await asyncio.to_thread(stalled.wait, 10)
+
+        async with Client(kv_server.address, tenant="bob", timeout=5.0) as runner_b:
+
+            async def a_expired() -> bool:
+                return (await runner_b.stats()).leases_expired >= 1
+
+            await wait_for(a_expired, "runner A's lease to expire on the node")
+            ns_b = await runner_b.register_namespace("m", LAYOUT)
+            tokens_b = list(range(10_000, 10_000 + 4 * CAPACITY))
+            mine = b"\xbb" * LAYOUT.block_bytes
+            stored = await runner_b.store(ns_b, tokens_b, lambda i: mine)
+            no_quarantine = server_config.write_quarantine_seconds == 0
+            # Without quarantine B gets every slot, A's included; with it, all but A's.
+            assert stored.committed == (CAPACITY if no_quarantine else CAPACITY - 1)
+
+            resume.set()  # A wakes up and goes on with its store
+            with pytest.raises(FailedPrecondition) as refused:
+                await store_a
+
+            hit = await runner_b.lookup(ns_b, tokens_b, pin=True)
+            assert hit.hit_blocks == stored.committed
+            assert all(bytes(view) == mine for view in hit.buffers())
+            await runner_b.release(hit)
+            # Refused by the SDK before the copy, not by the node at Commit after it.
+            assert isinstance(refused.value, LeaseExpired)
+    finally:
+        resume.set()
+        await asyncio.to_thread(runner_a.close)
