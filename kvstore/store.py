@@ -29,7 +29,6 @@ from kvstore.results import (
 )
 from kvstore.types import BlockHash, LeaseId, NamespaceId, SlotId, TenantId
 
-
 WRITE_QUARANTINE = 300.0
 """Default seconds a slot taken from an expired writer rests before reuse.
 

@@ -15,7 +15,6 @@ import asyncio
 import dataclasses
 import threading
 import time
-from collections.abc import AsyncIterator
 
 import pytest
 
