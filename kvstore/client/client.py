@@ -210,8 +210,7 @@ class Client:
                 if attempt == 0 and await self._session.recover(pin):
                     continue
                 raise
-            hit = hit_from_proto(ns, resp, generation)
-            hit.lease_id = lease_id if hit.pinned else None
+            hit = hit_from_proto(ns, resp, generation, lease_id)
             changed = self._session.observe_epoch(resp.pool_epoch)
             if changed or (self.map_pool and hit.epoch and hit.epoch != ns.epoch):
                 if hit.pinned:

@@ -17,6 +17,7 @@ never writes a slot the node may have given to another block
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Callable
@@ -120,10 +121,25 @@ class NodeSession:
         margin = min(LEASE_SAFETY_MARGIN, ttl / 4)
         if now >= until - margin:
             raise LeaseExpired(
-                f"lease {lease_id:x} may have expired {now - until:.3f}s ago (last renewal "
-                "too old: the process stalled or the node was unreachable); nothing was "
-                "written, store again"
+                f"lease {lease_id:x} is not surely live: {until - now:.3f}s of it left by this "
+                f"process's clock, under the {margin:.3f}s safety margin (the process stalled "
+                "or renewals failed); nothing was written, store again"
             )
+
+    async def refresh_lease(self, lease_id: LeaseId) -> None:
+        """Renew ``lease_id`` now if less than half its TTL is surely left.
+
+        Called before copying into slots reserved under it, so that a lease
+        whose keeper fell behind (the event loop was busy) is not refused by
+        `lease_alive` while the node still holds it.
+        """
+        valid = self._valid_until.get(lease_id)
+        if valid is None or self.lease.lease_id != lease_id:
+            return  # gone or replaced: `lease_alive` refuses the copy
+        until, ttl = valid
+        if until - self.clock() < ttl / 2:
+            with contextlib.suppress(KVStoreError):  # unreachable: `lease_alive` decides
+                await self.lease.renew_now()
 
     def _confirmed(self, lease_id: LeaseId, sent: float, ttl: float) -> None:
         now = self.clock()

@@ -89,3 +89,22 @@ async def test_a_stalled_writer_is_refused_and_the_next_owner_keeps_its_bytes(
     finally:
         resume.set()
         await asyncio.to_thread(runner_a.close)
+
+
+async def test_a_lease_whose_keeper_fell_behind_is_renewed_before_the_copy(kv: Client) -> None:
+    ns = await kv.register_namespace("m", LAYOUT)
+    await kv.store(ns, list(range(4)), [b"\x01" * LAYOUT.block_bytes])
+    renewals = 0
+    real_call = kv._rpc.call
+
+    async def call(method: str, request, *args, **kwargs):  # type: ignore[no-untyped-def]
+        nonlocal renewals
+        renewals += method == "KeepAlive"
+        return await real_call(method, request, *args, **kwargs)
+
+    kv._rpc.call = call  # type: ignore[method-assign]
+    # As if the event loop had been too busy to renew for almost a whole TTL:
+    # the node still holds the lease, but too little of it is surely left to copy.
+    kv._session.clock = lambda: time.monotonic() + kv.lease_ttl - 0.5  # type: ignore[method-assign]
+    result = await kv.store(ns, list(range(100, 108)), [b"\x02" * LAYOUT.block_bytes] * 2)
+    assert result.committed == 2 and renewals == 1
