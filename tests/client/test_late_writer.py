@@ -15,11 +15,14 @@ import asyncio
 import dataclasses
 import threading
 import time
+import types
 
 import pytest
 
 from kvstore.client import Client, SyncClient
+from kvstore.client.transfer import _copy_in
 from kvstore.errors import FailedPrecondition, LeaseExpired
+from kvstore.v1 import kvstore_pb2 as pb
 from service.config import Config
 from service.server import Server
 
@@ -108,3 +111,46 @@ async def test_a_lease_whose_keeper_fell_behind_is_renewed_before_the_copy(kv: C
     kv._session.clock = lambda: time.monotonic() + kv.lease_ttl - 0.5  # type: ignore[method-assign]
     result = await kv.store(ns, list(range(100, 108)), [b"\x02" * LAYOUT.block_bytes] * 2)
     assert result.committed == 2 and renewals == 1
+
+
+class _FakeMapping:
+    """A host pool of a few slots that counts synchronisations."""
+
+    closed = False
+
+    def __init__(self, slots: int, size: int) -> None:
+        self.memory = bytearray(slots * size)
+        self.size = size
+        self.synchronized = 0
+        self.descriptor = types.SimpleNamespace(kind="host", locate=lambda slot: (0, slot * size))
+
+    def buffer(self, slot: int) -> memoryview:
+        return memoryview(self.memory)[slot * self.size : (slot + 1) * self.size]
+
+    def synchronize(self) -> None:
+        self.synchronized += 1
+
+
+def _entries(n: int, size: int) -> list[tuple[int, pb.ReserveEntry]]:
+    return [
+        (i, pb.ReserveEntry(location=pb.BlockLocation(slot=i, arena=0, offset=i * size)))
+        for i in range(n)
+    ]
+
+
+def test_the_lease_is_checked_between_blocks_and_queued_copies_finish_before_the_abort() -> None:
+    size = 8
+    mapping = _FakeMapping(3, size)
+    ns = types.SimpleNamespace(mapping=mapping, layout=LAYOUT)
+    checks = 0
+
+    def lease_alive() -> None:
+        nonlocal checks
+        checks += 1
+        if checks == 2:  # the process stalled after the first block; the lease lapsed
+            raise LeaseExpired("lapsed")
+
+    with pytest.raises(LeaseExpired):
+        _copy_in(ns, _entries(3, size), [b"\x01" * size] * 3, lease_alive)  # type: ignore[arg-type]
+    assert bytes(mapping.memory) == b"\x01" * size + bytes(2 * size)  # blocks 2 and 3 untouched
+    assert mapping.synchronized == 1  # before the caller aborts the reservation
