@@ -128,7 +128,10 @@ async def _final_check(target: str) -> dict[str, Any]:
                 break
             await asyncio.sleep(0.1)
     leaks = {"leases": stats.leases, "pinned": stats.pinned, "writing": stats.writing}
-    unaccounted = sum(abs(ns.capacity - ns.free - ns.ready - ns.writing) for ns in stats.namespaces)
+    unaccounted = sum(
+        abs(ns.capacity - ns.free - ns.quarantined - ns.ready - ns.writing)
+        for ns in stats.namespaces
+    )
     async with Client(target, client_name="soak-verifier") as client:
         ns = await client.register_namespace(MODEL_ID, LAYOUT)
         ready, corrupt = await verify_ready_blocks(target, ns)

@@ -3,8 +3,10 @@
 Invariants (checked by ``tests/kvstore/test_store_state_machine.py`` after
 every step of random interleavings):
 
-- ``free + ready + writing == capacity``; a slot belongs to at most one block
-  (the counts, slots, LRU and quotas are kept by `kvstore.residency`).
+- ``free + quarantined + ready + writing == capacity``; a slot belongs to at
+  most one block (the counts, slots, LRU and quotas are kept by
+  `kvstore.residency`). The WRITING slots of an expired lease are
+  quarantined, never handed out again before their release time.
 - A block is in the LRU iff it is READY with no pins; WRITING blocks are never
   returned by a lookup; pinned blocks are never evicted.
 - Recency order is consistent with the prefix tree: a block in the LRU is
@@ -269,7 +271,7 @@ class BlockTable:
                         entries.append(ReserveEntry(h, ReserveStatus.IN_FLIGHT))
                     prev = block
                     continue
-                slot = self._res.allocate(scope, removed)
+                slot = self._res.allocate(scope, removed, now)
                 if slot is None:
                     entries.extend(
                         ReserveEntry(rest, ReserveStatus.NO_ROOM) for rest in chain[depth:]
@@ -375,8 +377,11 @@ class BlockTable:
         self._res.touch(released, now)
         return len(released)
 
-    def drop_lease(self, lease: Lease, now: float) -> tuple[int, int]:
+    def drop_lease(self, lease: Lease, now: float, until: float | None = None) -> tuple[int, int]:
         """Release every pin and abort every write of a lease in this namespace.
+
+        With ``until`` (the lease expired: its writer may be stalled, not dead)
+        the slots of its writes are quarantined until then instead of freed.
 
         Returns:
             (pins dropped, writes aborted). Cost: O(what the lease holds here).
@@ -393,8 +398,12 @@ class BlockTable:
         self._res.touch(released, now)
         writes = lease.writes.pop(self.namespace, set())
         for block in writes:
-            self._res.drop_writing(block)
+            self._res.drop_writing(block, until)
         return dropped, len(writes)
+
+    def release_quarantined(self, now: float) -> int:
+        """Free the quarantined slots whose release time has come; returns how many."""
+        return self._res.release_due(now)
 
     # --- eviction -------------------------------------------------------------
 
@@ -438,6 +447,10 @@ class BlockTable:
         """Hashes of evictable blocks, next victim first (for tests and tools)."""
         return self._res.lru_order()
 
+    def quarantine_snapshot(self) -> list[tuple[float, SlotId]]:
+        """(release time, slot) of every quarantined slot, oldest first (for tests and tools)."""
+        return self._res.quarantine_snapshot()
+
     def stats(self) -> NamespaceStats:
         """Occupancy and per-tenant counters (copies)."""
         res = self._res
@@ -449,7 +462,8 @@ class BlockTable:
             block_bytes=self.spec.layout.block_bytes,
             capacity=self.capacity,
             free=free,
-            ready=self.capacity - free - res.writing,
+            ready=self.capacity - free - res.quarantined - res.writing,
+            quarantined=res.quarantined,
             writing=res.writing,
             pinned=res.pinned,
             evictable=res.evictable,

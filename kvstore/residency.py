@@ -7,7 +7,10 @@ block table (`kvstore.block_table`) decides *what* happens to a lease's
 blocks; this module carries the state changes out and keeps the counts
 true:
 
-- ``free + ready + writing == capacity``; a slot belongs to at most one block.
+- ``free + quarantined + ready + writing == capacity``; a slot belongs to at
+  most one block. A quarantined slot (taken from a writer whose lease
+  expired) is never allocated before its release time, and only once no
+  ordinary free slot is left (`kvstore.slots`).
 - A block is in the LRU iff it is READY with no pins.
 - With a quota, a scope never holds more than its ``max_blocks`` resident
   blocks: at its quota an allocation evicts the scope's own least recently
@@ -51,6 +54,11 @@ class Residency:
         return self._slots.free
 
     @property
+    def quarantined(self) -> int:
+        """Slots of expired writers waiting for their release time."""
+        return self._slots.quarantined
+
+    @property
     def evictable(self) -> int:
         """READY blocks without pins (the LRU's length)."""
         return len(self._lru)
@@ -70,7 +78,7 @@ class Residency:
     def resident(self, scope: TenantId | None = None) -> int:
         """Resident blocks (READY or WRITING) of one scope, or of all."""
         if scope is None:
-            return self.capacity - self._slots.free
+            return self.capacity - self._slots.free - self._slots.quarantined
         return self._resident.get(scope, 0)
 
     def resident_by_scope(self) -> dict[TenantId, int]:
@@ -144,21 +152,24 @@ class Residency:
 
     # --- allocation and state changes ---------------------------------------------
 
-    def allocate(self, scope: TenantId, removed: list[Block]) -> SlotId | None:
+    def allocate(self, scope: TenantId, removed: list[Block], now: float) -> SlotId | None:
         """A free slot for a new block of ``scope``, evicting (into ``removed``) if needed.
 
-        None when nothing may be evicted: the pool is full of pinned or
-        WRITING blocks, or the scope is at its quota with nothing of its own
-        to evict.
+        None when nothing may be evicted: the pool is full of pinned,
+        WRITING or still quarantined slots, or the scope is at its quota with
+        nothing of its own to evict. A quarantined slot is never reused
+        early to avoid that shortfall: evicting a cached block costs a
+        recompute, a late writer's copy would corrupt a block.
         """
         limit = self.quota_of(scope)
         if limit and self._resident.get(scope, 0) >= limit:
-            # At quota: only this scope's own blocks may make room.
+            # At quota: only this scope's own blocks may make room. (Quarantined
+            # slots count against no scope: their block is gone.)
             if not self._evict_one(removed, self._lru.first_in(scope)):
                 return None
-        elif not self._slots.free and not self._evict_one(removed, self._lru.first()):
+        elif not self._slots.available(now) and not self._evict_one(removed, self._lru.first()):
             return None
-        slot = self._slots.take()
+        slot = self._slots.take(now)
         assert slot is not None, "bug: no free slot after an eviction"
         return slot
 
@@ -177,11 +188,23 @@ class Residency:
             block.last_used = now
         self.writing -= len(blocks)
 
-    def drop_writing(self, block: Block) -> None:
-        """Free an aborted WRITING block's slot and forget it."""
+    def drop_writing(self, block: Block, quarantine_until: float | None = None) -> None:
+        """Forget an aborted WRITING block; its slot is freed, or quarantined until a time.
+
+        ``quarantine_until`` is given when the writer's lease expired: the
+        writer may still be copying into the slot (see `kvstore.slots`).
+        """
         assert block.state is BlockState.WRITING
         self.writing -= 1
-        self._forget(block)
+        self._forget(block, quarantine_until)
+
+    def release_due(self, now: float) -> int:
+        """Make quarantined slots whose release time has come free; returns how many."""
+        return self._slots.release_due(now)
+
+    def quarantine_snapshot(self) -> list[tuple[float, SlotId]]:
+        """(release time, slot) of every quarantined slot, oldest first."""
+        return self._slots.quarantine_snapshot()
 
     def evict(self, n: int) -> list[Block]:
         """Evict up to ``n`` unpinned READY blocks, leaves first; returns them."""
@@ -212,13 +235,16 @@ class Residency:
         self._lru.remove(block)
         self._forget(block)
 
-    def _forget(self, block: Block) -> None:
+    def _forget(self, block: Block, quarantine_until: float | None = None) -> None:
         # An emptied scope dict is kept: scopes come back, and `blocks` hands
         # the dict out to callers iterating a chain.
         del self._scopes[block.scope][block.hash]
         block.state = BlockState.FREE
         block.writer = None
-        self._slots.give_back(block.slot)
+        if quarantine_until is None:
+            self._slots.give_back(block.slot)
+        else:
+            self._slots.quarantine(block.slot, quarantine_until)
         self._resident[block.scope] -= 1
         if not self._resident[block.scope]:
             del self._resident[block.scope]

@@ -209,7 +209,7 @@ class NamespaceStats:
     capacity: int
     """Slots in its pool."""
     free: int
-    """Slots holding nothing."""
+    """Slots holding nothing, ready to be reused."""
     ready: int
     """READY blocks."""
     writing: int
@@ -224,6 +224,8 @@ class NamespaceStats:
     """Per-tenant counters (copies)."""
     resident_by_tenant: dict[TenantId, int]
     """Blocks (READY or WRITING) per tenant scope."""
+    quarantined: int = 0
+    """Slots of writers whose lease expired, not reused before their release time."""
 
 
 @dataclass(frozen=True, slots=True)

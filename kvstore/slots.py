@@ -1,44 +1,100 @@
-"""The slots of one namespace's pool: which are free, and their generations.
+"""The slots of one namespace's pool: which are free, quarantined, and their generations.
 
 A slot is a block-sized place in the pool's memory, numbered 0 … capacity-1.
 Every slot has a generation number, bumped each time the slot is given
 back, so a (slot, generation) pair handed to a runner goes stale the moment
 the slot could hold another block.
+
+A generation only fences the node's own RPCs: a runner that maps the pool
+writes the memory directly and never shows the node a generation. So a
+slot taken from a writer whose lease *expired* (the writer may be a stalled
+process that wakes up and finishes its copy) is not handed out again at
+once: it is quarantined until a release time (``docs/leases.md``, "Late
+writers"). And free slots are reused least recently freed first, so even a
+slot freed cleanly rests as long as the free list allows before its next
+owner writes it.
 """
 
 from __future__ import annotations
 
 from array import array
+from collections import deque
 
 from kvstore.types import SlotId
 
 
 class SlotAllocator:
-    """Free slots as a stack, plus one generation counter per slot."""
+    """Free slots in a FIFO, quarantined slots with their release times, generations.
 
-    __slots__ = ("_free", "_generation", "capacity")
+    Counts: ``free + quarantined + in use == capacity``. A quarantined slot is
+    never returned by `take` before its release time; once due it joins the
+    *end* of the free list, after every ordinary free slot.
+    """
+
+    __slots__ = ("_free", "_generation", "_quarantine", "capacity")
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
-        # A stack: the most recently freed slot is reused first (its memory
-        # is warm in the caches of whoever touched it last).
-        self._free: list[SlotId] = [SlotId(s) for s in range(capacity - 1, -1, -1)]
+        # A FIFO, not a stack: the least recently freed slot is reused first,
+        # so a freed slot stays unused as long as the pool's churn allows.
+        self._free: deque[SlotId] = deque(SlotId(s) for s in range(capacity))
+        # (release time, slot) in the order the slots were quarantined. Every
+        # entry gets ``now + the same duration``, so release times ascend
+        # whenever ``now`` does; if a caller's ``now`` ever went backwards, a
+        # later entry merely waits behind an earlier one (never released early).
+        self._quarantine: deque[tuple[float, SlotId]] = deque()
         self._generation = array("Q", bytes(8 * capacity))
 
     @property
     def free(self) -> int:
-        """Slots holding nothing."""
+        """Slots holding nothing that may be handed out now."""
         return len(self._free)
+
+    @property
+    def quarantined(self) -> int:
+        """Slots holding nothing that wait for their release time (some may be due)."""
+        return len(self._quarantine)
 
     def generation(self, slot: SlotId) -> int:
         """Current generation of a slot."""
         return int(self._generation[slot])
 
-    def take(self) -> SlotId | None:
-        """A free slot, or None when every slot is in use."""
-        return self._free.pop() if self._free else None
+    def release_due(self, now: float) -> int:
+        """Move quarantined slots whose release time is at or before ``now`` to the free list.
+
+        Returns how many moved; they queue behind the slots already free.
+        """
+        moved = 0
+        quarantine = self._quarantine
+        while quarantine and quarantine[0][0] <= now:
+            self._free.append(quarantine.popleft()[1])
+            moved += 1
+        return moved
+
+    def available(self, now: float) -> int:
+        """Slots `take` may hand out at ``now`` (due quarantined slots included)."""
+        self.release_due(now)
+        return len(self._free)
+
+    def take(self, now: float) -> SlotId | None:
+        """The least recently freed slot, or None when none may be handed out at ``now``."""
+        self.release_due(now)
+        return self._free.popleft() if self._free else None
 
     def give_back(self, slot: SlotId) -> None:
         """Return a slot; its generation moves on so old handles go stale."""
         self._generation[slot] += 1
         self._free.append(slot)
+
+    def quarantine(self, slot: SlotId, until: float) -> None:
+        """Return a slot that its writer may still touch; reusable from ``until`` on.
+
+        The generation moves on at once, like `give_back`: the node's own
+        RPCs refuse the old (slot, generation) from now.
+        """
+        self._generation[slot] += 1
+        self._quarantine.append((until, slot))
+
+    def quarantine_snapshot(self) -> list[tuple[float, SlotId]]:
+        """(release time, slot) of every quarantined slot, oldest first (for tests and tools)."""
+        return list(self._quarantine)

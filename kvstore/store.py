@@ -29,6 +29,17 @@ from kvstore.results import (
 )
 from kvstore.types import BlockHash, LeaseId, NamespaceId, SlotId, TenantId
 
+WRITE_QUARANTINE = 300.0
+"""Default seconds a slot taken from an expired writer rests before reuse.
+
+A lease expires because its runner stopped renewing: it died, or it is
+stalled (suspended, swapped out, stuck in a long synchronous call) and may
+wake up in the middle of a copy into the slot. The SDK checks its lease
+before each block copy, so such a late write can only come from a copy that
+had started before the lease ran out; five minutes outlasts any copy of one
+block by orders of magnitude, and costs only the few slots a dead runner was
+writing (``docs/leases.md``, "Late writers")."""
+
 
 @dataclass(frozen=True, slots=True)
 class StoreLimits:
@@ -44,6 +55,8 @@ class StoreLimits:
     """Longest TTL a lease may ask for, in seconds."""
     max_namespaces: int = 64
     """Namespaces one node holds."""
+    write_quarantine: float = WRITE_QUARANTINE
+    """Seconds the slots of an expired lease's unfinished writes stay unused (0 = none)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -172,25 +185,40 @@ class Store:
         return self._leases.get(lease_id, tenant, now)
 
     def close_lease(self, lease_id: LeaseId, tenant: TenantId, now: float) -> ReleaseReport:
-        """End a lease now: release its pins and abort its writes."""
+        """End a lease now: release its pins and abort its writes.
+
+        Its WRITING slots are freed at once, not quarantined: only the lease's
+        owner can close it, and by closing it says it writes no more.
+        """
         lease = self._leases.get(lease_id, tenant, now)
         self._leases.remove(lease)
         return self._drop(lease, now)
 
     def expire(self, now: float) -> ExpiryReport:
-        """End every lease whose deadline has passed; O(what they hold)."""
-        reports = tuple(self._drop(lease, now) for lease in self._leases.pop_expired(now))
+        """End every lease whose deadline has passed; O(what they hold).
+
+        The slots the expired leases were writing are quarantined for
+        ``limits.write_quarantine`` seconds (the writer may be stalled, not
+        dead); quarantined slots whose time has come are freed here too.
+        """
+        quarantine = self.limits.write_quarantine
+        until = now + quarantine if quarantine > 0 else None
+        reports = tuple(self._drop(lease, now, until) for lease in self._leases.pop_expired(now))
         self._expired_total += len(reports)
+        for table in self._tables.values():
+            table.release_quarantined(now)
         return ExpiryReport(reports)
 
     def next_deadline(self) -> float | None:
         """When the next lease expires, if any (the service sleeps until then)."""
         return self._leases.next_deadline()
 
-    def _drop(self, lease: Lease, now: float) -> ReleaseReport:
+    def _drop(
+        self, lease: Lease, now: float, quarantine_until: float | None = None
+    ) -> ReleaseReport:
         pins = writes = 0
         for namespace in set(lease.pins) | set(lease.writes):
-            p, w = self._tables[namespace].drop_lease(lease, now)
+            p, w = self._tables[namespace].drop_lease(lease, now, quarantine_until)
             pins += p
             writes += w
         return ReleaseReport(lease.lease_id, lease.tenant, pins, writes)

@@ -75,6 +75,7 @@ class Node:
                 max_namespaces=config.max_namespaces,
                 max_pins_per_lease=config.max_pins_per_lease,
                 max_leases_per_tenant=config.max_leases_per_tenant,
+                write_quarantine=config.write_quarantine_seconds,
             ),
             max_leases_of=directory.max_leases if directory is not None else None,
         )

@@ -210,7 +210,7 @@ class Client:
                 if attempt == 0 and await self._session.recover(pin):
                     continue
                 raise
-            hit = hit_from_proto(ns, resp, generation)
+            hit = hit_from_proto(ns, resp, generation, lease_id)
             changed = self._session.observe_epoch(resp.pool_epoch)
             if changed or (self.map_pool and hit.epoch and hit.epoch != ns.epoch):
                 if hit.pinned:
@@ -285,10 +285,11 @@ class Client:
         hit: Hit,
         timeout: float | None = None,
     ) -> int:
-        lease_id = self._lease.lease_id
-        if lease_id is None:
+        if hit.lease_id is None:  # the pins' lease, never a replacement's
             return 0
-        req = pb.ReleaseRequest(namespace_id=hit.namespace.id, lease_id=lease_id, hashes=hit.hashes)
+        req = pb.ReleaseRequest(
+            namespace_id=hit.namespace.id, lease_id=hit.lease_id, hashes=hit.hashes
+        )
         resp = await self._rpc.call("Release", req, timeout, idempotent=False)
         return int(resp.released)
 

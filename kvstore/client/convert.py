@@ -14,7 +14,7 @@ from kvstore.errors import InvalidArgument
 from kvstore.hashing import Extra, Tokens, token_bytes
 from kvstore.pool import ArenaSpec, PoolDescriptor
 from kvstore.results import MissReason
-from kvstore.types import BlockHash, NamespaceId, SlotId
+from kvstore.types import BlockHash, LeaseId, NamespaceId, SlotId
 from kvstore.v1 import kvstore_pb2 as pb
 
 
@@ -70,8 +70,14 @@ def location_from_proto(msg: pb.BlockLocation) -> BlockLocation:
     )
 
 
-def hit_from_proto(ns: Namespace, resp: pb.LookupResponse, lease_generation: int) -> Hit:
-    """A `Hit` of a Lookup response, bound to the namespace's current mapping."""
+def hit_from_proto(
+    ns: Namespace, resp: pb.LookupResponse, lease_generation: int, lease_id: LeaseId
+) -> Hit:
+    """A `Hit` of a Lookup response, bound to the namespace's current mapping.
+
+    ``lease_id`` is the lease the Lookup was sent with: a pinned hit is
+    released under it, never under a lease that replaced it.
+    """
     return Hit(
         namespace=ns,
         blocks=tuple(location_from_proto(b) for b in resp.blocks),
@@ -83,4 +89,5 @@ def hit_from_proto(ns: Namespace, resp: pb.LookupResponse, lease_generation: int
         chain=tuple(BlockHash(h) for h in resp.chain),
         mapping=ns.mapping,
         lease_generation=lease_generation,
+        lease_id=lease_id if resp.pinned else None,
     )

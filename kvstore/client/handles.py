@@ -27,7 +27,7 @@ from kvstore.hashing import Extra, HashScheme, Tokens, hash_blocks
 from kvstore.layout import KVLayout, NamespaceSpec
 from kvstore.pool import PoolMapping
 from kvstore.results import MissReason
-from kvstore.types import BlockHash, NamespaceId, SlotId
+from kvstore.types import BlockHash, LeaseId, NamespaceId, SlotId
 
 if TYPE_CHECKING:
     import torch
@@ -123,6 +123,9 @@ class Hit:
     """The mapping the locations refer to (None when the pool is not mapped)."""
     lease_generation: int = 0
     """Which incarnation of the client's lease holds the pins."""
+    lease_id: LeaseId | None = None
+    """The lease that holds the pins (None when not pinned): released under it, never
+    under a lease that replaced it."""
     released: bool = False
     """True once the pins were released (or lost with the lease)."""
 

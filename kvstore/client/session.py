@@ -6,12 +6,21 @@ other. It keeps the epoch rule: every response with a ``pool_epoch`` is
 compared with the epoch the mappings were attached with; a change (the node
 restarted) closes every mapping and marks every namespace for
 re-registration, and nothing is ever read through a stale mapping.
+
+It also knows, from this process's own clock, until when the node surely
+still holds each lease (`lease_alive`): a copy into a reserved slot is made
+only while that is true, so a process that stalled past its lease's expiry
+never writes a slot the node may have given to another block
+(``docs/leases.md``, "Late writers").
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import time
+from collections.abc import Callable
 
 from kvstore.api.wire import layout_to_proto, scheme_to_proto
 from kvstore.client.background import Background
@@ -19,13 +28,17 @@ from kvstore.client.convert import descriptor_from_proto
 from kvstore.client.handles import Namespace
 from kvstore.client.lease import LeaseGrant, LeaseKeeper
 from kvstore.client.rpc import Rpc
-from kvstore.errors import KVStoreError
+from kvstore.errors import KVStoreError, LeaseExpired
 from kvstore.layout import NamespaceSpec
 from kvstore.pool import attach, current_torch_device
 from kvstore.types import BlockHash, LeaseId, NamespaceId
 from kvstore.v1 import kvstore_pb2 as pb
 
 log = logging.getLogger(__name__)
+
+LEASE_SAFETY_MARGIN = 1.0
+"""Seconds (at most a quarter of the TTL) before its surely-valid-until time at
+which a lease stops being used for copies: room for the copy of one block."""
 
 
 class NodeSession:
@@ -43,6 +56,10 @@ class NodeSession:
         self.epoch: int | None = None
         """The node's pool epoch as last seen, None before the first answer carrying it."""
         self._namespaces: dict[NamespaceSpec, Namespace] = {}
+        self.clock: Callable[[], float] = time.monotonic
+        """This process's monotonic clock (the node's, on the same host)."""
+        self._valid_until: dict[LeaseId, tuple[float, float]] = {}
+        """Per lease: (time before the last confirmed open or renewal was sent) + TTL, and TTL."""
 
     async def close(self) -> None:
         """Finish cleanups, end the lease and unmap the pools (the channel stays)."""
@@ -84,18 +101,71 @@ class NodeSession:
 
     # --- leases -----------------------------------------------------------------------
 
+    def lease_alive(self, lease_id: LeaseId) -> None:
+        """Raise `LeaseExpired` unless the node surely still holds ``lease_id``.
+
+        "Surely": the node set the lease's deadline to its own ``now + ttl``
+        when it answered the last open or renewal, and its ``now`` was no
+        earlier than our clock when we sent that call; a safety margin is
+        kept for the copy about to start. Called before every block copy
+        into a reserved slot: a process that stalled (suspended, swapped,
+        stuck in a long synchronous call while the keeper could not renew)
+        wakes up here and refuses, instead of writing a slot the node has
+        taken back.
+        """
+        valid = self._valid_until.get(lease_id)
+        now = self.clock()
+        if valid is None:
+            raise LeaseExpired(f"lease {lease_id:x} was never confirmed by this client")
+        until, ttl = valid
+        margin = min(LEASE_SAFETY_MARGIN, ttl / 4)
+        if now >= until - margin:
+            raise LeaseExpired(
+                f"lease {lease_id:x} is not surely live: {until - now:.3f}s of it left by this "
+                f"process's clock, under the {margin:.3f}s safety margin (the process stalled "
+                "or renewals failed); nothing was written, store again"
+            )
+
+    async def refresh_lease(self, lease_id: LeaseId) -> None:
+        """Renew ``lease_id`` now if less than half its TTL is surely left.
+
+        Called before copying into slots reserved under it, so that a lease
+        whose keeper fell behind (the event loop was busy) is not refused by
+        `lease_alive` while the node still holds it.
+        """
+        valid = self._valid_until.get(lease_id)
+        if valid is None or self.lease.lease_id != lease_id:
+            return  # gone or replaced: `lease_alive` refuses the copy
+        until, ttl = valid
+        if until - self.clock() < ttl / 2:
+            with contextlib.suppress(KVStoreError):  # unreachable: `lease_alive` decides
+                await self.lease.renew_now()
+
+    def _confirmed(self, lease_id: LeaseId, sent: float, ttl: float) -> None:
+        now = self.clock()
+        # Forget leases surely over (replaced ones); keep this one's latest answer.
+        for old in [k for k, (until, _) in self._valid_until.items() if until <= now]:
+            del self._valid_until[old]
+        self._valid_until[lease_id] = (sent + ttl, ttl)
+
     async def _open_lease(self) -> LeaseGrant:
         req = pb.OpenLeaseRequest(ttl_seconds=self.lease_ttl, client_name=self.client_name)
+        sent = self.clock()
         resp = await self.rpc.call("OpenLease", req, None, idempotent=False)
         self.observe_epoch(resp.pool_epoch)
-        return LeaseGrant(LeaseId(resp.lease_id), resp.ttl_seconds or self.lease_ttl)
+        grant = LeaseGrant(LeaseId(resp.lease_id), resp.ttl_seconds or self.lease_ttl)
+        self._confirmed(grant.lease_id, sent, grant.ttl)
+        return grant
 
     async def _renew_lease(self, lease_id: LeaseId) -> float:
+        sent = self.clock()
         resp = await self.rpc.call(
             "KeepAlive", pb.KeepAliveRequest(lease_id=lease_id), None, idempotent=True
         )
         self.observe_epoch(resp.pool_epoch)
-        return float(resp.ttl_seconds)
+        ttl = float(resp.ttl_seconds)
+        self._confirmed(lease_id, sent, ttl)
+        return ttl
 
     async def _close_lease(self, lease_id: LeaseId) -> None:
         await self.rpc.call(

@@ -5,12 +5,20 @@ streams the blocks with ``WriteBlocks`` otherwise. Whatever happens after
 the Reserve (a block callable raising, a wrong-sized block, a cancellation,
 a failed Commit), every slot this call reserved is aborted before the error
 propagates, so no slot stays WRITING until the lease expires.
+
+Copies through the mapping are fenced by the lease (``docs/leases.md``,
+"Late writers"): before each block is copied the session checks, on this
+process's clock, that the node surely still holds the lease that reserved
+the slot; if not (the process stalled past the lease's expiry), the store
+fails with `LeaseExpired` and that block and every later one is never
+written.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+import contextlib
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from kvstore.client.background import quietly
@@ -60,7 +68,8 @@ async def store_chain(
             raise PoolEpochChanged("the node restarted during a store; store again")
         if hashes:
             if session.map_pool:
-                _copy_in(ns, reserved, blocks)
+                await session.refresh_lease(lease_id)
+                _copy_in(ns, reserved, blocks, lambda: session.lease_alive(lease_id))
                 req_c = pb.CommitRequest(namespace_id=ns.id, lease_id=lease_id, hashes=hashes)
                 committed = (
                     await session.rpc.call("Commit", req_c, timeout, idempotent=False)
@@ -106,23 +115,35 @@ async def _reserve(
 
 
 def _copy_in(
-    ns: Namespace, reserved: list[tuple[int, pb.ReserveEntry]], blocks: BlockSupplier
+    ns: Namespace,
+    reserved: list[tuple[int, pb.ReserveEntry]],
+    blocks: BlockSupplier,
+    lease_alive: Callable[[], None],
 ) -> None:
     mapping = ns.mapping
     if mapping is None or mapping.closed:
         raise PoolEpochChanged("the pool mapping was dropped during a store; store again")
-    for index, entry in reserved:
-        slot = SlotId(entry.location.slot)
-        where = mapping.descriptor.locate(slot)
-        if where != (entry.location.arena, entry.location.offset):
-            raise FailedPrecondition(
-                f"the node placed slot {slot} at {entry.location.arena}/{entry.location.offset}, "
-                f"the mapping says {where[0]}/{where[1]}: the pool changed; store again"
-            )
-        if mapping.descriptor.kind == "cuda":
-            copy_block_to_tensor(block_at(blocks, index), mapping.torch_view(slot, ns.layout))
-        else:
-            copy_block(block_at(blocks, index), mapping.buffer(slot))
+    try:
+        for index, entry in reserved:
+            slot = SlotId(entry.location.slot)
+            where = mapping.descriptor.locate(slot)
+            if where != (entry.location.arena, entry.location.offset):
+                raise FailedPrecondition(
+                    f"the node placed slot {slot} at {entry.location.arena}/"
+                    f"{entry.location.offset}, the mapping says {where[0]}/{where[1]}: "
+                    "the pool changed; store again"
+                )
+            block = block_at(blocks, index)  # may take long: a GPU gather, a slow callable
+            lease_alive()  # raises LeaseExpired: then this slot may be someone else's
+            if mapping.descriptor.kind == "cuda":
+                copy_block_to_tensor(block, mapping.torch_view(slot, ns.layout))
+            else:
+                copy_block(block, mapping.buffer(slot))
+    except BaseException:
+        # CUDA copies already queued finish before the caller's Abort frees their slots.
+        with contextlib.suppress(Exception):
+            mapping.synchronize()
+        raise
     # CUDA pools: the copies must be complete before Commit makes the blocks
     # visible to other processes (docs/cuda.md); host pools return at once.
     mapping.synchronize()

@@ -1104,6 +1104,7 @@ class NamespaceStats(_message.Message):
     TENANTS_FIELD_NUMBER: _builtins.int
     LAYOUT_FIELD_NUMBER: _builtins.int
     SHARED_FIELD_NUMBER: _builtins.int
+    QUARANTINED_FIELD_NUMBER: _builtins.int
     namespace_id: _builtins.str
     model_id: _builtins.str
     block_size: _builtins.int
@@ -1116,6 +1117,8 @@ class NamespaceStats(_message.Message):
     evictable: _builtins.int
     evictions: _builtins.int
     shared: _builtins.bool
+    quarantined: _builtins.int
+    """slots of expired writers not reused yet (docs/leases.md)"""
     @_builtins.property
     def tenants(self) -> _containers.RepeatedCompositeFieldContainer[Global___TenantStats]: ...
     @_builtins.property
@@ -1137,10 +1140,11 @@ class NamespaceStats(_message.Message):
         tenants: _abc.Iterable[Global___TenantStats] | None = ...,
         layout: Global___KVLayout | None = ...,
         shared: _builtins.bool = ...,
+        quarantined: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["layout", b"layout"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_bytes", b"block_bytes", "block_size", b"block_size", "capacity", b"capacity", "evictable", b"evictable", "evictions", b"evictions", "free", b"free", "layout", b"layout", "model_id", b"model_id", "namespace_id", b"namespace_id", "pinned", b"pinned", "ready", b"ready", "shared", b"shared", "tenants", b"tenants", "writing", b"writing"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_bytes", b"block_bytes", "block_size", b"block_size", "capacity", b"capacity", "evictable", b"evictable", "evictions", b"evictions", "free", b"free", "layout", b"layout", "model_id", b"model_id", "namespace_id", b"namespace_id", "pinned", b"pinned", "quarantined", b"quarantined", "ready", b"ready", "shared", b"shared", "tenants", b"tenants", "writing", b"writing"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

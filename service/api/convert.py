@@ -165,6 +165,7 @@ def namespace_stats(ns: NamespaceStats, layout: KVLayout, shared: bool) -> pb.Na
         pinned=ns.pinned,
         evictable=ns.evictable,
         evictions=ns.evictions,
+        quarantined=ns.quarantined,
         tenants=tenants,
         layout=layout_to_proto(layout),
         shared=shared,

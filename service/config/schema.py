@@ -78,6 +78,8 @@ class Config:
     """TTL in seconds of a lease that asks for 0."""
     lease_ttl_max: float = 3600.0
     """Longest TTL in seconds a lease may ask for."""
+    write_quarantine_seconds: float = 300.0
+    """Seconds the slots an expired lease was writing stay unused (late writers; 0 = none)."""
     node_id: str = ""
     """Name of this node in stats and events; empty means hostname-port."""
     salt_secret: bytes = b""
@@ -161,6 +163,7 @@ _PARSERS: dict[str, Callable[[object], object]] = {
     "pool_prefault": parse_bool,
     "lease_ttl_default": parse_positive_float,
     "lease_ttl_max": parse_positive_float,
+    "write_quarantine_seconds": parse_non_negative_float,
     "node_id": parse_str,
     "salt_secret": parse_secret,
     "shared_namespaces": parse_names,

@@ -57,6 +57,7 @@ class _StoreCollector(Collector):
         for ns in stats.namespaces:
             for state, value in (
                 ("free", ns.free),
+                ("quarantined", ns.quarantined),
                 ("ready", ns.ready),
                 ("writing", ns.writing),
                 ("pinned", ns.pinned),

@@ -339,7 +339,7 @@ async def check_invariants(stub: Any) -> None:
     # Leases opened with another tenant's metadata stay theirs; the store expires them.
     stats = await stub.Stats(pb.StatsRequest(), timeout=5)
     for ns in stats.namespaces:
-        assert ns.free + ns.ready + ns.writing == ns.capacity, ns
+        assert ns.free + ns.quarantined + ns.ready + ns.writing == ns.capacity, ns
         assert ns.pinned <= ns.ready, ns
     assert sum(ns.writing for ns in stats.namespaces) == stats.writing
     if stats.leases == 0:

@@ -4,6 +4,11 @@ After every step the invariants of ``kvstore.block_table`` must hold; at the
 end every lease expires and nothing may stay pinned or WRITING. Alice has a
 quota (bob has none), so the per-scope LRUs and the quota path are exercised
 against the same invariants, plus "resident blocks per tenant <= quota".
+
+Quarantine (late writers, ``docs/leases.md``): the slots an expired lease was
+writing are modelled with their release time; no reservation may hand one
+out before it, a closed lease's slots are never quarantined, and
+``free + quarantined + ready + writing == capacity`` after every step.
 """
 
 from __future__ import annotations
@@ -37,17 +42,20 @@ PROMPTS = st.lists(st.integers(0, 2), min_size=1, max_size=6).map(
 )
 LEASES = st.integers(0, 3)
 QUOTA = {TenantId("alice"): 5}
+QUARANTINE = 6.0
 
 
 class StoreMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
-        self.store = Store(StoreLimits(max_pins_per_lease=40))
+        self.store = Store(StoreLimits(max_pins_per_lease=40, write_quarantine=QUARANTINE))
         self.store.register_namespace(SPEC, capacity=CAPACITY, quota=lambda t: QUOTA.get(t, 0))
         self.now = 0.0
         self.next_id = 1
         self.leases: dict[int, tuple[LeaseId, TenantId]] = {}
         self.pins: dict[LeaseId, Counter[BlockHash]] = {}
+        self.quarantined: dict[int, float] = {}
+        """Model: slot → release time, for slots taken from expired writers."""
         for slot in range(4):
             self._open(slot)
 
@@ -85,9 +93,12 @@ class StoreMachine(RuleBasedStateMachine):
     def reserve(self, tokens: list[int], slot: int) -> None:
         lease_id, tenant = self.leases[slot]
         try:
-            self.store.reserve(NS, tenant, lease_id, self._chain(tokens, slot), self.now)
+            result = self.store.reserve(NS, tenant, lease_id, self._chain(tokens, slot), self.now)
         except FailedPrecondition:
             return
+        for entry in result.reserved:
+            until = self.quarantined.pop(entry.slot, None)
+            assert until is None or until <= self.now, "a quarantined slot was reused early"
 
     @rule(slot=LEASES, data=st.data())
     def commit_some(self, slot: int, data: st.DataObject) -> None:
@@ -151,23 +162,38 @@ class StoreMachine(RuleBasedStateMachine):
     @rule(slot=LEASES)
     def close(self, slot: int) -> None:
         lease_id, tenant = self.leases[slot]
+        before = self._quarantine()
         try:
             report = self.store.close_lease(lease_id, tenant, self.now)
         except (FailedPrecondition, NotFound):
             return
+        assert self._quarantine() == before, "a closed lease's slots were quarantined"
         assert report.pins_dropped == sum(self.pins.pop(lease_id).values())
         self._open(slot)
 
+    def _writing_slots(self) -> set[int]:
+        return {i.slot for i in self.store.iter_blocks(NS) if i.state is BlockState.WRITING}
+
+    def _quarantine(self) -> list[tuple[float, int]]:
+        return [(t, int(s)) for t, s in self.store.table(NS).quarantine_snapshot()]
+
     def _expire(self) -> None:
+        writing = self._writing_slots()
         for report in self.store.expire(self.now).leases:
             assert report.pins_dropped == sum(self.pins.pop(report.lease_id).values())
+        # Only expiry drops WRITING blocks here: those of the expired leases.
+        for slot in writing - self._writing_slots():
+            self.quarantined[slot] = self.now + QUARANTINE
+        # The sweep frees every due slot.
+        assert all(t > self.now for t, _ in self._quarantine())
 
     # --- invariants ------------------------------------------------------------------
 
     @invariant()
     def accounting_adds_up(self) -> None:
         stats = self.store.stats().namespaces[0]
-        assert stats.free + stats.ready + stats.writing == CAPACITY
+        assert stats.free + stats.quarantined + stats.ready + stats.writing == CAPACITY
+        assert stats.quarantined == len(self._quarantine())
         infos = list(self.store.iter_blocks(NS))
         assert len(infos) == stats.ready + stats.writing
         assert len({i.slot for i in infos}) == len(infos), "a slot owned by two blocks"
@@ -176,6 +202,16 @@ class StoreMachine(RuleBasedStateMachine):
         evictable = sum(1 for i in infos if i.state is BlockState.READY and i.refcount == 0)
         assert stats.evictable == evictable
         assert stats.pinned == sum(1 for i in infos if i.refcount > 0)
+
+    @invariant()
+    def quarantined_slots_hold_nothing_until_their_time(self) -> None:
+        held = {s for t, s in self._quarantine()}
+        used = {i.slot for i in self.store.iter_blocks(NS)}
+        assert not held & used, "a slot both quarantined and holding a block"
+        for slot, until in self.quarantined.items():
+            if until > self.now:
+                assert slot in held, "a slot left quarantine before its release time"
+                assert slot not in used
 
     @invariant()
     def resident_blocks_per_tenant_stay_within_quota(self) -> None:
@@ -227,7 +263,11 @@ class StoreMachine(RuleBasedStateMachine):
         ns = stats.namespaces[0]
         assert ns.pinned == 0 and ns.writing == 0
         assert stats.pinned_by_leases == 0 and stats.writing_by_leases == 0
-        assert ns.free + ns.ready == CAPACITY
+        assert ns.free + ns.quarantined + ns.ready == CAPACITY
+        self.now += QUARANTINE
+        self._expire()
+        ns = self.store.stats().namespaces[0]
+        assert ns.quarantined == 0 and ns.free + ns.ready == CAPACITY
 
 
 StoreMachine.TestCase.settings = settings(max_examples=300, stateful_step_count=40, deadline=None)
