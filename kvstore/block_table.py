@@ -63,7 +63,7 @@ from kvstore.results import (
     ReserveStatus,
     TenantCounters,
 )
-from kvstore.types import HASH_BYTES, SHARED_SCOPE, BlockHash, SlotId, TenantId
+from kvstore.types import SHARED_SCOPE, BlockHash, SlotId, TenantId, check_hashes
 
 
 class BlockTable:
@@ -187,7 +187,7 @@ class BlockTable:
             peek: leave no trace: no hit counters, no ``last_used``, no LRU
                 move (a peer node's read is not the tenant's use of its cache).
         """
-        _check_chain(chain)
+        check_hashes(chain)
         blocks = self._res.blocks(self.scope_of(tenant))
         hits: list[Block] = []
         prev: Block | None = None
@@ -210,20 +210,15 @@ class BlockTable:
                 self._res.pin(block)
                 pins[block] = pins.get(block, 0) + 1
             lease.pin_total += len(hits)
-        if peek:
-            return LookupResult(
-                blocks=tuple(BlockRef(b.hash, b.slot, b.generation) for b in hits),
-                pinned=lease is not None,
-                miss_reason=reason,
+        if not peek:
+            for block in hits:
+                block.hits += 1
+                block.last_used = now
+            if lease is None:
+                self._res.touch_prefix(hits)
+            self._counters_for(tenant).count_lookup(
+                len(chain), len(hits), reason, self.block_size, query_tokens
             )
-        for block in hits:
-            block.hits += 1
-            block.last_used = now
-        if lease is None:
-            self._res.touch_prefix(hits)
-        self._counters_for(tenant).count_lookup(
-            len(chain), len(hits), reason, self.block_size, query_tokens
-        )
         return LookupResult(
             blocks=tuple(BlockRef(b.hash, b.slot, b.generation) for b in hits),
             pinned=lease is not None,
@@ -244,7 +239,7 @@ class BlockTable:
         that are hits are protected from eviction for the duration of the
         call, so reserving a tail never evicts its own prefix.
         """
-        _check_chain(chain)
+        check_hashes(chain)
         scope = self.scope_of(lease.tenant)
         writes = lease.writes_in(self.namespace)
         entries: list[ReserveEntry] = []
@@ -306,7 +301,7 @@ class BlockTable:
         not WRITING under this lease raises `NotWriter` and commits nothing.
         A hash already READY is accepted (a retried commit) and not counted.
         """
-        _check_chain(hashes)
+        check_hashes(hashes)
         blocks = self._res.blocks(self.scope_of(lease.tenant))
         writes = lease.writes_in(self.namespace)
         todo: list[Block] = []
@@ -337,7 +332,7 @@ class BlockTable:
         Hashes that are not WRITING under this lease are ignored (they may
         have been aborted already, or freed with an expired lease).
         """
-        _check_chain(hashes)
+        check_hashes(hashes)
         blocks = self._res.blocks(self.scope_of(lease.tenant))
         writes = lease.writes_in(self.namespace)
         freed = 0
@@ -358,7 +353,7 @@ class BlockTable:
         is skipped: a release never touches another lease's pins and never
         drives a count below zero.
         """
-        _check_chain(hashes)
+        check_hashes(hashes)
         blocks = self._res.blocks(self.scope_of(lease.tenant))
         pins = lease.pins.get(self.namespace, {})
         released: list[Block] = []
@@ -496,12 +491,3 @@ class BlockTable:
 
     def _emit_removed(self, removed: list[Block], now: float) -> None:
         self._events.extend(removed_events(self.namespace, removed, now))
-
-
-def _check_chain(chain: Sequence[BlockHash]) -> None:
-    for h in chain:
-        if not isinstance(h, bytes) or len(h) != HASH_BYTES:
-            raise InvalidArgument(
-                f"every block hash must be {HASH_BYTES} bytes, got "
-                f"{len(h) if isinstance(h, bytes) else type(h).__name__}"
-            )

@@ -6,7 +6,10 @@ expected, at no run-time cost.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import NewType
+
+from kvstore.errors import InvalidArgument
 
 BlockHash = NewType("BlockHash", bytes)
 """32-byte chained prefix hash of one full block (see `kvstore.hashing`)."""
@@ -28,3 +31,13 @@ HASH_BYTES = 32
 
 SHARED_SCOPE = TenantId("")
 """The scope of a namespace configured as shared between tenants."""
+
+
+def check_hashes(chain: Sequence[BlockHash]) -> None:
+    """Raise `kvstore.errors.InvalidArgument` unless every item is a HASH_BYTES-long bytes."""
+    for h in chain:
+        if not isinstance(h, bytes) or len(h) != HASH_BYTES:
+            raise InvalidArgument(
+                f"every block hash must be {HASH_BYTES} bytes, got "
+                f"{len(h) if isinstance(h, bytes) else type(h).__name__}"
+            )
