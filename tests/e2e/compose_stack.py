@@ -33,8 +33,10 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 import yaml
 
@@ -88,7 +90,7 @@ class Stack:
     """The parsed file plus where its volumes and container root live locally."""
 
     services: dict[str, Service]
-    volumes: dict[str, dict[str, object]]
+    volumes: dict[str, dict[str, Any]]
     """Top-level ``volumes:`` with their driver options."""
     workdir: Path
     """Holds ``rootfs/`` (container paths) and ``volumes/NAME`` (each volume's files)."""
@@ -96,7 +98,7 @@ class Stack:
     def __getitem__(self, name: str) -> Service:
         return self.services[name]
 
-    def __iter__(self):  # type: ignore[no-untyped-def]
+    def __iter__(self) -> Iterator[str]:
         return iter(self.services)
 
     def local_path(self, container_path: str) -> Path:

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from kvstore.pool import HostPool, PoolDescriptor, PoolUnavailable, attach
-from kvstore.types import NamespaceId
+from kvstore.types import NamespaceId, SlotId
 from tests.kvstore.pool.conftest import LAYOUT, NS
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -168,6 +168,6 @@ def test_runner_in_the_pool_file_group_maps_the_pool(shared_dir: Path) -> None:
     try:
         code, out = run_as(65534, 65534, [group], pool.descriptor)
         assert code == 0, out
-        assert bytes(pool.view(0)[:4]) == b"ok!!"  # written through the runner's mapping
+        assert bytes(pool.view(SlotId(0))[:4]) == b"ok!!"  # written through the runner's mapping
     finally:
         pool.close()
