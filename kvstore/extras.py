@@ -13,6 +13,7 @@ and the model integrations need extras (pyproject.toml):
 from __future__ import annotations
 
 import importlib
+import sys
 
 CPU_TORCH = "pip install torch --index-url https://download.pytorch.org/whl/cpu"
 """A CPU-only torch: PyPI's default Linux build pulls CUDA and its NVIDIA wheels (GBs)."""
@@ -28,6 +29,8 @@ def require_torch(feature: str) -> None:
     Args:
         feature: what needed it, for the message ("torch views of blocks").
     """
+    if sys.modules.get("torch") is not None:
+        return  # imported already: the common case, on every view
     try:
         importlib.import_module("torch")
     except ImportError as exc:
