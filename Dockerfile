@@ -1,12 +1,31 @@
 # One image for the cache node and the example runners (docker-compose.yml).
+#
+#   docker build -t kvstore:dev .                      # node, SDK, CLI: no torch (small)
+#   docker build -t kvstore:hf --build-arg EXTRAS=hf .  # + CPU torch and transformers
+#
+# EXTRAS names the project's extras (torch, hf, vllm; comma-separated). When it
+# is set, torch comes first from PyTorch's CPU index: a plain `pip install torch`
+# from PyPI resolves the CUDA build and its NVIDIA wheels (several GB).
 FROM python:3.11-slim
+ARG EXTRAS=""
+ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
 WORKDIR /app
 COPY pyproject.toml README.md ./
 COPY kvstore ./kvstore
 COPY service ./service
 COPY examples ./examples
-# torch first and pinned to a CPU build; then the project with the transformers extra.
-RUN pip install --no-cache-dir --index-url https://download.pytorch.org/whl/cpu torch==2.13.0 \
- && pip install --no-cache-dir ".[hf]"
+RUN if [ -n "$EXTRAS" ]; then \
+      pip install --no-cache-dir --index-url "$TORCH_INDEX_URL" torch \
+      && pip install --no-cache-dir ".[$EXTRAS]"; \
+    else \
+      pip install --no-cache-dir .; \
+    fi
+# Nodes and runners run as one unprivileged user, so pool files (mode 0600, or
+# 0660 with KVSTORE_POOL_FILE_GROUP=10001) open in every container; the pool
+# volumes of docker-compose.yml are tmpfs owned by this uid.
+RUN groupadd --gid 10001 kvstore \
+ && useradd --uid 10001 --gid 10001 --create-home kvstore \
+ && mkdir -p /kvstore/pools && chown kvstore:kvstore /kvstore/pools
+USER kvstore
 EXPOSE 50051 9400
 CMD ["python", "-m", "service"]

@@ -1,5 +1,6 @@
 """A chat model runner that skips prefill for cached prefixes (kvstore + transformers).
 
+    pip install ".[hf]"   # torch + transformers (a CPU-only torch: see the README)
     python examples/chat_runner.py --target 127.0.0.1:50051 --requests 60
 
 Serves a synthetic chat workload: several tenants, a few shared system
@@ -32,8 +33,13 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, PreTrainedModel
+try:
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, PreTrainedModel
+except ImportError as exc:  # a plain `pip install .` has neither
+    sys.exit(
+        f"chat_runner needs the hf extra (torch, transformers): pip install 'kvstore[hf]' ({exc})"
+    )
 
 from kvstore.client import SyncClient
 from kvstore.errors import KVStoreError

@@ -7,6 +7,11 @@ Redis directory, pulls them from the first over gRPC, and serves them. The
 runner reads them back from the second node and checks every byte. Exits 0
 on success, 1 with a message otherwise. No model, no GPU: bytes only.
 
+Blocks are written and read in place, through the nodes' pool files: the
+runner must see each node's pool directory (docker-compose mounts both pool
+volumes into it). ``KVSTORE_MAP_POOL=0`` moves the bytes over gRPC instead,
+for a runner on another host.
+
     KVSTORE_TARGETS=node-1:50051,node-2:50051 python examples/synthetic_runner.py
 """
 
@@ -75,8 +80,8 @@ async def main() -> int:
     for target in targets:
         await wait_ready(target, deadline)
     first, second = targets[0], targets[1]
-    # map_pool=False: in compose the runner is another container (no shared memory).
-    async with Client(first, map_pool=False, client_name="synthetic-runner") as client:
+    map_pool = os.environ.get("KVSTORE_MAP_POOL", "1") != "0"
+    async with Client(first, map_pool=map_pool, client_name="synthetic-runner") as client:
         ns = await client.register_namespace("synthetic-model", LAYOUT)
         for prompt in range(PROMPTS):
             await client.store(
@@ -84,7 +89,7 @@ async def main() -> int:
                 tokens_of(prompt),
                 lambda i, p=prompt: block_of(p, i),  # type: ignore[misc]
             )
-    async with Client(second, map_pool=False, client_name="synthetic-runner") as client:
+    async with Client(second, map_pool=map_pool, client_name="synthetic-runner") as client:
         ns = await client.register_namespace("synthetic-model", LAYOUT)
         for prompt in range(PROMPTS):
             hits = await remote_lookup(second, ns.id, prompt, deadline)
@@ -92,13 +97,17 @@ async def main() -> int:
                 print(f"synthetic_runner: prompt {prompt}: {hits} blocks via peer", file=sys.stderr)
                 return 1
             hit = await client.lookup(ns, tokens_of(prompt), pin=True)
-            data = await client.read_blocks(hit)
+            if map_pool:  # in place, from node-2's pool file
+                data = [bytes(buffer) for buffer in hit.buffers()]
+            else:
+                data = await client.read_blocks(hit)
             await client.release(hit)
             expected = [block_of(prompt, i) for i in range(BLOCKS_PER_PROMPT)]
             if data != expected:
                 print(f"synthetic_runner: prompt {prompt}: bytes differ", file=sys.stderr)
                 return 1
-    print(f"synthetic_runner: ok: {PROMPTS} prompts stored on {first}, served by {second}")
+    how = "through the pools, mapped" if map_pool else "over gRPC"
+    print(f"synthetic_runner: ok: {PROMPTS} prompts stored on {first}, served by {second} ({how})")
     return 0
 
 

@@ -39,8 +39,9 @@ import sys
 
 import numpy as np
 
-from kvstore.errors import InvalidArgument, LimitExceeded, PermissionDenied
+from kvstore.errors import InvalidArgument, LimitExceeded
 from kvstore.pool.base import ArenaSpec, BlockPool, PoolDescriptor, PoolMapping, PoolUnavailable
+from kvstore.pool.host_access import missing_file_error, permission_error
 from kvstore.types import NamespaceId, SlotId
 
 DEFAULT_DIRECTORY = "/dev/shm"
@@ -270,10 +271,12 @@ class HostMapping(PoolMapping):
 
         Raises:
             PoolUnavailable: an arena file is missing, is not a regular file
-                or has another size (the server restarted or dropped the
-                namespace: attach again).
+                or has another size. The message says which: this process
+                does not see the node's directory (a container without the
+                shared pool volume), the node restarted, or it dropped the
+                namespace (attach again).
             PermissionDenied: this process may not open the files (run the
-                runner as the server's user, or its group with mode 0660).
+                runner as the node's user, or in its ``pool_file_group``).
         """
         if descriptor.kind != "host":
             raise InvalidArgument(f"HostMapping maps host pools, got kind {descriptor.kind!r}")
@@ -318,15 +321,9 @@ def _open_arena(spec: ArenaSpec, descriptor: PoolDescriptor) -> _Arena:
     try:
         fd = os.open(spec.path, _OPEN_FLAGS)
     except FileNotFoundError as exc:
-        raise PoolUnavailable(
-            f"pool file {spec.path} is gone: the server restarted or dropped namespace "
-            f"{descriptor.namespace} since epoch {descriptor.epoch:x}; attach the pool again"
-        ) from exc
+        raise missing_file_error(spec.path, descriptor) from exc
     except PermissionError as exc:
-        raise PermissionDenied(
-            f"cannot open pool file {spec.path}: run the runner as the server's user "
-            "(or its group, with pool files of mode 0660)"
-        ) from exc
+        raise permission_error(spec.path) from exc
     except OSError as exc:
         if exc.errno == errno.ELOOP:
             raise PoolUnavailable(f"pool file {spec.path} is a symbolic link; refusing") from exc

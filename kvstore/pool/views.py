@@ -7,7 +7,9 @@ copying, so writing through the view writes the pool.
 numpy has no ``bfloat16`` or float8 dtypes: those come back as unsigned
 integers of the same width (the bits are unchanged; ``torch_block_view``
 gives the real dtype). torch is imported on first use only, so a process that
-never asks for a tensor (the server) does not pay for importing it.
+never asks for a tensor (the server) does not pay for importing it, and an
+install without torch works until a tensor is asked for (then `MissingExtra`
+says which extra to install).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvstore.errors import InvalidArgument
+from kvstore.extras import require_torch
 
 if TYPE_CHECKING:
     import torch
@@ -52,6 +55,7 @@ def numpy_block_view(buffer: memoryview, layout: KVLayout) -> npt.NDArray[np.gen
 
 def torch_dtype(name: str) -> torch.dtype:
     """The torch dtype of a layout dtype name (``"bfloat16"`` → ``torch.bfloat16``)."""
+    require_torch("torch dtypes")
     import torch
 
     dtype = getattr(torch, name, None)
@@ -61,7 +65,12 @@ def torch_dtype(name: str) -> torch.dtype:
 
 
 def torch_block_view(buffer: memoryview, layout: KVLayout) -> torch.Tensor:
-    """A writable CPU tensor over ``buffer`` shaped ``layout.block_shape``, no copy."""
+    """A writable CPU tensor over ``buffer`` shaped ``layout.block_shape``, no copy.
+
+    Raises:
+        MissingExtra: torch is not installed (the ``torch`` extra).
+    """
+    require_torch("torch views of blocks")
     import torch
 
     _check_size(buffer, layout)
