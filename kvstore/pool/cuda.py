@@ -34,7 +34,6 @@ side (`CudaMapping` and the per-process IPC handle cache) is in
 from __future__ import annotations
 
 import contextlib
-import sys
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -139,18 +138,6 @@ def on_device(runtime: CudaRuntime, ordinal: int) -> Iterator[None]:
     finally:
         if previous != ordinal:
             runtime.set_device(previous)
-
-
-def current_torch_device() -> int | None:
-    """The calling thread's torch CUDA device, if torch already initialised CUDA; else None.
-
-    The client calls this before attaching in a worker thread (whose current
-    device would be 0), so the runner's own GPU is what the peer check uses.
-    """
-    torch_module = sys.modules.get("torch")
-    if torch_module is None or not torch_module.cuda.is_initialized():
-        return None
-    return int(torch_module.cuda.current_device())
 
 
 # --- server side --------------------------------------------------------------------

@@ -17,8 +17,11 @@ registry. The fake keeps the driver's rules that the pool depends on:
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import itertools
+import threading
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -196,3 +199,101 @@ class FakeCudaRuntime:
     def _check_device(self, device: int) -> None:
         if not 0 <= device < len(self.uuids):
             raise CudaCallFailed("setDevice", 101, "invalid device ordinal")
+
+
+# --- torch.cuda as a runner on a GPU sees it ------------------------------------------
+
+
+class FakeEvent:
+    """A ``torch.cuda.Event`` recorded on a `FakeStream`; its waits are logged."""
+
+    def __init__(self, stream: FakeStream) -> None:
+        self.stream = stream
+
+    def synchronize(self) -> None:
+        self.stream.log.append(f"wait:{self.stream.name}:{threading.current_thread().name}")
+
+
+class FakeStream:
+    """A ``torch.cuda.Stream``: records events and synchronises into a shared log."""
+
+    def __init__(self, name: str, device: int, log: list[str]) -> None:
+        self.name = name
+        self.device = device
+        self.log = log
+
+    def record_event(self) -> FakeEvent:
+        self.log.append(f"record:{self.name}:{threading.current_thread().name}")
+        return FakeEvent(self)
+
+    def synchronize(self) -> None:
+        self.log.append(f"sync:{self.name}")
+
+
+class FakeTorchCuda:
+    """``torch.cuda``'s per-thread current device and streams, on CPU-only torch.
+
+    Every thread starts on device 0 with a default stream per device, as in
+    torch; `install` patches ``torch.cuda`` for one test.
+    """
+
+    def __init__(self) -> None:
+        self.log: list[str] = []
+        self._local = threading.local()
+        self._defaults: dict[int, FakeStream] = {}
+
+    def install(self, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+        cuda = torch.cuda
+        monkeypatch.setattr(cuda, "is_initialized", lambda: True)
+        monkeypatch.setattr(cuda, "current_device", self.current_device)
+        monkeypatch.setattr(cuda, "set_device", self.set_device)
+        monkeypatch.setattr(cuda, "current_stream", self.current_stream)
+        monkeypatch.setattr(cuda, "stream", self.stream)
+        monkeypatch.setattr(cuda, "device", self.device)
+
+    def current_device(self) -> int:
+        return int(getattr(self._local, "device", 0))
+
+    def set_device(self, device: int) -> None:
+        self._local.device = device
+
+    def _streams(self) -> dict[int, FakeStream]:
+        if not hasattr(self._local, "streams"):
+            self._local.streams = {}
+        return self._local.streams  # type: ignore[no-any-return]
+
+    def current_stream(self, device: int | None = None) -> FakeStream:
+        ordinal = self.current_device() if device is None else int(device)
+        default = self._defaults.setdefault(ordinal, FakeStream(f"default{ordinal}", ordinal, self.log))
+        return self._streams().get(ordinal, default)
+
+    def set_stream(self, stream: FakeStream) -> None:
+        self._streams()[stream.device] = stream
+
+    @contextlib.contextmanager
+    def stream(self, stream: FakeStream | None) -> Iterator[None]:
+        if stream is None:
+            yield
+            return
+        streams = self._streams()
+        previous = streams.get(stream.device)
+        streams[stream.device] = stream
+        self.log.append(f"enter:{stream.name}")
+        try:
+            with self.device(stream.device):
+                yield
+        finally:
+            self.log.append(f"exit:{stream.name}")
+            if previous is None:
+                del streams[stream.device]
+            else:
+                streams[stream.device] = previous
+
+    @contextlib.contextmanager
+    def device(self, device: int) -> Iterator[None]:
+        previous = self.current_device()
+        self.set_device(int(device))
+        try:
+            yield
+        finally:
+            self.set_device(previous)
