@@ -262,7 +262,9 @@ class FakeTorchCuda:
             self._local.streams = {}
         return self._local.streams  # type: ignore[no-any-return]
 
-    def current_stream(self, device: int | None = None) -> FakeStream:
+    def current_stream(self, device: int | torch.device | None = None) -> FakeStream:
+        if isinstance(device, torch.device):
+            device = device.index
         ordinal = self.current_device() if device is None else int(device)
         default = self._defaults.setdefault(ordinal, FakeStream(f"default{ordinal}", ordinal, self.log))
         return self._streams().get(ordinal, default)
