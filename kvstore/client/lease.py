@@ -2,7 +2,8 @@
 
 Every pin and every reserved slot belongs to a lease; when the runner dies
 the lease expires and the node drops them. `LeaseKeeper` renews the lease
-every ``ttl / 3`` seconds of the TTL the node granted, so two renewals may fail before it lapses. When
+every third of the TTL the node granted (its default unless the client asked
+for one), so two renewals may fail before it lapses. When
 the node answers that the lease is gone (``NOT_FOUND``: the node restarted;
 ``FAILED_PRECONDITION``: it expired, e.g. the process was suspended), the
 keeper opens a new one and bumps `generation`: pins and reservations made

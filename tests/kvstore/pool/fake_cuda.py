@@ -95,7 +95,7 @@ class FakeCudaRuntime:
                 (
                     b
                     for b in self.blocks.values()
-                    if b.device == self.current and 0 < b.used and b.used + size <= GRANULARITY
+                    if b.device == self.current and b.used > 0 and b.used + size <= GRANULARITY
                 ),
                 None,
             )
@@ -127,7 +127,7 @@ class FakeCudaRuntime:
 
     def free(self, ptr: int) -> None:
         self.calls.append("free")
-        array, _ = self.allocations.pop(ptr)
+        self.allocations.pop(ptr)
         block = self._block_of(ptr)
         block.users -= 1
         if block.users == 0:
@@ -266,7 +266,9 @@ class FakeTorchCuda:
         if isinstance(device, torch.device):
             device = device.index
         ordinal = self.current_device() if device is None else int(device)
-        default = self._defaults.setdefault(ordinal, FakeStream(f"default{ordinal}", ordinal, self.log))
+        default = self._defaults.setdefault(
+            ordinal, FakeStream(f"default{ordinal}", ordinal, self.log)
+        )
         return self._streams().get(ordinal, default)
 
     def set_stream(self, stream: FakeStream) -> None:

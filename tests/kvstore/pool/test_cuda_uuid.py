@@ -89,14 +89,14 @@ def test_format_uuid_refuses_a_cut_uuid():
 class FakeLibcuda:
     """``cuInit``, ``cuDeviceGet`` and ``cuDeviceGetUuid`` writing ``WHOLE`` (zero included)."""
 
-    def cuInit(self, flags):  # noqa: N802 - the driver's names
+    def cuInit(self, flags):
         return 0
 
-    def cuDeviceGet(self, out, ordinal):  # noqa: N802
+    def cuDeviceGet(self, out, ordinal):
         out._obj.value = ordinal
         return 0
 
-    def cuDeviceGetUuid(self, out, device):  # noqa: N802
+    def cuDeviceGetUuid(self, out, device):
         ctypes.memmove(out, WHOLE, len(WHOLE))
         return 0
 
