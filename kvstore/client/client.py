@@ -15,6 +15,9 @@ Rules the client keeps:
   the mappings were attached with. A change (the node restarted) closes every
   mapping and marks every namespace for re-registration; a lookup is redone
   once transparently; nothing is ever read through a stale mapping.
+* **Release after the reads.** On a CUDA pool, `release` sends ``Release``
+  only once the GPU reads queued on the caller's streams are done (a
+  released slot may be rewritten by another runner at once).
 * **Nothing leaks on cancellation.** A pinned lookup or a reservation that is
   cancelled mid-flight is finished in the background and its pins released
   or its slots aborted; a failing or cancelled `store` aborts what it
