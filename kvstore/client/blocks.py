@@ -14,6 +14,7 @@ from typing import Any, TypeAlias
 import numpy as np
 
 from kvstore.errors import InvalidArgument
+from kvstore.pool.cuda_caller import caller_streams
 
 BlockSource: TypeAlias = Any
 """One block: bytes-like, a numpy array or a torch tensor (torch is optional, hence Any)."""
@@ -61,8 +62,11 @@ def copy_block_to_tensor(source: BlockSource, target: Any) -> None:
     """Copy one block's bytes into a tensor of a CUDA pool slot (``target``, any dtype).
 
     A GPU source is copied device to device; a host source is uploaded. The
-    copy is queued on torch's current stream: the caller synchronises before
-    Commit (`kvstore.pool.PoolMapping.synchronize`).
+    copy is queued on the caller's current stream (the thread that called
+    `SyncClient.store`, not the client's loop thread: see
+    `kvstore.pool.cuda_caller`), so it runs after the kernels that made the
+    source; the caller synchronises before Commit
+    (`kvstore.pool.PoolMapping.synchronize`).
 
     Raises:
         InvalidArgument: the block has another size, or is not bytes-like,
@@ -88,7 +92,8 @@ def copy_block_to_tensor(source: BlockSource, target: Any) -> None:
         flat = torch.from_numpy(array)
     if flat.numel() != flat_target.numel():
         raise InvalidArgument(f"a block is {flat_target.numel()} bytes, got {flat.numel()}")
-    flat_target.copy_(flat)
+    with caller_streams():
+        flat_target.copy_(flat)
 
 
 def block_bytes_of(source: BlockSource) -> bytes:

@@ -4,7 +4,7 @@
         ns = await kv.register_namespace("my-model", layout)
         hit = await kv.lookup(ns, tokens, pin=True)
         ...use hit.torch_views()...
-        await kv.release(hit)
+        await kv.release(hit)   # after the GPU reads of the views (see `release`)
         await kv.store(ns, tokens, blocks)
 
 Rules the client keeps:
@@ -15,6 +15,9 @@ Rules the client keeps:
   the mappings were attached with. A change (the node restarted) closes every
   mapping and marks every namespace for re-registration; a lookup is redone
   once transparently; nothing is ever read through a stale mapping.
+* **Release after the reads.** On a CUDA pool, `release` sends ``Release``
+  only once the GPU reads queued on the caller's streams are done (a
+  released slot may be rewritten by another runner at once).
 * **Nothing leaks on cancellation.** A pinned lookup or a reservation that is
   cancelled mid-flight is finished in the background and its pins released
   or its slots aborted; a failing or cancelled `store` aborts what it
@@ -57,7 +60,7 @@ class Client:
         *,
         tenant: str | None = None,
         token: str | None = None,
-        lease_ttl: float = 30.0,
+        lease_ttl: float | None = None,
         timeout: float = 10.0,
         retry: RetryPolicy | None = None,
         map_pool: bool = True,
@@ -72,7 +75,9 @@ class Client:
             target: ``host:port`` of the node.
             tenant: sent as ``x-kvstore-tenant`` when given.
             token: sent as ``authorization: Bearer <token>`` when given.
-            lease_ttl: TTL asked for the client's lease, in seconds.
+            lease_ttl: TTL asked for the client's lease, in seconds; None (the
+                default) takes the node's ``lease_ttl_default``. The client renews
+                at a third of the TTL the node granted.
             timeout: default deadline of every call, in seconds.
             retry: retry policy of idempotent calls.
             map_pool: map namespace pools into this process (same host only).
@@ -134,9 +139,11 @@ class Client:
         return self._rpc.timeout
 
     @property
-    def lease_ttl(self) -> float:
-        """TTL asked for the client's lease, in seconds."""
-        return self._session.lease_ttl
+    def lease_ttl(self) -> float | None:
+        """TTL of the client's lease in seconds: the node's grant once a lease is open,
+        else what will be asked (None: the node's default)."""
+        granted = self._lease.ttl
+        return granted if granted is not None else self._session.lease_ttl
 
     @property
     def map_pool(self) -> bool:
@@ -192,18 +199,34 @@ class Client:
         hashes: Sequence[bytes] | None = None,
         extras: Sequence[Extra] | None = None,
         pin: bool = False,
+        allow_remote: bool = False,
         timeout: float | None = None,
     ) -> Hit:
         """The longest cached prefix of a chain, pinned under the client's lease if ``pin``.
 
+        Args:
+            ns: the namespace.
+            tokens: the prompt (full blocks only are looked up); or ``hashes``.
+            hashes: precomputed chain hashes instead of tokens.
+            extras: per-block extra hash input (bytes).
+            pin: pin the hit blocks under the client's lease (release them
+                with `release`).
+            allow_remote: when the node's own run of hits stops short, let it
+                fetch the missing blocks from a peer node that holds them (see
+                docs/cluster.md) and answer with them; a node without a
+                cluster, or with every fetch slot busy, answers locally.
+            timeout: deadline of the call (a remote fetch included).
+
         Redone once, transparently, when the node restarted (epoch change or
-        lost lease). Release a pinned hit with `release`.
+        lost lease).
         """
         fields = chain_fields(tokens, hashes, extras)
         for attempt in (0, 1):
             await self._session.ensure_ready(ns, timeout)
             lease_id, generation = await self._lease.current() if pin else (LeaseId(0), 0)
-            req = pb.LookupRequest(namespace_id=ns.id, lease_id=lease_id, pin=pin, **fields)
+            req = pb.LookupRequest(
+                namespace_id=ns.id, lease_id=lease_id, pin=pin, allow_remote=allow_remote, **fields
+            )
             try:
                 resp = await self._guarded_lookup(ns, req, timeout)
             except (NotFound, FailedPrecondition):
@@ -261,9 +284,27 @@ class Client:
         self,
         hit: Hit,
         *,
+        streams: Sequence[Any] | None = None,
         timeout: float | None = None,
     ) -> int:
-        """Drop the pins of a hit; a second release (or of an unpinned hit) sends nothing.
+        """Drop the pins of a hit once the GPU has finished reading it.
+
+        A released slot may be evicted and rewritten by another runner at
+        once, and kernels reading a CUDA pool's views run after the call that
+        queued them returns. So for a CUDA pool, ``Release`` is sent only
+        after the reads queued so far are complete: an event is recorded on
+        each stream the caller read on, and waited for (in a worker thread,
+        the event loop stays free). Host pools wait for nothing.
+
+        Args:
+            hit: a hit of `lookup`; a second release (or of an unpinned hit)
+                sends nothing.
+            streams: the ``torch.cuda.Stream`` objects the hit's views were read on,
+                or ``torch.cuda.Event`` objects recorded after the reads. None (the
+                default): the calling thread's current streams on the pool's
+                GPU and the runner's GPU (the whole GPUs when torch has not
+                initialised CUDA). ``()``: nothing to wait for.
+            timeout: deadline of the Release call.
 
         Returns:
             Pins the node released.
@@ -271,10 +312,13 @@ class Client:
         if not hit.pinned or hit.released or not hit.blocks:
             hit.released = True
             return 0
-        hit.released = True
+        hit.released = True  # no new views from here on
         if hit.lease_generation != self._lease.generation:
             return 0  # that lease is gone, and its pins with it
         try:
+            reads_done = hit.mapping.read_fence(streams) if hit.mapping is not None else None
+            if reads_done is not None:
+                await asyncio.to_thread(reads_done)
             return await self._send_release(hit, timeout)
         except BaseException:
             hit.released = False  # let the caller try again

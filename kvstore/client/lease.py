@@ -2,7 +2,8 @@
 
 Every pin and every reserved slot belongs to a lease; when the runner dies
 the lease expires and the node drops them. `LeaseKeeper` renews the lease
-every ``ttl / 3`` seconds, so two renewals may fail before it lapses. When
+every third of the TTL the node granted (its default unless the client asked
+for one), so two renewals may fail before it lapses. When
 the node answers that the lease is gone (``NOT_FOUND``: the node restarted;
 ``FAILED_PRECONDITION``: it expired, e.g. the process was suspended), the
 keeper opens a new one and bumps `generation`: pins and reservations made
@@ -74,6 +75,11 @@ class LeaseKeeper:
         """The current lease, or None before the first call that needs one."""
         return self._grant.lease_id if self._grant is not None else None
 
+    @property
+    def ttl(self) -> float | None:
+        """Seconds the node granted the current lease, or None before one is open."""
+        return self._grant.ttl if self._grant is not None else None
+
     async def current(self) -> tuple[LeaseId, int]:
         """The current lease and its generation, opening one if needed.
 
@@ -96,6 +102,8 @@ class LeaseKeeper:
 
     async def _open_now(self) -> LeaseGrant:
         grant = await self._open()
+        if not grant.ttl > 0:
+            raise FailedPrecondition(f"the node granted lease {grant.lease_id:x} no TTL")
         self._grant = grant
         if self._keepalive is None or self._keepalive.done():
             self._keepalive = asyncio.ensure_future(self._keep_alive())

@@ -44,7 +44,9 @@ which a lease stops being used for copies: room for the copy of one block."""
 class NodeSession:
     """The epoch, namespaces, lease and background tasks of a client of one node."""
 
-    def __init__(self, rpc: Rpc, *, lease_ttl: float, client_name: str, map_pool: bool) -> None:
+    def __init__(
+        self, rpc: Rpc, *, lease_ttl: float | None, client_name: str, map_pool: bool
+    ) -> None:
         """Wrap a transport; see `Client` for the arguments."""
         self.rpc = rpc
         self.lease_ttl = lease_ttl
@@ -149,11 +151,12 @@ class NodeSession:
         self._valid_until[lease_id] = (sent + ttl, ttl)
 
     async def _open_lease(self) -> LeaseGrant:
-        req = pb.OpenLeaseRequest(ttl_seconds=self.lease_ttl, client_name=self.client_name)
+        # ttl 0 asks for the node's default (its lease_ttl_default).
+        req = pb.OpenLeaseRequest(ttl_seconds=self.lease_ttl or 0.0, client_name=self.client_name)
         sent = self.clock()
         resp = await self.rpc.call("OpenLease", req, None, idempotent=False)
         self.observe_epoch(resp.pool_epoch)
-        grant = LeaseGrant(LeaseId(resp.lease_id), resp.ttl_seconds or self.lease_ttl)
+        grant = LeaseGrant(LeaseId(resp.lease_id), resp.ttl_seconds or self.lease_ttl or 0.0)
         self._confirmed(grant.lease_id, sent, grant.ttl)
         return grant
 

@@ -4,6 +4,14 @@
 call to the async client there, so gRPC, the lease keepalive and cleanups
 keep running between calls. Hits and namespaces are the async client's
 objects; their views work from any thread.
+
+**The caller's GPU.** torch's current device and stream are per thread, and
+the loop thread's are device 0 and its default stream. Each call therefore
+captures the calling thread's device and current stream and runs with them
+(`kvstore.pool.cuda_caller`): the pool is attached for the caller's GPU,
+`store` copies on the caller's stream and synchronises it before Commit, and
+`release` waits, in the calling thread, for the reads queued on the caller's
+streams before the pins are dropped.
 """
 
 from __future__ import annotations
@@ -19,6 +27,7 @@ from kvstore.client.client import Client
 from kvstore.client.handles import Hit, Namespace, StoreResult
 from kvstore.hashing import Extra, HashScheme, Tokens
 from kvstore.layout import KVLayout
+from kvstore.pool.cuda_caller import CallerCuda, calling_thread, capture
 from kvstore.v1 import kvstore_pb2 as pb
 
 T = TypeVar("T")
@@ -44,7 +53,8 @@ class SyncClient:
         return client
 
     def _run(self, coro: Coroutine[Any, Any, T]) -> T:
-        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+        call = _as_caller(capture(), coro)  # read here, in the caller's thread
+        return asyncio.run_coroutine_threadsafe(call, self._loop).result()
 
     @property
     def client(self) -> Client:
@@ -81,11 +91,20 @@ class SyncClient:
         hashes: Sequence[bytes] | None = None,
         extras: Sequence[Extra] | None = None,
         pin: bool = False,
+        allow_remote: bool = False,
         timeout: float | None = None,
     ) -> Hit:
         """See `Client.lookup`."""
         return self._run(
-            self._client.lookup(ns, tokens, hashes=hashes, extras=extras, pin=pin, timeout=timeout)
+            self._client.lookup(
+                ns,
+                tokens,
+                hashes=hashes,
+                extras=extras,
+                pin=pin,
+                allow_remote=allow_remote,
+                timeout=timeout,
+            )
         )
 
     def store(
@@ -103,9 +122,20 @@ class SyncClient:
             self._client.store(ns, tokens, blocks, hashes=hashes, extras=extras, timeout=timeout)
         )
 
-    def release(self, hit: Hit, *, timeout: float | None = None) -> int:
-        """See `Client.release`."""
-        return self._run(self._client.release(hit, timeout=timeout))
+    def release(
+        self, hit: Hit, *, streams: Sequence[Any] | None = None, timeout: float | None = None
+    ) -> int:
+        """See `Client.release`: the GPU reads are waited for first, here in the calling thread.
+
+        ``streams`` defaults to this thread's current streams (the loop
+        thread's would be the default streams, which the runner's reads may
+        not be on).
+        """
+        if hit.pinned and not hit.released and hit.mapping is not None:
+            reads_done = hit.mapping.read_fence(streams)
+            if reads_done is not None:
+                reads_done()
+        return self._run(self._client.release(hit, streams=(), timeout=timeout))
 
     def read_blocks(self, hit: Hit, *, timeout: float | None = None) -> list[bytes]:
         """See `Client.read_blocks`."""
@@ -131,6 +161,11 @@ class SyncClient:
             self._thread.join()
             self._loop.close()
 
+    @property
+    def lease_ttl(self) -> float | None:
+        """See `Client.lease_ttl`."""
+        return self._client.lease_ttl
+
     def __enter__(self) -> SyncClient:
         return self
 
@@ -141,3 +176,9 @@ class SyncClient:
         tb: TracebackType | None,
     ) -> None:
         self.close()
+
+
+async def _as_caller(state: CallerCuda | None, coro: Coroutine[Any, Any, T]) -> T:
+    """Run ``coro`` (its own task on the loop) with the caller's CUDA state."""
+    with calling_thread(state):
+        return await coro

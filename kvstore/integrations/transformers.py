@@ -10,7 +10,8 @@ One `prefill` call:
 
 1. looks the prompt up and pins its longest cached run of full blocks;
 2. copies those blocks into the model's KV cache object (`DynamicCache`),
-   then releases the pins (the model owns a copy from here on);
+   then releases the pins once the copies are complete on the GPU (the
+   model owns a copy from here on);
 3. runs the model only on the uncached tail, positions continuing after the
    cached prefix;
 4. stores the newly completed full blocks back (reserve → copy → commit).
@@ -302,6 +303,7 @@ class CachedPrefill:
         except KVStoreError as exc:
             log.warning("kvstore lookup failed, computing the whole prompt: %s", exc)
             return 0, _new_cache(self.model.config)
+        views: list[torch.Tensor] = []
         try:
             views = self._hit_views(hit, min(hit.hit_blocks, usable_blocks))
             cache = blocks_to_cache(
@@ -315,8 +317,22 @@ class CachedPrefill:
             log.warning("reading cached kvstore blocks failed, computing the whole prompt: %s", exc)
             return 0, _new_cache(self.model.config)
         finally:
-            self._release(hit)
+            self._release(hit, self._read_streams(views))
         return hit.hit_tokens, cache
+
+    def _read_streams(self, views: list[torch.Tensor]) -> list[Any] | None:
+        """The streams the copies out of the pool's views ran on (None: the client's default).
+
+        The copies (`blocks_to_cache`) are queued on the current streams of
+        the pool's GPU and the model's GPU; the pins may go only once they
+        are complete, or another runner could rewrite a slot mid-copy.
+        """
+        if not views or views[0].device.type != "cuda":
+            return None  # host views (the copies are done) or nothing read
+        devices = {views[0].device}
+        if self.model.device.type == "cuda":
+            devices.add(self.model.device)
+        return [torch.cuda.current_stream(d) for d in devices]
 
     def _hit_views(self, hit: Hit, count: int) -> list[torch.Tensor]:
         if count == 0:
@@ -330,9 +346,9 @@ class CachedPrefill:
             torch.frombuffer(bytearray(b), dtype=dtype).view(self.layout.block_shape) for b in data
         ]
 
-    def _release(self, hit: Hit) -> None:
+    def _release(self, hit: Hit, streams: list[Any] | None) -> None:
         try:
-            self.client.release(hit, timeout=self.timeout)
+            self.client.release(hit, streams=streams, timeout=self.timeout)
         except KVStoreError as exc:  # the lease drops the pins when it ends
             log.warning("kvstore release failed (the lease will drop the pins): %s", exc)
 

@@ -14,13 +14,8 @@ from kvstore.pool.base import (
     PoolMapping,
     PoolUnavailable,
 )
-from kvstore.pool.cuda import (
-    CudaDevice,
-    CudaPool,
-    current_torch_device,
-    find_device,
-    parse_device,
-)
+from kvstore.pool.cuda import CudaDevice, CudaPool, find_device, parse_device
+from kvstore.pool.cuda_caller import CallerCuda, current_torch_device
 from kvstore.pool.cuda_mapping import CudaMapping, open_handles
 from kvstore.pool.cuda_runtime import (
     CudaCallFailed,
@@ -37,6 +32,7 @@ __all__ = [
     "NUMPY_DTYPES",
     "ArenaSpec",
     "BlockPool",
+    "CallerCuda",
     "CudaCallFailed",
     "CudaDevice",
     "CudaMapping",

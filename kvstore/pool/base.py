@@ -21,9 +21,10 @@ sees `memoryview` objects, numpy arrays and torch tensors handed out here.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from types import TracebackType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import numpy.typing as npt
@@ -223,6 +224,17 @@ class PoolMapping(ABC):
         calls this before ``Commit``.
         """
         return None  # host memory: a copy is complete when it returns
+
+    def read_fence(self, streams: Sequence[Any] | None = None) -> Callable[[], None] | None:
+        """A wait for the reads of slots queued so far, to run before their pins are dropped.
+
+        Host pools: None, nothing to wait for (the CPU has read a slot when
+        the code that read it returns). CUDA pools record an event on each
+        stream now (``streams``, default: the caller's current streams) and
+        return a callable that waits for them: a slot must not be released,
+        and so rewritten by another runner, while GPU reads of it are queued.
+        """
+        return None
 
     def _check_layout(self, layout: KVLayout) -> None:
         if layout.block_bytes != self.descriptor.block_bytes:

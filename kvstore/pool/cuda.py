@@ -10,6 +10,11 @@ side (`CudaMapping` and the per-process IPC handle cache) is in
   export the whole cached segment, at an offset the runner cannot know).
   Handles are taken once per arena, at creation, and sent by ``AttachPool``.
   New arenas are zeroed: a slot never shows bytes of a previous allocation.
+* **One namespace per allocation, 2 MiB multiples.** An IPC handle exposes
+  the whole 2 MiB block its allocation lies in, so every arena is its own
+  allocation of a multiple of 2 MiB (padded; the padding stays zero and
+  holds no slot) at a 2 MiB-aligned address: a runner that opens one
+  namespace's handles can never reach another namespace's memory.
 * **Devices by UUID.** The descriptor names the GPU by UUID; ordinals differ
   between processes (``CUDA_VISIBLE_DEVICES`` remaps them), UUIDs do not.
 * **One open per handle per process.** The driver refuses (older CUDA) or
@@ -29,7 +34,6 @@ side (`CudaMapping` and the per-process IPC handle cache) is in
 from __future__ import annotations
 
 import contextlib
-import sys
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -47,6 +51,22 @@ from kvstore.types import NamespaceId, SlotId
 
 DEFAULT_ARENA_BYTES = 1 << 30
 """Arena size: few IPC handles for a large pool; one ``cudaMalloc`` each."""
+
+IPC_GRANULARITY = 2 << 20
+"""CUDA IPC shares whole 2 MiB-aligned blocks: arenas are sized (and aligned) to it."""
+
+
+def ipc_size(nbytes: int) -> int:
+    """``nbytes`` rounded up to the IPC granularity (the allocation size of an arena).
+
+    ``cudaMalloc`` may carve a smaller allocation out of a 2 MiB block shared
+    with other allocations, and ``cudaIpcGetMemHandle`` then exports the
+    whole block (CUDA programming guide, "Interprocess Communication"): a
+    runner of one namespace could reach another namespace's arena, or the
+    node's own memory. An allocation of a 2 MiB multiple has a block of its
+    own, so a handle exposes exactly its arena.
+    """
+    return -(-nbytes // IPC_GRANULARITY) * IPC_GRANULARITY
 
 
 # --- devices ------------------------------------------------------------------------
@@ -120,18 +140,6 @@ def on_device(runtime: CudaRuntime, ordinal: int) -> Iterator[None]:
             runtime.set_device(previous)
 
 
-def current_torch_device() -> int | None:
-    """The calling thread's torch CUDA device, if torch already initialised CUDA; else None.
-
-    The client calls this before attaching in a worker thread (whose current
-    device would be 0), so the runner's own GPU is what the peer check uses.
-    """
-    torch_module = sys.modules.get("torch")
-    if torch_module is None or not torch_module.cuda.is_initialized():
-        return None
-    return int(torch_module.cuda.current_device())
-
-
 # --- server side --------------------------------------------------------------------
 
 
@@ -191,7 +199,7 @@ class CudaPool(BlockPool):
         slots_per_arena = max(1, arena_bytes // block_bytes)
         n_arenas = -(-capacity // slots_per_arena)
         sizes = [
-            min(slots_per_arena, capacity - i * slots_per_arena) * block_bytes
+            ipc_size(min(slots_per_arena, capacity - i * slots_per_arena) * block_bytes)
             for i in range(n_arenas)
         ]
         pointers: list[int] = []
@@ -207,6 +215,12 @@ class CudaPool(BlockPool):
                 for index, size in enumerate(sizes):
                     ptr = _malloc(runtime, size, gpu)
                     pointers.append(ptr)
+                    if ptr % IPC_GRANULARITY:
+                        raise PoolUnavailable(
+                            f"cudaMalloc of {size} bytes on GPU {gpu.uuid} returned {ptr:#x}, "
+                            f"not aligned to {IPC_GRANULARITY >> 20} MiB: its IPC handle could "
+                            "expose memory next to it, so the pool is not created"
+                        )
                     runtime.memset(ptr, 0, size)
                     handle = runtime.ipc_get_handle(ptr)
                     if len(handle) != IPC_HANDLE_BYTES:

@@ -18,12 +18,14 @@ from __future__ import annotations
 import sys
 import threading
 import weakref
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from kvstore.errors import InvalidArgument
 from kvstore.pool.base import ArenaSpec, PoolDescriptor, PoolMapping, PoolUnavailable
 from kvstore.pool.cuda import CudaDevice, find_device, on_device
+from kvstore.pool.cuda_caller import caller_streams
 from kvstore.pool.cuda_runtime import IPC_HANDLE_BYTES, CudaCallFailed, CudaRuntime, default_runtime
 from kvstore.pool.views import torch_dtype
 from kvstore.types import SlotId
@@ -208,19 +210,68 @@ class CudaMapping(PoolMapping):
         return self.slot_tensor(slot).view(torch_dtype(layout.dtype)).view(layout.block_shape)
 
     def synchronize(self) -> None:
-        """Wait until copies into the slots issued by this thread are complete.
+        """Wait until copies into the slots issued by the caller are complete.
 
         Synchronises torch's current stream on the pool's GPU and on the
-        runner's GPU (a cross-device copy runs on one of them), or the whole
-        device when torch has not initialised CUDA. Call before ``Commit``.
+        runner's GPU (a cross-device copy runs on one of them), the caller's
+        streams when a `kvstore.pool.cuda_caller` state was captured, or the
+        whole device when torch has not initialised CUDA. Call before ``Commit``.
         """
-        torch_module = sys.modules.get("torch")
-        if torch_module is not None and torch_module.cuda.is_initialized():
-            for ordinal in {self.device.ordinal, self.runner_device.ordinal}:
-                torch_module.cuda.current_stream(ordinal).synchronize()
+        streams = self._current_streams()
+        if streams is not None:
+            for stream in streams:
+                stream.synchronize()
             return
         with on_device(self._runtime, self.device.ordinal):
             self._runtime.synchronize()
+
+    def read_fence(self, streams: Sequence[Any] | None = None) -> Callable[[], None] | None:
+        """Record the end of the reads queued so far; the returned callable waits for them.
+
+        Args:
+            streams: the streams (``torch.cuda.Stream``) the caller read the
+                slots on, or events (``torch.cuda.Event``) it recorded after
+                its reads. None: the caller's current streams on the pool's GPU
+                and the runner's GPU; without torch CUDA, the whole pool GPU
+                and runner GPU (reads by cupy or other libraries). An empty
+                sequence: nothing to wait for (the caller synchronised).
+
+        The events are recorded here, in the calling thread; the wait may run
+        in any thread (the async client runs it in a worker thread).
+        """
+        if streams is None:
+            streams = self._current_streams()
+        if streams is None:
+            runtime = self._runtime
+            ordinals = sorted({self.device.ordinal, self.runner_device.ordinal})
+
+            def wait_devices() -> None:
+                for ordinal in ordinals:
+                    with on_device(runtime, ordinal):
+                        runtime.synchronize()
+
+            return wait_devices
+        events = [s.record_event() if hasattr(s, "record_event") else s for s in streams]
+        if not events:
+            return None
+
+        def wait_events() -> None:
+            for event in events:
+                event.synchronize()
+
+        return wait_events
+
+    def _current_streams(self) -> list[Any] | None:
+        """The caller's current torch streams on the pool's and the runner's GPU, or None.
+
+        None when torch has not initialised CUDA (nothing queued through torch).
+        """
+        torch_module = sys.modules.get("torch")
+        if torch_module is None or not torch_module.cuda.is_initialized():
+            return None
+        ordinals = sorted({self.device.ordinal, self.runner_device.ordinal})
+        with caller_streams():
+            return [torch_module.cuda.current_stream(o) for o in ordinals]
 
     def _arena(self, slot: SlotId) -> _ArenaRef:
         if self._closed:

@@ -25,6 +25,9 @@ if TYPE_CHECKING:
 IPC_HANDLE_BYTES = 64
 """Size of a ``cudaIpcMemHandle_t``."""
 
+UUID_BYTES = 16
+"""Size of a ``cudaUUID_t``."""
+
 ERROR_MEMORY_ALLOCATION = 2
 """``cudaErrorMemoryAllocation``."""
 
@@ -131,9 +134,28 @@ class CupyRuntime:
             return 0  # cudaErrorNoDevice / cudaErrorInsufficientDriver: no usable GPU
 
     def device_uuid(self, device: int) -> str:
-        """The GPU's UUID, formatted as ``nvidia-smi`` does."""
-        raw = self._call("getDeviceProperties", device)["uuid"]
-        return format_uuid(bytes(raw))
+        """The GPU's UUID, formatted as ``nvidia-smi`` does.
+
+        cupy hands ``cudaDeviceProp.uuid`` over as a C string, cut at its
+        first zero byte (one GPU in ~16 has one): a short value is never
+        padded or formatted, the 16 bytes are read again from the driver
+        (``cuDeviceGetUuid``) or from torch.
+
+        Raises:
+            PoolUnavailable: the UUID was cut short and neither the driver
+                nor torch gives the whole of it.
+        """
+        raw = bytes(self._call("getDeviceProperties", device)["uuid"])
+        if len(raw) == UUID_BYTES:
+            return format_uuid(raw)
+        for source in (uuid_from_driver, uuid_from_torch):
+            whole = source(device)
+            if whole is not None and whole.startswith(raw):
+                return format_uuid(whole)
+        raise PoolUnavailable(
+            f"cannot read the UUID of GPU {device}: cupy returned {len(raw)} of its 16 bytes "
+            "(it stops at a zero byte) and neither libcuda nor torch gave the whole of it"
+        )
 
     def get_device(self) -> int:
         """The calling thread's current device."""
@@ -213,9 +235,53 @@ _ERROR_PEER_ACCESS_ALREADY_ENABLED = 704
 
 
 def format_uuid(raw: bytes) -> str:
-    """``GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx`` from the 16 bytes of a ``cudaUUID_t``."""
+    """``GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx`` from the 16 bytes of a ``cudaUUID_t``.
+
+    Raises:
+        ValueError: ``raw`` is not 16 bytes (a truncated UUID must never be
+            formatted: it would name another GPU, or none).
+    """
+    if len(raw) != UUID_BYTES:
+        raise ValueError(f"a GPU UUID is {UUID_BYTES} bytes, got {len(raw)}")
     h = raw.hex()
     return f"GPU-{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:32]}"
+
+
+def uuid_from_driver(device: int) -> bytes | None:
+    """The 16 UUID bytes of runtime ordinal ``device`` from ``libcuda`` (``cuDeviceGetUuid``).
+
+    Runtime and driver ordinals agree (both follow ``CUDA_VISIBLE_DEVICES``).
+    None when the driver library cannot be loaded or the call fails.
+    """
+    import ctypes
+
+    try:
+        lib = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return None
+    handle = ctypes.c_int()
+    out = (ctypes.c_ubyte * UUID_BYTES)()  # a byte array, not a C string: zeros are kept
+    if lib.cuInit(0) != 0 or lib.cuDeviceGet(ctypes.byref(handle), device) != 0:
+        return None
+    if lib.cuDeviceGetUuid(out, handle) != 0:
+        return None
+    return bytes(out)
+
+
+def uuid_from_torch(device: int) -> bytes | None:
+    """The 16 UUID bytes of ``device`` from torch (its ``str`` keeps zero bytes), or None."""
+    try:
+        import torch
+
+        text = str(torch.cuda.get_device_properties(device).uuid)
+    except Exception:  # no torch, no CUDA build, an old torch without .uuid
+        return None
+    digits = text.removeprefix("GPU-").replace("-", "")
+    try:
+        raw = bytes.fromhex(digits)
+    except ValueError:
+        return None
+    return raw if len(raw) == UUID_BYTES else None
 
 
 _lock = threading.Lock()

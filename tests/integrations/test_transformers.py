@@ -243,3 +243,62 @@ def test_kv_of_another_model_is_refused(kv_target, process_a) -> None:
         assert seed0.prefill(prompt).stored_blocks == 8
         assert seed0.prefill(prompt).hit_tokens == 128
         assert seed1.prefill(prompt).hit_tokens == 0
+
+
+def test_on_a_cuda_pool_pins_are_released_only_after_the_copies(tmp_path, model) -> None:
+    # A node on the fake CUDA runtime: the hit's views are "GPU memory" and the
+    # copies out of them are queued work; Release must come after they completed.
+    from service.config import Config
+    from tests.kvstore.pool.fake_cuda import FakeCudaRuntime
+    from tests.service.cuda_node import threaded_node
+
+    rt = FakeCudaRuntime(total_bytes=64 << 20)
+    config = Config(
+        port=0,
+        metrics_port=0,
+        device="cuda:0",
+        capacity_bytes=32 << 20,
+        namespace_capacity_bytes=4 << 20,
+        shm_dir=str(tmp_path),
+        salt_secret=bytes(range(32)),
+        grace_seconds=0.1,
+    )
+    with threaded_node(config, rt) as node, SyncClient(node.address, tenant="t") as kv:
+        real = kv.client._rpc.call
+
+        async def call(method, request, *args, **kwargs):  # type: ignore[no-untyped-def]
+            rt.calls.append(f"rpc:{method}")
+            return await real(method, request, *args, **kwargs)
+
+        kv.client._rpc.call = call  # type: ignore[method-assign]
+        runner = CachedPrefill(kv, model, "tiny", fingerprint="none")
+        prompt = SYSTEM_A + USER_1
+        runner.prefill(prompt)
+        rt.calls.clear()
+        second = runner.prefill(prompt)
+        assert second.reused_tokens > 0
+        calls = rt.calls[: rt.calls.index("rpc:Release") + 1]
+        assert calls[0] == "rpc:Lookup" and "synchronize:0" in calls, calls
+        torch.testing.assert_close(
+            second.logits, full_logits(model, prompt)[-len(second.logits) :], atol=ATOL, rtol=RTOL
+        )
+
+
+def test_release_waits_on_the_streams_the_copies_ran_on(monkeypatch, model) -> None:
+    # GPU views: the copies out of them ran on the current streams of the pool's
+    # GPU and the model's GPU; those are what the release must wait for.
+    from types import SimpleNamespace
+
+    from tests.kvstore.pool.fake_cuda import FakeTorchCuda
+
+    gpu = FakeTorchCuda()
+    gpu.install(monkeypatch)
+    runner = CachedPrefill.__new__(CachedPrefill)
+    runner.model = SimpleNamespace(device=torch.device("cuda", 1))  # type: ignore[assignment]
+    view = SimpleNamespace(device=torch.device("cuda", 0))
+    streams = runner._read_streams([view])  # type: ignore[list-item]
+    assert streams is not None
+    assert sorted(s.name for s in streams) == ["default0", "default1"]
+    runner.model = SimpleNamespace(device=torch.device("cpu"))  # type: ignore[assignment]
+    assert [s.name for s in runner._read_streams([view])] == ["default0"]  # type: ignore[list-item,union-attr]
+    assert runner._read_streams([torch.zeros(1)]) is None  # host views: nothing queued

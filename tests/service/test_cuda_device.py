@@ -92,7 +92,7 @@ def test_server_without_cupy_exits_2_with_one_line(tmp_path):
 
 
 async def test_client_stores_and_reads_through_a_cuda_mapping(server_config):  # noqa: F811
-    rt = FakeCudaRuntime(uuids=[UUID0], total_bytes=1 << 22)
+    rt = FakeCudaRuntime(uuids=[UUID0], total_bytes=1 << 24)
     set_default_runtime(rt)
     try:
         server = Server(dataclasses.replace(server_config, device="cuda:0"), expiry_tick=0.02)

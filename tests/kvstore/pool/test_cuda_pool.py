@@ -23,7 +23,7 @@ from kvstore.pool import (
     set_default_runtime,
 )
 from kvstore.pool.cuda_runtime import CupyRuntime
-from kvstore.types import SlotId
+from kvstore.types import NamespaceId, SlotId
 from tests.kvstore.pool.conftest import LAYOUT, NS
 from tests.kvstore.pool.fake_cuda import FakeCudaRuntime
 
@@ -48,7 +48,8 @@ def test_arenas_are_allocated_zeroed_and_exported_once_each(rt):
     pool = make_pool(rt)
     d = pool.descriptor
     assert d.kind == "cuda" and d.device == UUID0 and d.slots_per_arena == 4
-    assert [a.size_bytes for a in d.arenas] == [4 * BLOCK, 4 * BLOCK, 2 * BLOCK]
+    assert [a.size_bytes for a in d.arenas] == [2 << 20] * 3  # padded to the IPC granularity
+    assert [d.slots_in_arena(i) for i in range(3)] == [4, 4, 2]
     assert all(len(a.cuda_ipc_handle) == 64 for a in d.arenas)
     assert len({a.cuda_ipc_handle for a in d.arenas}) == 3
     assert rt.calls.count("malloc") == 3 and rt.calls.count("ipc_get_handle") == 3
@@ -306,3 +307,40 @@ def test_without_cupy_attach_says_what_to_install(rt, monkeypatch):
 def test_find_device(rt):
     assert find_device(rt, UUID1).ordinal == 1
     assert find_device(rt, 0).uuid == UUID0
+
+
+def test_a_namespaces_handles_never_reach_another_namespaces_memory(rt):
+    # Small pools: unpadded, cudaMalloc carves both out of one 2 MiB block, and a
+    # handle of either exports that block, the other namespace's slots included.
+    a = CudaPool.create(NamespaceId("aa" * 8), BLOCK, 3, 0xE1, runtime=rt)
+    b = CudaPool.create(NamespaceId("bb" * 8), BLOCK, 3, 0xE1, runtime=rt)
+    for mine, other in ((a, b), (b, a)):
+        for spec in mine.descriptor.arenas:
+            start, size = rt.reachable(spec.cuda_ipc_handle)
+            assert size == spec.size_bytes and size % (2 << 20) == 0 and start % (2 << 20) == 0
+            for slot in range(other.descriptor.capacity):
+                ptr = other.slot_pointer(SlotId(slot))
+                assert not start <= ptr < start + size, "another namespace's slot is exposed"
+    a.close()
+    b.close()
+    assert not rt.allocations and not rt.blocks
+
+
+def test_ipc_size_rounds_up_to_2_mib():
+    from kvstore.pool.cuda import ipc_size
+
+    assert [ipc_size(n) for n in (1, 2 << 20, (2 << 20) + 1, 1 << 30)] == [
+        2 << 20,
+        2 << 20,
+        4 << 20,
+        1 << 30,
+    ]
+
+
+def test_an_unaligned_allocation_is_refused(rt):
+    real_malloc, real_free = rt.malloc, rt.free
+    rt.malloc = lambda nbytes: real_malloc(nbytes) + 256  # type: ignore[method-assign]
+    rt.free = lambda ptr: real_free(ptr - 256)  # type: ignore[method-assign]
+    with pytest.raises(PoolUnavailable, match="not aligned"):
+        make_pool(rt)
+    assert not rt.allocations  # what was allocated is freed
