@@ -51,8 +51,8 @@ class ConnectorConfig:
     """Seconds to register the namespace and map the pool."""
     retry_interval: float = 5.0
     """After a failed call the node is left alone this long (requests are computed)."""
-    lease_ttl: float = 30.0
-    """TTL of the connector's leases; pins of a dead engine drop after it."""
+    lease_ttl: float = 0.0
+    """TTL of the connector's leases (0: the node's default); a dead engine's pins drop after it."""
     capacity_bytes: int = 0
     """Pool size to ask for when this connector registers the namespace first (0: node's)."""
     load: bool = True
@@ -88,7 +88,10 @@ class ConnectorConfig:
         """Keyword arguments of `kvstore.client.Client` for these settings."""
         from kvstore.client import TLSOptions
 
-        kwargs: dict[str, Any] = {"lease_ttl": self.lease_ttl, "timeout": self.lookup_timeout}
+        kwargs: dict[str, Any] = {
+            "lease_ttl": self.lease_ttl or None,
+            "timeout": self.lookup_timeout,
+        }
         if self.tenant:
             kwargs["tenant"] = self.tenant
         if self.token:
