@@ -63,6 +63,9 @@ from kvstore.results import (
 )
 from kvstore.types import HASH_BYTES, SHARED_SCOPE, BlockHash, SlotId, TenantId
 
+OTHER_TENANTS = TenantId("_other")
+"""Counters of the tenants past ``max_tenant_counters`` (not a valid tenant name)."""
+
 
 class BlockTable:
     """All blocks of one namespace and the slots of its pool."""
@@ -76,6 +79,7 @@ class BlockTable:
         events: list[CacheEvent] | None = None,
         max_pins_per_lease: int = 0,
         quota: QuotaOf | None = None,
+        max_tenant_counters: int = 0,
     ) -> None:
         """Create an empty table.
 
@@ -87,6 +91,9 @@ class BlockTable:
             max_pins_per_lease: bound on one lease's pins (0 = unbounded).
             quota: scope → most resident blocks it may hold here (0 = no
                 quota); asked on every new block, so it may change at runtime.
+            max_tenant_counters: tenants with their own lookup counters; later
+                ones are counted under `OTHER_TENANTS` (0 = unbounded). Bounds
+                memory and Stats when clients invent tenant names (auth off).
         """
         if capacity <= 0:
             raise InvalidArgument(f"capacity must be a positive number of blocks, got {capacity}")
@@ -99,6 +106,7 @@ class BlockTable:
         self._events = events if events is not None else []
         self._res = Residency(capacity, quota)
         self._counters: dict[TenantId, TenantCounters] = {}
+        self.max_tenant_counters = max_tenant_counters
 
     # --- queries -------------------------------------------------------------
 
@@ -465,7 +473,12 @@ class BlockTable:
     def _counters_for(self, tenant: TenantId) -> TenantCounters:
         counters = self._counters.get(tenant)
         if counters is None:
-            counters = self._counters[tenant] = TenantCounters()
+            limit = self.max_tenant_counters
+            if limit and len(self._counters) >= limit:
+                tenant = OTHER_TENANTS  # bounded: later tenants share one record
+                counters = self._counters.get(tenant)
+            if counters is None:
+                counters = self._counters[tenant] = TenantCounters()
         return counters
 
     def _emit_stored(self, blocks: list[Block], now: float) -> None:

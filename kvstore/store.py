@@ -44,6 +44,8 @@ class StoreLimits:
     """Longest TTL a lease may ask for, in seconds."""
     max_namespaces: int = 64
     """Namespaces one node holds."""
+    max_tenant_counters: int = 0
+    """Tenants with their own lookup counters per namespace; the rest share one (0 = no bound)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,6 +119,7 @@ class Store:
             events=self._events,
             max_pins_per_lease=self.limits.max_pins_per_lease,
             quota=quota,
+            max_tenant_counters=self.limits.max_tenant_counters,
         )
         self._tables[spec.namespace_id] = table
         self._by_model[spec.model_id] = spec

@@ -1,0 +1,133 @@
+"""Auth off: made-up tenant names must not grow the node without bound.
+
+With auth off any client may name any tenant (``x-kvstore-tenant``). Every
+per-tenant structure of the node is bounded: metric label values
+(``max_tenant_labels``, the rest fold into ``_other``), the per-namespace
+lookup counters the core keeps (and Stats returns), the core's per-scope
+block dicts, and the cache of chain roots.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from collections.abc import AsyncIterator
+from dataclasses import replace
+
+import grpc
+import pytest
+
+from kvstore.block_table import OTHER_TENANTS
+from kvstore.v1 import kvstore_pb2 as pb
+from kvstore.v1 import kvstore_pb2_grpc
+from service.config import Config
+from service.server import Server
+from service.tenancy.callers import ROOT_CACHE_SIZE
+from tests.service.conftest import BLOCK_SIZE, LAYOUT, ManualClock
+
+TENANTS = 100_000
+"""Distinct tenant names sent through the node (the issue's figure)."""
+WRITERS = 1_000
+"""Of those, tenants that also store a block (evicted again: capacity 64)."""
+LABELS = 100
+"""The node's max_tenant_labels (the default)."""
+CONCURRENCY = 256
+
+
+@pytest.fixture
+async def open_node(server_config: Config) -> AsyncIterator[Server]:
+    assert server_config.tenants_file == "" and server_config.max_tenant_labels == LABELS
+    server = Server(replace(server_config, stats_sample_seconds=3600), clock=ManualClock())
+    await server.start()
+    try:
+        yield server
+    finally:
+        await server.stop(0.1)
+
+
+def tenant(i: int) -> tuple[tuple[str, str], ...]:
+    return (("x-kvstore-tenant", f"made-up-{i}"),)
+
+
+async def in_batches(n: int, call) -> None:
+    for start in range(0, n, CONCURRENCY):
+        await asyncio.gather(*(call(i) for i in range(start, min(n, start + CONCURRENCY))))
+
+
+def label_values(exposition: str, label: str) -> set[str]:
+    return set(re.findall(rf'{label}="([^"]*)"', exposition))
+
+
+@pytest.mark.timeout(600)
+async def test_100k_made_up_tenants_leave_the_node_bounded(open_node: Server):
+    node = open_node.node
+    async with grpc.aio.insecure_channel(open_node.address) as channel:
+        stub = kvstore_pb2_grpc.KVStoreStub(channel)
+        ns = (
+            await stub.RegisterNamespace(
+                pb.RegisterNamespaceRequest(model_id="m", layout=LAYOUT), timeout=5
+            )
+        ).namespace_id
+        tokens = list(range(BLOCK_SIZE))
+
+        async def look(i: int) -> None:
+            await stub.Lookup(
+                pb.LookupRequest(namespace_id=ns, tokens=tokens), metadata=tenant(i), timeout=30
+            )
+
+        async def write(i: int) -> None:
+            md = tenant(i)
+            lid = (await stub.OpenLease(pb.OpenLeaseRequest(), metadata=md, timeout=30)).lease_id
+            res = await stub.Reserve(
+                pb.ReserveRequest(namespace_id=ns, lease_id=lid, tokens=tokens),
+                metadata=md,
+                timeout=30,
+            )
+            await stub.Commit(
+                pb.CommitRequest(
+                    namespace_id=ns, lease_id=lid, hashes=[e.hash for e in res.entries]
+                ),
+                metadata=md,
+                timeout=30,
+            )
+            await stub.CloseLease(pb.CloseLeaseRequest(lease_id=lid), metadata=md, timeout=30)
+
+        await in_batches(TENANTS, look)
+        await in_batches(WRITERS, write)
+        stats = await stub.Stats(pb.StatsRequest(), timeout=30)
+
+    # Metrics: at most LABELS tenant label values plus _other, and nothing lost.
+    text = node.metrics.render().decode()
+    lookup_lines = [line for line in text.splitlines() if line.startswith("kvstore_lookup_")]
+    tenants_seen = label_values("\n".join(lookup_lines), "tenant")
+    assert len(tenants_seen) == LABELS + 1 and OTHER_TENANTS in tenants_seen
+    assert len(lookup_lines) <= 2 * 2 * 2 * (LABELS + 1)  # 2 metrics x hit/miss x _total/_created
+    assert len(node.metrics.tenant_labels) == LABELS
+    registry = node.metrics.registry
+    misses = sum(
+        registry.get_sample_value(
+            "kvstore_lookup_blocks_total", {"namespace": ns, "tenant": t, "result": "miss"}
+        )
+        or 0
+        for t in tenants_seen
+    )
+    assert misses == TENANTS  # every lookup missed once, folded or not
+    assert len(text) < 200_000
+
+    # Stats (and the core's per-tenant counters behind it): bounded, nothing lost.
+    (ns_stats,) = stats.namespaces
+    capacity = ns_stats.capacity
+    counted = [t for t in ns_stats.tenants if t.lookups or t.stored_blocks]
+    assert len(counted) == LABELS + 1
+    assert len(ns_stats.tenants) <= LABELS + 1 + capacity  # + scopes holding blocks
+    assert sum(t.lookups for t in ns_stats.tenants) == TENANTS
+    assert sum(t.stored_blocks for t in ns_stats.tenants) == WRITERS
+    table = node.table(ns)
+    assert table.stats().evictions >= WRITERS - capacity  # the writers' blocks came and went
+    # The core keeps one block dict per scope that holds blocks, never one per name seen.
+    assert len(table._res._scopes) <= capacity  # noqa: SLF001 - no public count of scopes
+
+    # Chain roots: cached per (namespace, tenant), bounded.
+    assert len(node.roots) <= ROOT_CACHE_SIZE
+    # Leases: the per-tenant lease counts drop to nothing once closed.
+    assert node.store.stats().leases == 0
