@@ -125,7 +125,7 @@ async def test_100k_made_up_tenants_leave_the_node_bounded(open_node: Server):
     table = node.table(ns)
     assert table.stats().evictions >= WRITERS - capacity  # the writers' blocks came and went
     # The core keeps one block dict per scope that holds blocks, never one per name seen.
-    assert len(table._res._scopes) <= capacity  # noqa: SLF001 - no public count of scopes
+    assert len(table._res._scopes) <= capacity  # private: no public count
 
     # Chain roots: cached per (namespace, tenant), bounded.
     assert len(node.roots) <= ROOT_CACHE_SIZE
