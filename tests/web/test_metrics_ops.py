@@ -82,10 +82,9 @@ async def test_a_cancelled_watch_is_not_an_error(node, stub, caplog):
         with pytest.raises(asyncio.CancelledError):
             await call.read()
     deadline = asyncio.get_running_loop().time() + 10
-    while (
-        registry.get_sample_value("kvstore_rpc_cancelled_total", {"method": "WatchEvents"}) != 3
-        or len(hub)
-    ):
+    while registry.get_sample_value(
+        "kvstore_rpc_cancelled_total", {"method": "WatchEvents"}
+    ) != 3 or len(hub):
         assert asyncio.get_running_loop().time() < deadline, "the watches never ended"
         await asyncio.sleep(0.02)
     errors = [
