@@ -247,7 +247,7 @@ class WebApp:
         node = self.node
 
         def read() -> tuple[str, int, int, list[BlockRecord], list[str]]:
-            names = [t.spec.namespace_id for t in node.store.tables()]
+            names: list[str] = [t.spec.namespace_id for t in node.store.tables()]
             ns = NamespaceId(namespace) if namespace else busiest(node)
             if ns is None:
                 return "", 0, 0, [], names
