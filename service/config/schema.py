@@ -99,7 +99,7 @@ class Config:
     max_concurrent_rpcs: int = 0
     """RPCs the server runs at once (0 = unbounded); beyond it gRPC answers RESOURCE_EXHAUSTED."""
     max_tenant_labels: int = 100
-    """Tenants with own metric labels and counters; later ones count as _other (0 = no cap)."""
+    """Tenants with own metric labels and counters; the rest count as _other (0 = no cap)."""
     tenants_file: str = ""
     """TOML/JSON file of tenant tokens, namespaces and quotas; set = auth on (docs/security.md)."""
     tls_cert: str = ""

@@ -300,6 +300,7 @@ def _reply(
             ("Cache-Control", "no-store"),
             ("X-Content-Type-Options", "nosniff"),
             ("Referrer-Policy", "no-referrer"),
+            ("X-Frame-Options", "DENY"),
             *(extra or []),
         ],
     )

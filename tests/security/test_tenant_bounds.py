@@ -23,6 +23,7 @@ from kvstore.v1 import kvstore_pb2_grpc
 from service.config import Config
 from service.server import Server
 from service.tenancy.callers import ROOT_CACHE_SIZE
+from tests.security.conftest import ALICE_TOKEN, BOB_TOKEN, bearer, register
 from tests.service.conftest import BLOCK_SIZE, LAYOUT, ManualClock
 
 TENANTS = 100_000
@@ -46,6 +47,7 @@ async def open_node(server_config: Config) -> AsyncIterator[Server]:
 
 
 def tenant(i: int) -> tuple[tuple[str, str], ...]:
+    """Metadata naming a made-up tenant (auth off trusts it)."""
     return (("x-kvstore-tenant", f"made-up-{i}"),)
 
 
@@ -131,3 +133,24 @@ async def test_100k_made_up_tenants_leave_the_node_bounded(open_node: Server):
     assert len(node.roots) <= ROOT_CACHE_SIZE
     # Leases: the per-tenant lease counts drop to nothing once closed.
     assert node.store.stats().leases == 0
+
+
+async def test_with_auth_on_every_tenant_of_the_file_keeps_its_own_label(auth_config: Config):
+    server = Server(replace(auth_config, max_tenant_labels=1), clock=ManualClock())
+    await server.start()
+    try:
+        async with grpc.aio.insecure_channel(server.address) as channel:
+            stub = kvstore_pb2_grpc.KVStoreStub(channel)
+            for token in (ALICE_TOKEN, BOB_TOKEN):
+                ns = (await register(stub, token)).namespace_id
+                await stub.Lookup(
+                    pb.LookupRequest(namespace_id=ns, tokens=list(range(BLOCK_SIZE))),
+                    metadata=bearer(token),
+                    timeout=5,
+                )
+        text = server.node.metrics.render().decode()
+        assert label_values(text, "tenant") == {"alice", "bob"}  # the file bounds the names
+        (ns_stats,) = server.node.store.stats().namespaces
+        assert set(ns_stats.tenants) == {"alice", "bob"}
+    finally:
+        await server.stop(0.1)
