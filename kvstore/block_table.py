@@ -457,7 +457,7 @@ class BlockTable:
                 t: TenantCounters(**{f: getattr(c, f) for f in TenantCounters.__slots__})
                 for t, c in self._counters.items()
             },
-            resident_by_tenant=res.resident_by_scope(),
+            resident_by_tenant=self._fold_scopes(res.resident_by_scope()),
         )
 
     # --- internals --------------------------------------------------------------
@@ -469,6 +469,20 @@ class BlockTable:
                 f"lease {lease.lease_id} would hold {lease.pin_total + more} pins, over the "
                 f"limit of {limit}; release blocks you no longer read"
             )
+
+    def _fold_scopes(self, resident: dict[TenantId, int]) -> dict[TenantId, int]:
+        """Resident blocks per scope, scopes without own counters under `OTHER_TENANTS`.
+
+        Keeps the stats as bounded as the counters: with made-up tenant names
+        (auth off) there can be as many scopes as blocks.
+        """
+        if not self.max_tenant_counters:
+            return resident
+        folded: dict[TenantId, int] = {}
+        for scope, n in resident.items():
+            key = scope if scope in self._counters or scope == SHARED_SCOPE else OTHER_TENANTS
+            folded[key] = folded.get(key, 0) + n
+        return folded
 
     def _counters_for(self, tenant: TenantId) -> TenantCounters:
         counters = self._counters.get(tenant)

@@ -119,9 +119,7 @@ async def test_100k_made_up_tenants_leave_the_node_bounded(open_node: Server):
     # Stats (and the core's per-tenant counters behind it): bounded, nothing lost.
     (ns_stats,) = stats.namespaces
     capacity = ns_stats.capacity
-    counted = [t for t in ns_stats.tenants if t.lookups or t.stored_blocks]
-    assert len(counted) == LABELS + 1
-    assert len(ns_stats.tenants) <= LABELS + 1 + capacity  # + scopes holding blocks
+    assert len(ns_stats.tenants) == LABELS + 1  # scopes holding blocks fold too
     assert sum(t.lookups for t in ns_stats.tenants) == TENANTS
     assert sum(t.stored_blocks for t in ns_stats.tenants) == WRITERS
     table = node.table(ns)
@@ -152,5 +150,36 @@ async def test_with_auth_on_every_tenant_of_the_file_keeps_its_own_label(auth_co
         assert label_values(text, "tenant") == {"alice", "bob"}  # the file bounds the names
         (ns_stats,) = server.node.store.stats().namespaces
         assert set(ns_stats.tenants) == {"alice", "bob"}
+    finally:
+        await server.stop(0.1)
+
+
+async def test_tenants_holding_blocks_fold_too(server_config: Config):
+    server = Server(replace(server_config, max_tenant_labels=5), clock=ManualClock())
+    await server.start()
+    try:
+        async with grpc.aio.insecure_channel(server.address) as channel:
+            stub = kvstore_pb2_grpc.KVStoreStub(channel)
+            ns = (
+                await stub.RegisterNamespace(
+                    pb.RegisterNamespaceRequest(model_id="m", layout=LAYOUT), timeout=5
+                )
+            ).namespace_id
+            for i in range(20):  # 20 tenants, one resident block each (capacity 64)
+                md = tenant(i)
+                lid = (await stub.OpenLease(pb.OpenLeaseRequest(), metadata=md)).lease_id
+                res = await stub.Reserve(
+                    pb.ReserveRequest(namespace_id=ns, lease_id=lid, tokens=list(range(4))),
+                    metadata=md,
+                )
+                await stub.Commit(
+                    pb.CommitRequest(namespace_id=ns, lease_id=lid, hashes=[res.entries[0].hash]),
+                    metadata=md,
+                )
+            (ns_stats,) = (await stub.Stats(pb.StatsRequest(), timeout=5)).namespaces
+        rows = {t.tenant: t for t in ns_stats.tenants}
+        assert len(rows) == 6 and rows[OTHER_TENANTS].resident_blocks == 15
+        assert sum(t.resident_blocks for t in rows.values()) == 20
+        assert sum(t.stored_blocks for t in rows.values()) == 20
     finally:
         await server.stop(0.1)
