@@ -37,7 +37,7 @@ from typing import Any, TypeVar
 from urllib.parse import parse_qs
 
 from kvstore.block import BlockState
-from kvstore.errors import KVStoreError
+from kvstore.errors import InvalidArgument, KVStoreError
 from kvstore.ops.prefix_tree import BlockRecord, build_tree, tree_json
 from kvstore.ops.summary import status_json, tenants_json
 from kvstore.types import NamespaceId
@@ -178,8 +178,7 @@ class WebApp:
         verdict = self.access.check(environ)
         if verdict is not Verdict.OPEN:
             return self._refuse(start_response, verdict, page)
-        # Log the path only: a query string is the caller's data.
-        try:
+        try:  # logs name the path only: a query string is the caller's data
             if page:
                 return _reply(start_response, "200 OK", PAGE.read_bytes(), "text/html")
             query = parse_qs(environ.get("QUERY_STRING", ""))
@@ -190,9 +189,9 @@ class WebApp:
                 limit = _int(query.get("max_blocks", [""])[0], TREE_MAX_BLOCKS)
                 return _json(start_response, "200 OK", self.tree(name, limit))
             return _json(start_response, "404 Not Found", {"error": f"no such path {path}"})
-        except BadRequest as exc:
+        except (BadRequest, InvalidArgument) as exc:
             return _json(start_response, "400 Bad Request", {"error": str(exc)})
-        except KVStoreError as exc:  # an unknown namespace
+        except KVStoreError as exc:  # UnknownNamespace (the model-id resolver's errors too)
             return _json(start_response, "404 Not Found", {"error": str(exc)})
         except Exception as exc:  # the page must answer, whatever the node is doing
             log.exception("web request %s failed", path)
