@@ -59,12 +59,9 @@ from kvstore.results import (
     ReserveEntry,
     ReserveResult,
     ReserveStatus,
-    TenantCounters,
 )
+from kvstore.tenant_counters import TenantCounterBook
 from kvstore.types import HASH_BYTES, SHARED_SCOPE, BlockHash, SlotId, TenantId
-
-OTHER_TENANTS = TenantId("_other")
-"""Counters of the tenants past ``max_tenant_counters`` (not a valid tenant name)."""
 
 
 class BlockTable:
@@ -91,9 +88,8 @@ class BlockTable:
             max_pins_per_lease: bound on one lease's pins (0 = unbounded).
             quota: scope → most resident blocks it may hold here (0 = no
                 quota); asked on every new block, so it may change at runtime.
-            max_tenant_counters: tenants with their own lookup counters; later
-                ones are counted under `OTHER_TENANTS` (0 = unbounded). Bounds
-                memory and Stats when clients invent tenant names (auth off).
+            max_tenant_counters: tenants with lookup counters of their own; the
+                rest share one record (`kvstore.tenant_counters`; 0 = unbounded).
         """
         if capacity <= 0:
             raise InvalidArgument(f"capacity must be a positive number of blocks, got {capacity}")
@@ -105,8 +101,7 @@ class BlockTable:
         self.max_pins_per_lease = max_pins_per_lease
         self._events = events if events is not None else []
         self._res = Residency(capacity, quota)
-        self._counters: dict[TenantId, TenantCounters] = {}
-        self.max_tenant_counters = max_tenant_counters
+        self._counters = TenantCounterBook(max_tenant_counters)
 
     # --- queries -------------------------------------------------------------
 
@@ -218,7 +213,7 @@ class BlockTable:
             block.last_used = now
         if lease is None:
             self._res.touch_prefix(hits)
-        self._counters_for(tenant).count_lookup(
+        self._counters.of(tenant).count_lookup(
             len(chain), len(hits), reason, self.block_size, query_tokens
         )
         return LookupResult(
@@ -322,7 +317,7 @@ class BlockTable:
         self._res.mark_ready(todo, now)
         for block in todo:
             writes.discard(block)
-        counters = self._counters_for(lease.tenant)
+        counters = self._counters.of(lease.tenant)
         counters.stored_blocks += len(todo)
         self._res.touch(todo, now)
         self._emit_stored(todo, now)
@@ -453,11 +448,8 @@ class BlockTable:
             pinned=res.pinned,
             evictable=res.evictable,
             evictions=res.evictions,
-            tenants={
-                t: TenantCounters(**{f: getattr(c, f) for f in TenantCounters.__slots__})
-                for t, c in self._counters.items()
-            },
-            resident_by_tenant=self._fold_scopes(res.resident_by_scope()),
+            tenants=self._counters.copies(),
+            resident_by_tenant=self._counters.fold(res.resident_by_scope()),
         )
 
     # --- internals --------------------------------------------------------------
@@ -469,31 +461,6 @@ class BlockTable:
                 f"lease {lease.lease_id} would hold {lease.pin_total + more} pins, over the "
                 f"limit of {limit}; release blocks you no longer read"
             )
-
-    def _fold_scopes(self, resident: dict[TenantId, int]) -> dict[TenantId, int]:
-        """Resident blocks per scope, scopes without own counters under `OTHER_TENANTS`.
-
-        Keeps the stats as bounded as the counters: with made-up tenant names
-        (auth off) there can be as many scopes as blocks.
-        """
-        if not self.max_tenant_counters:
-            return resident
-        folded: dict[TenantId, int] = {}
-        for scope, n in resident.items():
-            key = scope if scope in self._counters or scope == SHARED_SCOPE else OTHER_TENANTS
-            folded[key] = folded.get(key, 0) + n
-        return folded
-
-    def _counters_for(self, tenant: TenantId) -> TenantCounters:
-        counters = self._counters.get(tenant)
-        if counters is None:
-            limit = self.max_tenant_counters
-            if limit and len(self._counters) >= limit:
-                tenant = OTHER_TENANTS  # bounded: later tenants share one record
-                counters = self._counters.get(tenant)
-            if counters is None:
-                counters = self._counters[tenant] = TenantCounters()
-        return counters
 
     def _emit_stored(self, blocks: list[Block], now: float) -> None:
         self._events.extend(stored_events(self.namespace, blocks, now))

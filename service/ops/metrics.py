@@ -28,8 +28,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.exposition import ThreadingWSGIServer, _SilentHandler
 from prometheus_client.registry import Collector
 
-from kvstore.block_table import OTHER_TENANTS
 from kvstore.store import StoreStats
+from kvstore.tenant_counters import OTHER_TENANTS
 
 log = logging.getLogger(__name__)
 

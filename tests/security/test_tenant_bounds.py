@@ -17,7 +17,7 @@ from dataclasses import replace
 import grpc
 import pytest
 
-from kvstore.block_table import OTHER_TENANTS
+from kvstore.tenant_counters import OTHER_TENANTS
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc
 from service.config import Config
