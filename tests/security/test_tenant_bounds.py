@@ -17,7 +17,8 @@ from dataclasses import replace
 import grpc
 import pytest
 
-from kvstore.tenant_counters import OTHER_TENANTS
+from kvstore.tenant_counters import OTHER_TENANTS, TenantCounterBook
+from kvstore.types import SHARED_SCOPE, TenantId
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc
 from service.config import Config
@@ -183,3 +184,14 @@ async def test_tenants_holding_blocks_fold_too(server_config: Config):
         assert sum(t.stored_blocks for t in rows.values()) == 20
     finally:
         await server.stop(0.1)
+
+
+def test_counter_book_keeps_the_first_tenants_and_folds_the_rest():
+    book = TenantCounterBook(limit=2)
+    for name in ("a", "b", "c", "d", "a", "c"):
+        book.of(TenantId(name)).lookups += 1
+    counts = {t: c.lookups for t, c in book.copies().items()}
+    assert counts == {"a": 2, "b": 1, OTHER_TENANTS: 3} and len(book) == 3
+    resident = {TenantId("a"): 1, TenantId("c"): 2, TenantId("d"): 4, SHARED_SCOPE: 5}
+    assert book.fold(resident) == {"a": 1, OTHER_TENANTS: 6, SHARED_SCOPE: 5}
+    assert TenantCounterBook(limit=0).fold(resident) == resident
