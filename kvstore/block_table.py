@@ -61,8 +61,8 @@ from kvstore.results import (
     ReserveEntry,
     ReserveResult,
     ReserveStatus,
-    TenantCounters,
 )
+from kvstore.tenant_counters import TenantCounterBook
 from kvstore.types import SHARED_SCOPE, BlockHash, SlotId, TenantId, check_hashes
 
 
@@ -78,6 +78,7 @@ class BlockTable:
         events: list[CacheEvent] | None = None,
         max_pins_per_lease: int = 0,
         quota: QuotaOf | None = None,
+        max_tenant_counters: int = 0,
     ) -> None:
         """Create an empty table.
 
@@ -89,6 +90,8 @@ class BlockTable:
             max_pins_per_lease: bound on one lease's pins (0 = unbounded).
             quota: scope → most resident blocks it may hold here (0 = no
                 quota); asked on every new block, so it may change at runtime.
+            max_tenant_counters: tenants with lookup counters of their own; the
+                rest share one record (`kvstore.tenant_counters`; 0 = unbounded).
         """
         if capacity <= 0:
             raise InvalidArgument(f"capacity must be a positive number of blocks, got {capacity}")
@@ -100,7 +103,7 @@ class BlockTable:
         self.max_pins_per_lease = max_pins_per_lease
         self._events = events if events is not None else []
         self._res = Residency(capacity, quota)
-        self._counters: dict[TenantId, TenantCounters] = {}
+        self._counters = TenantCounterBook(max_tenant_counters)
 
     # --- queries -------------------------------------------------------------
 
@@ -216,7 +219,7 @@ class BlockTable:
                 block.last_used = now
             if lease is None:
                 self._res.touch_prefix(hits)
-            self._counters_for(tenant).count_lookup(
+            self._counters.of(tenant).count_lookup(
                 len(chain), len(hits), reason, self.block_size, query_tokens
             )
         return LookupResult(
@@ -320,7 +323,7 @@ class BlockTable:
         self._res.mark_ready(todo, now)
         for block in todo:
             writes.discard(block)
-        counters = self._counters_for(lease.tenant)
+        counters = self._counters.of(lease.tenant)
         counters.stored_blocks += len(todo)
         self._res.touch(todo, now)
         self._emit_stored(todo, now)
@@ -463,11 +466,8 @@ class BlockTable:
             pinned=res.pinned,
             evictable=res.evictable,
             evictions=res.evictions,
-            tenants={
-                t: TenantCounters(**{f: getattr(c, f) for f in TenantCounters.__slots__})
-                for t, c in self._counters.items()
-            },
-            resident_by_tenant=res.resident_by_scope(),
+            tenants=self._counters.copies(),
+            resident_by_tenant=self._counters.fold(res.resident_by_scope()),
         )
 
     # --- internals --------------------------------------------------------------
@@ -479,12 +479,6 @@ class BlockTable:
                 f"lease {lease.lease_id} would hold {lease.pin_total + more} pins, over the "
                 f"limit of {limit}; release blocks you no longer read"
             )
-
-    def _counters_for(self, tenant: TenantId) -> TenantCounters:
-        counters = self._counters.get(tenant)
-        if counters is None:
-            counters = self._counters[tenant] = TenantCounters()
-        return counters
 
     def _emit_stored(self, blocks: list[Block], now: float) -> None:
         self._events.extend(stored_events(self.namespace, blocks, now))

@@ -146,7 +146,7 @@ class Residency:
         """
         parent = block.parent
         if parent is not None and parent.state is BlockState.FREE:
-            live = self._scopes[block.scope].get(parent.hash)
+            live = self._scopes.get(block.scope, {}).get(parent.hash)
             if live is not None:
                 block.parent = live
 
@@ -236,9 +236,14 @@ class Residency:
         self._forget(block)
 
     def _forget(self, block: Block, quarantine_until: float | None = None) -> None:
-        # An emptied scope dict is kept: scopes come back, and `blocks` hands
-        # the dict out to callers iterating a chain.
-        del self._scopes[block.scope][block.hash]
+        # An emptied scope dict is dropped: one per tenant name ever seen
+        # would grow without bound (auth off: clients invent names). Safe for
+        # the callers of `blocks`: none allocates while it holds the dict, and
+        # a dropped dict is empty, which is the right answer for them.
+        scope_blocks = self._scopes[block.scope]
+        del scope_blocks[block.hash]
+        if not scope_blocks:
+            del self._scopes[block.scope]
         block.state = BlockState.FREE
         block.writer = None
         if quarantine_until is None:

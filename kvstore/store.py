@@ -57,6 +57,8 @@ class StoreLimits:
     """Namespaces one node holds."""
     write_quarantine: float = WRITE_QUARANTINE
     """Seconds the slots of an expired lease's unfinished writes stay unused (0 = none)."""
+    max_tenant_counters: int = 0
+    """Tenants with their own lookup counters per namespace; the rest share one (0 = no bound)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,6 +132,7 @@ class Store:
             events=self._events,
             max_pins_per_lease=self.limits.max_pins_per_lease,
             quota=quota,
+            max_tenant_counters=self.limits.max_tenant_counters,
         )
         self._tables[spec.namespace_id] = table
         self._by_model[spec.model_id] = spec

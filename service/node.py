@@ -68,6 +68,9 @@ class Node:
             raise ConfigError(str(exc)) from None
         self.directory = directory
         """Tenant tokens and policies; None = auth off (trust mode, docs/security.md)."""
+        labels = config.max_tenant_labels
+        if directory is not None and labels:  # the tenants file bounds the names: keep them all
+            labels = max(labels, len(directory.policies))
         self.store = Store(
             StoreLimits(
                 max_chain_blocks=config.max_chain_blocks,
@@ -76,6 +79,7 @@ class Node:
                 max_pins_per_lease=config.max_pins_per_lease,
                 max_leases_per_tenant=config.max_leases_per_tenant,
                 write_quarantine=config.write_quarantine_seconds,
+                max_tenant_counters=labels,
             ),
             max_leases_of=directory.max_leases if directory is not None else None,
         )
@@ -85,7 +89,7 @@ class Node:
         self.events: EventHub[pb.Event] = EventHub()
         self.loop: asyncio.AbstractEventLoop | None = None
         """The loop that drives the store; set by the server when it starts."""
-        self.metrics = Metrics(self.snapshot)
+        self.metrics = Metrics(self.snapshot, max_tenant_labels=labels)
         self.cluster: RedisAgent | None = None
         """The node's Redis agent when `redis_url` is set (`join_cluster`)."""
         self.peers: PeerFetcher | None = None

@@ -100,6 +100,8 @@ class Config:
     """Live leases per tenant (0 = unbounded; max_leases in the tenants file overrides)."""
     max_concurrent_rpcs: int = 0
     """RPCs the server runs at once (0 = unbounded); beyond it gRPC answers RESOURCE_EXHAUSTED."""
+    max_tenant_labels: int = 100
+    """Tenants with own metric labels and counters; the rest count as _other (0 = no cap)."""
     tenants_file: str = ""
     """TOML/JSON file of tenant tokens, namespaces and quotas; set = auth on (docs/security.md)."""
     tls_cert: str = ""
@@ -174,6 +176,7 @@ _PARSERS: dict[str, Callable[[object], object]] = {
     "max_pins_per_lease": parse_non_negative(parse_int),
     "max_leases_per_tenant": parse_non_negative(parse_int),
     "max_concurrent_rpcs": parse_non_negative(parse_int),
+    "max_tenant_labels": parse_non_negative(parse_int),
     "tenants_file": parse_str,
     "tls_cert": parse_str,
     "tls_key": parse_str,

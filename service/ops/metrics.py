@@ -4,6 +4,13 @@ Counters and histograms are updated by the servicer as calls happen; the
 occupancy gauges (blocks per state, leases, evictions) are computed from a
 store snapshot at scrape time by `_StoreCollector`. Each `Metrics` has its
 own `CollectorRegistry`, so tests can run several servers in one process.
+
+Bounded by design: the ``tenant`` label takes at most ``max_tenant_labels``
+distinct values (`TenantLabels`); later tenants are counted under
+``_other``, so a client inventing tenant names (auth off) cannot grow the
+series without bound. A call the client cancelled (a ``kvstore watch``
+stopped with Ctrl-C, a runner that gave up) is counted in
+``kvstore_rpc_cancelled_total``, not as an error.
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ from prometheus_client.exposition import ThreadingWSGIServer, _SilentHandler
 from prometheus_client.registry import Collector
 
 from kvstore.store import StoreStats
+from kvstore.tenant_counters import OTHER_TENANTS
 
 log = logging.getLogger(__name__)
 
@@ -30,6 +38,15 @@ Snapshot = Callable[[], StoreStats | None]
 
 WsgiApp = Callable[..., Iterable[bytes]]
 """A WSGI application (``app(environ, start_response)``)."""
+
+RPC_BUCKETS = (
+    0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25,
+    0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
+)  # fmt: skip
+"""RPC latency buckets, seconds: a lookup takes ~0.1-0.5 ms, so they start at 50 us."""
+
+DEFAULT_TENANT_LABELS = 100
+"""Distinct ``tenant`` label values before the rest fold into ``_other``."""
 
 NodeInfo = Callable[[], dict[str, float]]
 """Node-wide gauges read at scrape time: capacity_bytes, allocated_bytes, uptime_seconds."""
@@ -54,6 +71,11 @@ class _StoreCollector(Collector):
         evictions = CounterMetricFamily(
             "kvstore_evictions", "Blocks evicted to make room", labels=["namespace"]
         )
+        info = GaugeMetricFamily(
+            "kvstore_namespace_info",
+            "1 per namespace, naming its model (join on namespace to chart by model)",
+            labels=["namespace", "model", "block_size", "block_bytes"],
+        )
         for ns in stats.namespaces:
             for state, value in (
                 ("free", ns.free),
@@ -65,6 +87,8 @@ class _StoreCollector(Collector):
                 blocks.add_metric([ns.namespace, state], value)
             capacity.add_metric([ns.namespace], ns.capacity)
             evictions.add_metric([ns.namespace], ns.evictions)
+            info.add_metric([ns.namespace, ns.model_id, str(ns.block_size), str(ns.block_bytes)], 1)
+        yield info
         yield blocks
         yield capacity
         yield evictions
@@ -117,10 +141,42 @@ class _ClusterCollector(Collector):
             yield family(f"kvstore_{name}", doc, value=info[name])
 
 
+class TenantLabels:
+    """The bounded set of values the ``tenant`` label takes.
+
+    The first ``limit`` distinct tenants keep their own label; every later
+    one is `OTHER_TENANTS` (``_other``, not a valid tenant name, so it
+    cannot collide). First come, first kept: a label series, once exported,
+    stays (Prometheus counters must not move between series). 0 = no bound
+    (only sensible with auth on, where the tenants file bounds the names).
+    Used on the event loop only.
+    """
+
+    def __init__(self, limit: int = DEFAULT_TENANT_LABELS) -> None:
+        self.limit = limit
+        self._kept: set[str] = set()
+
+    def __len__(self) -> int:
+        return len(self._kept)
+
+    def label(self, tenant: str) -> str:
+        """The label value ``tenant`` is counted under."""
+        if tenant in self._kept:
+            return tenant
+        if self.limit and len(self._kept) >= self.limit:
+            return OTHER_TENANTS
+        self._kept.add(tenant)
+        return tenant
+
+
 class Metrics:
     """The node's metrics; `start_http` serves them on the metrics port."""
 
-    def __init__(self, snapshot: Snapshot | None = None) -> None:
+    def __init__(
+        self, snapshot: Snapshot | None = None, *, max_tenant_labels: int = DEFAULT_TENANT_LABELS
+    ) -> None:
+        self.tenant_labels = TenantLabels(max_tenant_labels)
+        """The tenant label values in use (bounded; the rest are ``_other``)."""
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         tenant_labels = ["namespace", "tenant", "result"]
@@ -137,10 +193,23 @@ class Metrics:
             "kvstore_lease_expiries", "Leases ended because their TTL passed", registry=r
         )
         self.rpc_duration = Histogram(
-            "kvstore_rpc_duration_seconds", "Time to answer an RPC", ["method"], registry=r
+            "kvstore_rpc_duration_seconds",
+            "Time to answer an RPC",
+            ["method"],
+            registry=r,
+            buckets=RPC_BUCKETS,
         )
         self.rpc_errors = Counter(
-            "kvstore_rpc_errors", "RPCs that ended with an error", ["method", "code"], registry=r
+            "kvstore_rpc_errors",
+            "RPCs that ended with an error (client cancellations excluded)",
+            ["method", "code"],
+            registry=r,
+        )
+        self.rpc_cancelled = Counter(
+            "kvstore_rpc_cancelled",
+            "RPCs the client cancelled or gave up on (a stopped watch); not errors",
+            ["method"],
+            registry=r,
         )
         self.watch_dropped = Counter(
             "kvstore_watch_dropped_events", "Events dropped for slow watchers", registry=r
@@ -159,9 +228,16 @@ class Metrics:
         self.registry.register(_ClusterCollector(cluster_info))
 
     def observe_rpc(self, method: str, seconds: float, code: grpc.StatusCode) -> None:
-        """Record one finished RPC."""
+        """Record one finished RPC (CANCELLED: the client left; not an error).
+
+        The node never answers CANCELLED itself (`service.api.errors` maps no
+        error to it), so that code always means the client cancelled the
+        call, its deadline passed, or the node is shutting down.
+        """
         self.rpc_duration.labels(method).observe(seconds)
-        if code is not grpc.StatusCode.OK:
+        if code is grpc.StatusCode.CANCELLED:
+            self.rpc_cancelled.labels(method).inc()
+        elif code is not grpc.StatusCode.OK:
             self.rpc_errors.labels(method, code.name).inc()
 
     def observe_lookup(
@@ -169,6 +245,7 @@ class Metrics:
         miss_tokens: int,
     ) -> None:  # fmt: skip
         """Record one lookup's hits and misses in blocks and tokens."""
+        tenant = self.tenant_labels.label(tenant)
         self.lookup_blocks.labels(namespace, tenant, "hit").inc(hit_blocks)
         self.lookup_blocks.labels(namespace, tenant, "miss").inc(miss_blocks)
         self.lookup_tokens.labels(namespace, tenant, "hit").inc(hit_tokens)
@@ -179,7 +256,7 @@ class Metrics:
         return generate_latest(self.registry)
 
     def wsgi_app(self) -> WsgiApp:
-        """The WSGI app that answers scrapes (any path)."""
+        """The WSGI app that answers scrapes (any path; `service.ops.web` routes /metrics)."""
         app: WsgiApp = _make_wsgi_app(self.registry)
         return app
 

@@ -1,15 +1,22 @@
 """The node's read-only web page and its JSON endpoints, on the metrics port.
 
-Routes (GET only):
+Routes:
 
-- ``/`` — one HTML page (``service/ops/web/index.html``, no external assets:
-  the page must work offline) that polls the endpoints below and draws
-  occupancy, hit rate over time and the prefix tree as SVG.
-- ``/api/stats`` — `kvstore.ops.summary.status_json` plus ``history``,
-  the hit-rate samples the node keeps (`HitRateHistory`).
-- ``/api/tree?namespace=NS&max_blocks=N`` — the namespace's prefix tree
-  collapsed into runs (`kvstore.ops.prefix_tree`), the ``kvstore tree`` JSON.
-- anything else — the Prometheus exposition (``/metrics``).
+- ``GET /`` — one HTML page (``service/ops/web/index.html``, no external
+  assets: the page must work offline) that polls the endpoints below and
+  draws namespaces by model with their tenants, hit rate over time and the
+  prefix tree as SVG.
+- ``GET /api/stats`` — `kvstore.ops.summary.status_json` plus ``history``,
+  the hit-rate samples the node keeps (`HitRateHistory`), and ``tenants``
+  (`kvstore.ops.summary.tenants_json` rows).
+- ``GET /api/tree?namespace=NS&max_blocks=N`` — the namespace's prefix tree
+  collapsed into runs (`kvstore.ops.prefix_tree`), the ``kvstore tree`` JSON,
+  plus ``namespaces``; no namespace = the busiest one (most tokens looked up).
+- ``POST /login`` — the page's sign-in form when auth is on (`web_auth`).
+- ``GET /metrics`` — the Prometheus exposition, open to scrapers.
+- anything else — 404 (a JSON error under ``/api/``).
+
+With auth on, the page and ``/api/*`` need the admin token (`web_auth`).
 
 The HTTP server runs in a thread; the store is driven by the event loop and
 has no lock, so every read of it hops onto the loop (`on_loop`), like
@@ -30,12 +37,13 @@ from typing import Any, TypeVar
 from urllib.parse import parse_qs
 
 from kvstore.block import BlockState
-from kvstore.errors import KVStoreError
+from kvstore.errors import InvalidArgument, KVStoreError
 from kvstore.ops.prefix_tree import BlockRecord, build_tree, tree_json
-from kvstore.ops.summary import status_json
+from kvstore.ops.summary import status_json, tenants_json
 from kvstore.types import NamespaceId
 from service.node import Node
 from service.ops.metrics import WsgiApp
+from service.ops.web_auth import DISABLED_PAGE, LOGIN_PAGE, Verdict, WebAccess
 
 log = logging.getLogger(__name__)
 
@@ -137,80 +145,173 @@ def _records(node: Node, namespace: NamespaceId, limit: int) -> tuple[int, list[
     return total, records
 
 
-class WebApp:
-    """WSGI app: the page, the JSON endpoints, and the metrics for every other path."""
+class BadRequest(ValueError):
+    """A malformed query parameter (answered 400)."""
 
-    def __init__(self, node: Node, history: HitRateHistory, metrics: WsgiApp) -> None:
+
+class WebApp:
+    """WSGI app: the page, the JSON endpoints, /metrics, 404 for the rest."""
+
+    def __init__(
+        self, node: Node, history: HitRateHistory, metrics: WsgiApp, access: WebAccess | None = None
+    ) -> None:
         self.node = node
         self.history = history
         self.metrics = metrics
+        self.access = access or WebAccess(
+            auth_on=node.tenants.auth_on, admin_token=node.config.admin_token
+        )
 
     def __call__(self, environ: dict[str, Any], start_response: StartResponse) -> Iterable[bytes]:
         path = environ.get("PATH_INFO", "/")
-        query = parse_qs(environ.get("QUERY_STRING", ""))
-        try:
-            if path in ("/", "/index.html"):
+        method = environ.get("REQUEST_METHOD", "GET")
+        if path == "/metrics":
+            return self.metrics(environ, start_response)
+        if path == "/login":
+            return self._login(environ, start_response, method)
+        page = path in ("/", "/index.html")
+        api = path.startswith("/api/")
+        if not page and not api:
+            return _reply(start_response, "404 Not Found", b"not found\n", "text/plain")
+        if method not in ("GET", "HEAD"):
+            return _json(start_response, "405 Method Not Allowed", {"error": "GET only"})
+        verdict = self.access.check(environ)
+        if verdict is not Verdict.OPEN:
+            return self._refuse(start_response, verdict, page)
+        try:  # logs name the path only: a query string is the caller's data
+            if page:
                 return _reply(start_response, "200 OK", PAGE.read_bytes(), "text/html")
+            query = parse_qs(environ.get("QUERY_STRING", ""))
             if path == "/api/stats":
                 return _json(start_response, "200 OK", self.stats())
             if path == "/api/tree":
                 name = query.get("namespace", [""])[0]
                 limit = _int(query.get("max_blocks", [""])[0], TREE_MAX_BLOCKS)
                 return _json(start_response, "200 OK", self.tree(name, limit))
-            if path.startswith("/api/"):
-                return _json(start_response, "404 Not Found", {"error": f"no such path {path}"})
-        except KVStoreError as exc:
+            return _json(start_response, "404 Not Found", {"error": f"no such path {path}"})
+        except (BadRequest, InvalidArgument) as exc:
+            return _json(start_response, "400 Bad Request", {"error": str(exc)})
+        except KVStoreError as exc:  # UnknownNamespace (the model-id resolver's errors too)
             return _json(start_response, "404 Not Found", {"error": str(exc)})
         except Exception as exc:  # the page must answer, whatever the node is doing
             log.exception("web request %s failed", path)
             return _json(start_response, "503 Service Unavailable", {"error": repr(exc)})
-        return self.metrics(environ, start_response)
+
+    def _refuse(self, start: StartResponse, verdict: Verdict, page: bool) -> list[bytes]:
+        if verdict is Verdict.DISABLED:
+            message = "auth is on and this node has no admin token: the web page is off"
+            if page:
+                return _reply(start, "403 Forbidden", DISABLED_PAGE.encode(), "text/html")
+            return _json(start, "403 Forbidden", {"error": message})
+        status = "401 Unauthorized" if verdict is Verdict.MISSING else "403 Forbidden"
+        if page:
+            text = "" if verdict is Verdict.MISSING else "That is not the admin token."
+            body = (LOGIN_PAGE % {"message": text}).encode()
+            return _reply(start, status, body, "text/html")
+        error = (
+            "this node has auth on: send 'Authorization: Bearer <admin token>'"
+            if verdict is Verdict.MISSING
+            else "the admin token is not valid"
+        )
+        return _json(start, status, {"error": error}, [("WWW-Authenticate", "Bearer")])
+
+    def _login(self, environ: dict[str, Any], start: StartResponse, method: str) -> list[bytes]:
+        if method != "POST":
+            return _reply(start, "405 Method Not Allowed", b"POST the form\n", "text/plain")
+        if not self.access.auth_on:
+            return _redirect(start, [])
+        if not self.access.admin_token:
+            return _reply(start, "403 Forbidden", DISABLED_PAGE.encode(), "text/html")
+        if not self.access.login(environ):
+            log.warning("web page: a sign-in with a wrong token")
+            body = (LOGIN_PAGE % {"message": "That is not the admin token."}).encode()
+            return _reply(start, "403 Forbidden", body, "text/html")
+        secure = environ.get("wsgi.url_scheme") == "https"
+        return _redirect(start, [self.access.cookie_header(secure)])
 
     def stats(self) -> dict[str, Any]:
         """The /api/stats document."""
-        doc = status_json(on_loop(self.node, self.node.stats_response))
+        response = on_loop(self.node, self.node.stats_response)
+        doc = status_json(response)
+        doc["tenants"] = tenants_json(response)
         doc["history"] = self.history.samples()
         return doc
 
     def tree(self, namespace: str, limit: int) -> dict[str, Any]:
-        """The /api/tree document ("" = the first namespace; empty tree when none)."""
+        """The /api/tree document ("" = the busiest namespace; empty tree when none).
+
+        Raises:
+            UnknownNamespace: no namespace of that id (answered 404).
+        """
         node = self.node
 
-        def read() -> tuple[str, int, int, list[BlockRecord]]:
-            names = [t.spec.namespace_id for t in node.store.tables()]
-            ns = NamespaceId(namespace) if namespace else (names[0] if names else None)
+        def read() -> tuple[str, int, int, list[BlockRecord], list[str]]:
+            names: list[str] = [t.spec.namespace_id for t in node.store.tables()]
+            ns = NamespaceId(namespace) if namespace else busiest(node)
             if ns is None:
-                return "", 0, 0, []
+                return "", 0, 0, [], names
             total, records = _records(node, ns, limit)
-            return ns, node.table(ns).block_size, total, records
+            return ns, node.table(ns).block_size, total, records, names
 
-        ns, block_size, total, records = on_loop(node, read)
+        ns, block_size, total, records, names = on_loop(node, read)
         roots = build_tree(records, block_size)
         doc = tree_json(ns, block_size, roots, len(records), total)
-        doc["namespaces"] = on_loop(
-            node, lambda: [t.spec.namespace_id for t in node.store.tables()]
-        )
+        doc["namespaces"] = names
         return doc
 
 
+def busiest(node: Node) -> NamespaceId | None:
+    """The namespace with the most tokens looked up (then most blocks used); call on the loop."""
+    best: tuple[int, int] | None = None
+    found: NamespaceId | None = None
+    for ns in node.store.stats().namespaces:
+        lookups = sum(c.hit_tokens + c.miss_tokens for c in ns.tenants.values())
+        key = (lookups, ns.ready + ns.writing)
+        if best is None or key > best:
+            best, found = key, ns.namespace
+    return found
+
+
 def _int(text: str, default: int) -> int:
-    try:
-        return max(1, min(int(text), 10 * TREE_MAX_BLOCKS))
-    except ValueError:
+    if not text:
         return default
+    try:
+        value = int(text)
+    except ValueError:
+        raise BadRequest(f"max_blocks must be a whole number, got {text[:32]!r}") from None
+    if value < 1:
+        raise BadRequest(f"max_blocks must be at least 1, got {value}")
+    return min(value, 10 * TREE_MAX_BLOCKS)
 
 
-def _reply(start: StartResponse, status: str, body: bytes, ctype: str) -> list[bytes]:
+def _reply(
+    start: StartResponse,
+    status: str,
+    body: bytes,
+    ctype: str,
+    extra: list[tuple[str, str]] | None = None,
+) -> list[bytes]:
     start(
         status,
         [
             ("Content-Type", f"{ctype}; charset=utf-8"),
             ("Content-Length", str(len(body))),
             ("Cache-Control", "no-store"),
+            ("X-Content-Type-Options", "nosniff"),
+            ("Referrer-Policy", "no-referrer"),
+            ("X-Frame-Options", "DENY"),
+            *(extra or []),
         ],
     )
     return [body]
 
 
-def _json(start: StartResponse, status: str, doc: object) -> list[bytes]:
-    return _reply(start, status, json.dumps(doc).encode(), "application/json")
+def _json(
+    start: StartResponse, status: str, doc: object, extra: list[tuple[str, str]] | None = None
+) -> list[bytes]:
+    return _reply(start, status, json.dumps(doc).encode(), "application/json", extra)
+
+
+def _redirect(start: StartResponse, headers: list[tuple[str, str]]) -> list[bytes]:
+    start("303 See Other", [("Location", "/"), ("Content-Length", "0"), *headers])
+    return [b""]

@@ -17,6 +17,7 @@ tenant's) and the chain root of a namespace for that tenant.
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import hmac
 import re
@@ -39,6 +40,9 @@ DEFAULT_TENANT = TenantId("default")
 
 ADMIN_CALLER = TenantId("_admin")
 """The `Caller.tenant` of the admin (not a valid tenant name, so no tenant's)."""
+
+ROOT_CACHE_SIZE = 65536
+"""Chain roots (tenant x namespace) kept; the least recently used are recomputed."""
 
 _TENANT_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:@-]{0,127}$")
 
@@ -127,7 +131,14 @@ class ChainRoots:
         if not salt_secret:
             raise ValueError("bug: ChainRoots needs a resolved (non-empty) salt secret")
         self._secret = salt_secret
-        self._cache: dict[tuple[bytes, TenantId, bool], BlockHash] = {}
+        # Least recently used first; bounded, since tenant names are unbounded with auth off.
+        self._cache: collections.OrderedDict[tuple[bytes, TenantId, bool], BlockHash] = (
+            collections.OrderedDict()
+        )
+
+    def __len__(self) -> int:
+        """Chain roots cached (at most `ROOT_CACHE_SIZE`)."""
+        return len(self._cache)
 
     def salt(self, tenant: TenantId) -> bytes:
         """HMAC-SHA256(salt_secret, tenant): the tenant's secret salt."""
@@ -145,9 +156,11 @@ class ChainRoots:
         digest = spec.digest()
         key = (digest, tenant, shared)
         root = self._cache.get(key)
-        if root is None:
-            root = kvstore_root(digest, b"" if shared else self.salt(tenant))
-            if len(self._cache) > 65536:  # bounded: tenants x namespaces
-                self._cache.clear()
-            self._cache[key] = root
+        if root is not None:
+            self._cache.move_to_end(key)
+            return root
+        root = kvstore_root(digest, b"" if shared else self.salt(tenant))
+        self._cache[key] = root
+        if len(self._cache) > ROOT_CACHE_SIZE:  # bounded: tenants x namespaces
+            self._cache.popitem(last=False)
         return root

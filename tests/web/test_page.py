@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import struct
 import subprocess
@@ -14,14 +15,41 @@ from pathlib import Path
 
 import pytest
 
-from tests.cli.conftest import populate, start_node, stop_node
+from kvstore.v1 import kvstore_pb2 as pb
+from tests.cli.conftest import LAYOUT, populate, start_node, stop_node
+
+QUIET_MODEL = "quiet-model"
+"""A namespace registered before the busy one, with one block and no lookups."""
+
+
+def add_quiet_namespace(node) -> str:
+    channel, stub = node.stub()
+    md = (("x-kvstore-tenant", "bob"),)
+    with channel:
+        ns = stub.RegisterNamespace(
+            pb.RegisterNamespaceRequest(model_id=QUIET_MODEL, layout=LAYOUT), metadata=md, timeout=5
+        ).namespace_id
+        lid = stub.OpenLease(pb.OpenLeaseRequest(ttl_seconds=600), metadata=md, timeout=5).lease_id
+        res = stub.Reserve(
+            pb.ReserveRequest(namespace_id=ns, lease_id=lid, tokens=list(range(4))),
+            metadata=md,
+            timeout=5,
+        )
+        stub.Commit(
+            pb.CommitRequest(namespace_id=ns, lease_id=lid, hashes=[e.hash for e in res.entries]),
+            metadata=md,
+            timeout=5,
+        )
+    return ns
 
 
 @pytest.fixture(scope="module")
 def web_node(tmp_path_factory):
     node = start_node(tmp_path_factory.mktemp("web-pools"))
     try:
+        quiet = add_quiet_namespace(node)
         populate(node)
+        node.extra["quiet"] = quiet
         yield node
     finally:
         stop_node(node)
@@ -47,21 +75,26 @@ def wait_for_samples(node, n: int) -> dict:
 
 def test_api_stats_and_history(web_node):
     doc = wait_for_samples(web_node, 2)
-    assert doc["node_id"] == "cli-node" and doc["used_blocks"] == 10
+    assert doc["node_id"] == "cli-node" and doc["used_blocks"] == 11
     assert len(doc["history"]) >= 2
     last = doc["history"][-1]
-    assert last["hit_tokens"] == 64 and last["miss_tokens"] == 8 and last["used_blocks"] == 10
+    assert last["hit_tokens"] == 64 and last["miss_tokens"] == 8 and last["used_blocks"] == 11
+    rows = {(t["namespace"], t["tenant"]) for t in doc["tenants"]}
+    assert rows == {(web_node.namespace, "default"), (web_node.extra["quiet"], "bob")}
 
 
 def test_api_tree(web_node):
-    status, body = get(web_node, "/api/tree")
+    status, body = get(web_node, "/api/tree")  # no namespace: the busiest, not the first
     doc = json.loads(body)
     assert status == 200 and doc["namespace"] == web_node.namespace
     assert doc["runs"] == 5 and doc["roots"][0]["requests"] == 3
-    assert doc["namespaces"] == [web_node.namespace]
+    assert doc["namespaces"] == [web_node.extra["quiet"], web_node.namespace]
+    quiet = json.loads(get(web_node, f"/api/tree?namespace={web_node.extra['quiet']}")[1])
+    assert quiet["runs"] == 1 and quiet["roots"][0]["tenant"] == "bob"
     status, body = get(web_node, "/api/tree?namespace=nope")
-    assert status == 404 and b"nope" in body
+    assert status == 404 and "nope" in json.loads(body)["error"]
     assert get(web_node, "/api/nothing")[0] == 404
+    assert get(web_node, "/nothing")[0] == 404
 
 
 def test_metrics_still_served_and_named_by_convention(web_node):
@@ -108,7 +141,7 @@ def chromium(*args: str) -> subprocess.CompletedProcess[str]:
 def test_page_renders_live_data_in_chromium(web_node, tmp_path):
     wait_for_samples(web_node, 2)
     url = f"http://127.0.0.1:{web_node.metrics_port}/"
-    dom = chromium("--dump-dom", url)
+    dom = chromium("--dump-dom", "--window-size=1400,1100", url)
     assert dom.returncode == 0, dom.stderr[-2000:]
     html = dom.stdout
     assert 'data-rendered="1"' in html, html[-3000:]
@@ -120,6 +153,41 @@ def test_page_renders_live_data_in_chromium(web_node, tmp_path):
     r = chromium(f"--screenshot={shot}", "--window-size=1000,1100", url)
     assert r.returncode == 0 and shot.exists(), r.stderr[-2000:]
     assert png_is_drawn(shot)
+
+
+def test_page_groups_namespaces_by_model_and_opens_the_busiest(web_node):
+    wait_for_samples(web_node, 2)
+    url = f"http://127.0.0.1:{web_node.metrics_port}/"
+    html = chromium("--dump-dom", "--window-size=1400,1100", url).stdout
+    assert 'data-rendered="1"' in html, html[-3000:]
+    # One heading per model, the busy one first, each namespace with its tenants.
+    models = re.findall(r'<h3 class="model">([^<]*)</h3>', html)
+    assert models == ["demo-model", QUIET_MODEL]
+    sections = re.findall(r'<div class="ns[^"]*" data-namespace="([0-9a-f]+)"', html)
+    assert sections == [web_node.namespace, web_node.extra["quiet"]]
+    busy, quiet = html.split(f'data-namespace="{web_node.extra["quiet"]}"')
+    assert "<td>default</td>" in busy and "<td>bob</td>" in quiet
+    # The tree opens on the busiest namespace, not the first registered one.
+    assert f'data-namespace="{web_node.namespace}"' in html.split('class="ns selected"')[1][:80]
+    picked = re.search(r'<option value="([0-9a-f]+)" selected="">', html)
+    assert picked is not None and picked.group(1) == web_node.namespace
+    assert re.search(r'<optgroup label="demo-model">', html)
+
+
+def test_hit_rate_chart_has_a_time_axis_a_full_legend_and_full_width(web_node):
+    wait_for_samples(web_node, 12)  # over 2 s of samples: at least two 1 s ticks
+    url = f"http://127.0.0.1:{web_node.metrics_port}/"
+    html = chromium("--dump-dom", "--window-size=1400,1100", url).stdout
+    assert 'data-rendered="1"' in html, html[-3000:]
+    ticks = re.findall(r'class="tick">(\d\d:\d\d:\d\d)</text>', html)
+    assert len(ticks) >= 2 and ticks == sorted(set(ticks)), ticks  # distinct, in order
+    # The legend is HTML above the chart (wraps, never clipped by the SVG).
+    legend = html.split('id="history-legend"')[1].split("</div>")[0]
+    assert "hit rate" in legend and "occupancy" in legend
+    # Every chart spans the window (1400 px less the body margins), not a fixed 900 px.
+    for svg in ("history", "tree"):
+        match = re.search(rf'<svg id="{svg}"[^>]* width="(\d+)"', html)
+        assert match is not None and int(match.group(1)) >= 1300, (svg, match)
 
 
 def test_grafana_dashboard_uses_only_exported_metrics(web_node):
