@@ -11,7 +11,8 @@ Routes:
   (`kvstore.ops.summary.tenants_json` rows).
 - ``GET /api/tree?namespace=NS&max_blocks=N`` — the namespace's prefix tree
   collapsed into runs (`kvstore.ops.prefix_tree`), the ``kvstore tree`` JSON,
-  plus ``namespaces``; no namespace = the busiest one (most tokens looked up).
+  plus ``namespaces``; NS is an id, a model id or a unique prefix of either
+  (`kvstore.ops.names`); no namespace = the busiest one (most tokens looked up).
 - ``POST /login`` — the page's sign-in form when auth is on (`web_auth`).
 - ``GET /metrics`` — the Prometheus exposition, open to scrapers.
 - anything else — 404 (a JSON error under ``/api/``).
@@ -38,6 +39,7 @@ from urllib.parse import parse_qs
 
 from kvstore.block import BlockState
 from kvstore.errors import InvalidArgument, KVStoreError
+from kvstore.ops.names import resolve_namespace
 from kvstore.ops.prefix_tree import BlockRecord, build_tree, tree_json
 from kvstore.ops.summary import status_json, tenants_json
 from kvstore.types import NamespaceId
@@ -241,13 +243,16 @@ class WebApp:
         """The /api/tree document ("" = the busiest namespace; empty tree when none).
 
         Raises:
-            UnknownNamespace: no namespace of that id (answered 404).
+            UnknownNamespace: nothing is named so, by id, model id or a unique
+                prefix (`kvstore.ops.names`; answered 404; ambiguous: 400).
         """
         node = self.node
 
         def read() -> tuple[str, int, int, list[BlockRecord], list[str]]:
-            names: list[str] = [t.spec.namespace_id for t in node.store.tables()]
-            ns = NamespaceId(namespace) if namespace else busiest(node)
+            tables = node.store.tables()
+            names: list[str] = [t.spec.namespace_id for t in tables]
+            pairs = [(t.spec.namespace_id, t.spec.model_id) for t in tables]
+            ns = NamespaceId(resolve_namespace(namespace, pairs)) if namespace else busiest(node)
             if ns is None:
                 return "", 0, 0, [], names
             total, records = _records(node, ns, limit)

@@ -91,6 +91,13 @@ def test_api_tree(web_node):
     assert doc["namespaces"] == [web_node.extra["quiet"], web_node.namespace]
     quiet = json.loads(get(web_node, f"/api/tree?namespace={web_node.extra['quiet']}")[1])
     assert quiet["runs"] == 1 and quiet["roots"][0]["tenant"] == "bob"
+    # A model id, or a unique prefix of one, names the namespace too (kvstore.ops.names).
+    for name in (QUIET_MODEL, "quiet-m"):
+        by_model = json.loads(get(web_node, f"/api/tree?namespace={name}")[1])
+        assert by_model["namespace"] == web_node.extra["quiet"], name
+    assert json.loads(get(web_node, "/api/tree?namespace=demo-model")[1])["namespace"] == (
+        web_node.namespace
+    )
     status, body = get(web_node, "/api/tree?namespace=nope")
     assert status == 404 and "nope" in json.loads(body)["error"]
     assert get(web_node, "/api/nothing")[0] == 404
