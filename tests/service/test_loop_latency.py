@@ -2,7 +2,8 @@
 
 A real node (``python -m service --port 0``, default limits) and, in this
 process, a task that pings it back to back and records the slowest Ping
-while hostile Lookups run: the largest the limits allow (tokens and hashes),
+while hostile Lookups run: the largest the limits allow (tokens, all of them
+cached so the node pins and describes every block; hashes, all missing),
 one just over ``max_request_tokens``, and a 32 MB request (over
 ``max_request_bytes``, under gRPC's ``max_message_bytes``), the kind that once
 stalled a Ping for 6.9 s. The requests are serialized before the clock
@@ -103,11 +104,26 @@ async def test_a_hostile_lookup_does_not_stall_the_loop(tmp_path) -> None:
                     pb.RegisterNamespaceRequest(model_id="m", layout=LAYOUT), timeout=10
                 )
             ).namespace_id
-            raw = channel.unary_unary(LOOKUP)  # bytes in, bytes out: no client-side work
+            lease = (await stub.OpenLease(pb.OpenLeaseRequest(ttl_seconds=600))).lease_id
             max_tokens = DEFAULTS.max_request_tokens
             max_blocks = DEFAULTS.max_chain_blocks
+            assert max_tokens == max_blocks * BLOCK_SIZE  # the hit below is both limits at once
+            # The largest chain the limits allow, stored: the Lookup below hits all of it.
+            stored = await stub.Reserve(
+                pb.ReserveRequest(namespace_id=ns, lease_id=lease, tokens=range(max_tokens)),
+                timeout=30,
+            )
+            await stub.Commit(
+                pb.CommitRequest(
+                    namespace_id=ns, lease_id=lease, hashes=[e.hash for e in stored.entries]
+                ),
+                timeout=30,
+            )
+            raw = channel.unary_unary(LOOKUP)  # bytes in, bytes out: no client-side work
             requests = {
-                "max tokens": pb.LookupRequest(namespace_id=ns, tokens=range(max_tokens)),
+                "max tokens, all hit and pinned": pb.LookupRequest(
+                    namespace_id=ns, lease_id=lease, pin=True, tokens=range(max_tokens)
+                ),
                 "max hashes": pb.LookupRequest(
                     namespace_id=ns, hashes=[os.urandom(32) for _ in range(max_blocks)]
                 ),
@@ -129,9 +145,9 @@ async def test_a_hostile_lookup_does_not_stall_the_loop(tmp_path) -> None:
                 "slowest Ping (ms): " + ", ".join(f"{k} {v * 1000:.1f}" for k, v in figures.items())
             )
 
-            for name in ("max tokens", "max hashes"):
-                reply = pb.LookupResponse.FromString(results[name])
-                assert reply.hit_blocks == 0, name
+            hit = pb.LookupResponse.FromString(results["max tokens, all hit and pinned"])
+            assert (hit.hit_blocks, hit.pinned) == (max_blocks, True)
+            assert pb.LookupResponse.FromString(results["max hashes"]).hit_blocks == 0
             over = results["tokens over the limit"]
             assert isinstance(over, grpc.aio.AioRpcError)
             assert over.code() == grpc.StatusCode.INVALID_ARGUMENT
