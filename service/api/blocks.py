@@ -104,7 +104,16 @@ class BlockRpcs(ServicerBase):
             hit_tokens=hit_tokens,
             miss_tokens=max(0, query_tokens - hit_tokens),
         )
-        blocks = await off_loop(len(result.blocks), convert.locations, pool, result.blocks)
+        try:
+            blocks = await off_loop(len(result.blocks), convert.locations, pool, result.blocks)
+        except BaseException:
+            # Cancelled while the reply was built: the caller never learns of
+            # these pins, so drop them (one per block, as the lookup took).
+            if result.pinned and result.blocks and lease_id is not None:
+                hashes = [b.hash for b in result.blocks]
+                with contextlib.suppress(KVStoreError):
+                    node.store.release(namespace, tenant, lease_id, hashes, node.now())
+            raise
         return pb.LookupResponse(
             hit_blocks=result.hit_blocks,
             hit_tokens=hit_tokens,
@@ -130,7 +139,16 @@ class BlockRpcs(ServicerBase):
         finally:
             node.publish_events()  # a reservation may have evicted blocks
         pool = node.pool(namespace)
-        entries = await off_loop(len(result.entries), _reserve_entries, pool, result.entries)
+        try:
+            entries = await off_loop(len(result.entries), _reserve_entries, pool, result.entries)
+        except BaseException:
+            # Cancelled while the reply was built: give back what was reserved.
+            reserved = [e.hash for e in result.reserved]
+            if reserved:
+                with contextlib.suppress(KVStoreError):
+                    node.store.abort(namespace, tenant, lease_id, reserved, node.now())
+                node.publish_events()
+            raise
         return pb.ReserveResponse(entries=entries, pool_epoch=node.epoch)
 
     async def chain(
