@@ -90,11 +90,11 @@ def chain_source(
         raise FieldError(
             "tokens", f"{len(tokens)} tokens, at most {max_tokens} per call (max_request_tokens)"
         )
-    if len(tokens) > max_blocks * block_size:
+    if len(tokens) // block_size > max_blocks:  # a trailing partial block is not hashed
         raise FieldError(
             "tokens",
-            f"{len(tokens)} tokens, at most {max_blocks * block_size} per call"
-            f" (max_chain_blocks: {max_blocks} blocks of {block_size} tokens)",
+            f"{len(tokens)} tokens are {len(tokens) // block_size} full blocks, at most"
+            f" {max_blocks} per call (max_chain_blocks)",
         )
     if len(extras) > max_blocks:
         raise FieldError(
