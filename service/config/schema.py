@@ -88,7 +88,7 @@ class Config:
     """Seconds in-flight RPCs get to finish on shutdown."""
     max_message_bytes: int = 64 << 20
     """Largest gRPC message the server sends or receives (a WriteBlocks message holds a block)."""
-    max_request_bytes: int = 4 << 20
+    max_request_bytes: int = 2 << 20
     """Largest request of a call other than WriteBlocks; over it is INVALID_ARGUMENT."""
     max_chain_blocks: int = 16384
     """Most blocks one request may name; over it is INVALID_ARGUMENT (docs/api.md, Limits)."""

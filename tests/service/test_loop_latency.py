@@ -4,7 +4,8 @@ A real node (``python -m service --port 0``, default limits) and, in this
 process, a task that pings it back to back and records the slowest Ping
 while hostile Lookups run: the largest the limits allow (tokens, all of them
 cached so the node pins and describes every block; hashes, all missing),
-one just over ``max_request_tokens``, and a 32 MB request (over
+one just over ``max_request_tokens``, ``max_request_bytes`` of one-byte
+tokens (the most the node parses), and a 32 MB request (over
 ``max_request_bytes``, under gRPC's ``max_message_bytes``), the kind that once
 stalled a Ping for 6.9 s. The requests are serialized before the clock
 starts and sent as raw bytes, so the client does no work while it measures.
@@ -132,6 +133,11 @@ async def test_a_hostile_lookup_does_not_stall_the_loop(tmp_path) -> None:
                 ),
             }
             payloads = {name: req.SerializeToString() for name, req in requests.items()}
+            # The most bytes parsed: one-byte tokens up to max_request_bytes (refused
+            # after parsing, by max_request_tokens).
+            largest = oversized_lookup(ns, DEFAULTS.max_request_bytes - 64)
+            assert len(largest) <= DEFAULTS.max_request_bytes
+            payloads["max_request_bytes of tokens"] = largest
             payloads["32 MB request"] = oversized_lookup(ns, 32 << 20)
 
             baseline, _ = await slowest_ping_during(stub, lambda: asyncio.sleep(0.3))
@@ -152,6 +158,9 @@ async def test_a_hostile_lookup_does_not_stall_the_loop(tmp_path) -> None:
             assert isinstance(over, grpc.aio.AioRpcError)
             assert over.code() == grpc.StatusCode.INVALID_ARGUMENT
             assert "max_request_tokens" in over.details(), over.details()
+            parsed = results["max_request_bytes of tokens"]
+            assert isinstance(parsed, grpc.aio.AioRpcError)
+            assert "max_request_tokens" in parsed.details(), parsed.details()
             big = results["32 MB request"]
             assert isinstance(big, grpc.aio.AioRpcError)
             assert big.code() == grpc.StatusCode.INVALID_ARGUMENT, big.details()
