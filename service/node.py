@@ -13,22 +13,18 @@ import concurrent.futures
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Sequence
-
-import numpy as np
+from collections.abc import Callable
 
 import kvstore
 from kvstore.block_table import BlockTable
 from kvstore.errors import PermissionDenied
-from kvstore.hashing import HashScheme, hash_blocks
 from kvstore.layout import NamespaceSpec
 from kvstore.pool.base import BlockPool
 from kvstore.results import ExpiryReport, NamespaceStats
 from kvstore.store import Store, StoreLimits, StoreStats
 from kvstore.types import SHARED_SCOPE, BlockHash, NamespaceId, TenantId
 from kvstore.v1 import kvstore_pb2 as pb
-from service.api import convert, validate
-from service.api.errors import FieldError
+from service.api import convert
 from service.cluster.agent import RedisAgent
 from service.cluster.peer_fetch import PeerFetcher
 from service.config import Config, ConfigError
@@ -249,40 +245,6 @@ class Node:
     def root(self, table: BlockTable, tenant: TenantId) -> BlockHash:
         """The chain root of ``table``'s namespace for ``tenant``."""
         return self.roots.root(table.spec, tenant, shared=table.shared)
-
-    # --- chains ---------------------------------------------------------------
-
-    def chain(
-        self,
-        table: BlockTable,
-        tenant: TenantId,
-        tokens: Sequence[int],
-        hashes: Sequence[bytes],
-        extras: Sequence[bytes],
-    ) -> tuple[list[BlockHash], int, bool]:
-        """The chain a Lookup or Reserve names, from tokens or from hashes.
-
-        Returns:
-            (chain, tokens in the query, whether tokens were sent).
-        """
-        max_blocks = self.config.max_chain_blocks
-        source = validate.chain_source(tokens, hashes, extras, max_blocks * table.block_size)
-        if source == "hashes":
-            chain = validate.block_hashes(hashes, max_blocks)
-            return chain, len(chain) * table.block_size, False
-        block_extras: list[bytes] | None = None
-        if extras:
-            if table.spec.scheme is HashScheme.VLLM_SHA256_CBOR:
-                raise FieldError("extras", "the vllm scheme takes extra keys only through hashes")
-            block_extras = list(extras)
-        chain = hash_blocks(
-            self.root(table, tenant),
-            np.fromiter(tokens, dtype=np.uint32, count=len(tokens)),
-            table.block_size,
-            scheme=table.spec.scheme,
-            extras=block_extras,
-        )
-        return chain, len(tokens), True
 
     # --- events, expiry, snapshots ------------------------------------------------
 

@@ -23,7 +23,8 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from kvstore.v1 import kvstore_pb2, kvstore_pb2_grpc
+from kvstore.v1 import kvstore_pb2
+from service.api import decode
 from service.api.servicer import KVStoreServicer
 from service.config import Config, ConfigError, load_config, resolve
 from service.node import Clock, Node
@@ -98,26 +99,67 @@ class Server:
         return _address(self.config.host, self.port)
 
     async def start(self) -> int:
-        """Bind, start serving and report SERVING; returns the bound gRPC port."""
+        """Bind, start serving and report SERVING; returns the bound gRPC port.
+
+        Both ports are bound before anything else happens (stale pool files
+        are removed only after), so a second node started with the same
+        ports fails with an `OSError` naming the port and leaves the first
+        one's files alone.
+        """
         if self._grpc is not None:
             raise RuntimeError("bug: Server.start called twice")
         node = self.node
         node.loop = asyncio.get_running_loop()
-        node.pools.cleanup()
+        server = self._grpc_server()
+        self._grpc = server
+        try:
+            self._bind(server)
+            node.metrics.add_node_info(self._node_info)
+            node.metrics.add_cluster_info(self._cluster_info)
+            if self.config.metrics_port:
+                self.metrics_port = self._bind_metrics()
+            node.pools.cleanup()
+            await server.start()
+            for name in ("", SERVICE_NAME):
+                await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+            self._sampler = asyncio.create_task(
+                sample_forever(node, self.history, self.config.stats_sample_seconds),
+                name="kvstore-stats-sampler",
+            )
+            self._expiry = asyncio.create_task(self._expire_leases(), name="kvstore-lease-expiry")
+            await node.join_cluster(self.address)  # no-op without redis_url
+        except BaseException:
+            # Unbind and stop what started, or the port stays taken and the
+            # grpc server's finalizer raises after the loop has closed.
+            await self.stop(0)
+            raise
+        log.info("node %s serving on %s (pool epoch %d)", node.node_id, self.address, node.epoch)
+        return self.port
+
+    def _grpc_server(self) -> Any:
+        """The gRPC server with every service registered; not bound yet."""
         limit = self.config.max_message_bytes
         server = grpc.aio.server(
             options=[
                 ("grpc.max_send_message_length", limit),
                 ("grpc.max_receive_message_length", limit),
+                # gRPC sets SO_REUSEPORT by default: a second node on the same
+                # port would bind too and silently take half the connections.
+                ("grpc.so_reuseport", 0),
             ],
             # Beyond this gRPC itself answers RESOURCE_EXHAUSTED.
             maximum_concurrent_rpcs=self.config.max_concurrent_rpcs or None,
         )
-        kvstore_pb2_grpc.add_KVStoreServicer_to_server(KVStoreServicer(node), server)
+        # Raw request bytes: the guards decode them, so bad bytes are INVALID_ARGUMENT.
+        decode.add_servicer(KVStoreServicer(self.node), server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         reflection.enable_server_reflection(
             (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server
         )
+        return server
+
+    def _bind(self, server: Any) -> None:
+        """Bind the gRPC port (TLS when configured); `OSError` naming it if taken."""
         address = _address(self.config.host, self.config.port)
         try:
             credentials = server_credentials(self.config)
@@ -125,29 +167,26 @@ class Server:
                 self.port = server.add_insecure_port(address)
             else:
                 self.port = server.add_secure_port(address, credentials)
-        except RuntimeError as exc:
-            raise OSError(f"cannot bind the gRPC server to {address}: {exc}") from exc
+        except RuntimeError:
+            self.port = 0
         if not self.port:
-            raise OSError(f"cannot bind the gRPC server to {address}")
-        await server.start()
-        self._grpc = server
-        for name in ("", SERVICE_NAME):
-            await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
-        node.metrics.add_node_info(self._node_info)
-        node.metrics.add_cluster_info(self._cluster_info)
-        self._sampler = asyncio.create_task(
-            sample_forever(node, self.history, self.config.stats_sample_seconds),
-            name="kvstore-stats-sampler",
-        )
-        if self.config.metrics_port:
-            web = WebApp(node, self.history, node.metrics.wsgi_app())
-            self.metrics_port = node.metrics.start_http(
-                self.config.host, self.config.metrics_port, web
+            raise OSError(
+                f"cannot bind the gRPC server to {address}: port {self.config.port} is in use"
+                " (another kvstore-server?) or the address is not local; choose another --port"
             )
-        self._expiry = asyncio.create_task(self._expire_leases(), name="kvstore-lease-expiry")
-        await node.join_cluster(self.address)  # no-op without redis_url
-        log.info("node %s serving on %s (pool epoch %d)", node.node_id, self.address, node.epoch)
-        return self.port
+
+    def _bind_metrics(self) -> int:
+        """Serve the metrics and the web page; `OSError` naming the port if it is taken."""
+        node = self.node
+        web = WebApp(node, self.history, node.metrics.wsgi_app())
+        try:
+            return node.metrics.start_http(self.config.host, self.config.metrics_port, web)
+        except OSError as exc:
+            address = _address(self.config.host, self.config.metrics_port)
+            raise OSError(
+                f"cannot serve metrics on {address}: {exc.strerror or exc}"
+                f" (port {self.config.metrics_port}; choose another --metrics-port, 0 = off)"
+            ) from None
 
     def _node_info(self) -> dict[str, float]:
         """Node-wide gauges for the metrics (read on the loop: the pools change there)."""
@@ -232,8 +271,9 @@ class Server:
 async def serve(config: Config, *, ready: asyncio.Event | None = None) -> None:
     """Run a node until SIGTERM or SIGINT, then shut it down gracefully.
 
-    Prints ``kvstore-server listening on HOST:PORT`` once serving, and sets
-    ``ready`` if given.
+    Prints ``kvstore-server listening on HOST:PORT`` (the bound port) once
+    serving, then ``kvstore-server metrics on http://HOST:PORT/metrics`` when
+    the metrics endpoint is on, and sets ``ready`` if given.
     """
     server = Server(config)
     await server.start()
@@ -242,7 +282,12 @@ async def serve(config: Config, *, ready: asyncio.Event | None = None) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
             loop.add_signal_handler(sig, stopping.set)
+    # The stable lines scripts read (docs/operations.md): with --port 0 the
+    # first names the port that was bound.
     print(f"kvstore-server listening on {server.address}", flush=True)
+    if server.metrics_port:
+        metrics = _address(server.config.host, server.metrics_port)
+        print(f"kvstore-server metrics on http://{metrics}/metrics", flush=True)
     if ready is not None:
         ready.set()
     try:

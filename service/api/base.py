@@ -19,6 +19,11 @@ class ServicerBase:
         """Where the error guards report each call (the node's metrics)."""
         return self.node.metrics
 
+    @property
+    def max_request_bytes(self) -> int:
+        """Largest request the guards decode (``max_request_bytes`` of the config)."""
+        return self.node.config.max_request_bytes
+
     def namespace(self, value: str, tenant: TenantId | None) -> NamespaceId:
         """A well-formed namespace id that is registered here and ``tenant`` may use.
 

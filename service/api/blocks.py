@@ -6,13 +6,16 @@ import contextlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from kvstore.block_table import BlockTable
 from kvstore.errors import KVStoreError
-from kvstore.results import BlockRef, MissReason, ReserveStatus
+from kvstore.pool.base import BlockPool
+from kvstore.results import BlockRef, MissReason, ReserveEntry, ReserveStatus
 from kvstore.types import BlockHash, LeaseId, NamespaceId, TenantId
 from kvstore.v1 import kvstore_pb2 as pb
-from service.api import convert, validate
+from service.api import chains, convert, validate
 from service.api.base import ServicerBase
 from service.api.errors import FieldError, guard_unary
+from service.api.offload import off_loop
 
 _RESERVE_STATUS = {
     ReserveStatus.HIT: pb.RESERVE_STATUS_HIT,
@@ -27,6 +30,19 @@ _HashesRequest = pb.CommitRequest | pb.AbortRequest | pb.ReleaseRequest
 
 _StoreVerb = Callable[[NamespaceId, TenantId, LeaseId, Sequence[BlockHash], float], int]
 """`Store.commit`, `Store.abort` or `Store.release`."""
+
+
+def _reserve_entries(pool: BlockPool, entries: Sequence[ReserveEntry]) -> list[pb.ReserveEntry]:
+    """The wire form of a reservation (pure: may run off the loop)."""
+    out = []
+    for entry in entries:
+        msg = pb.ReserveEntry(hash=entry.hash, status=_RESERVE_STATUS[entry.status])
+        if entry.slot is not None:
+            msg.location.CopyFrom(
+                convert.location(pool, BlockRef(entry.hash, entry.slot, entry.generation))
+            )
+        out.append(msg)
+    return out
 
 
 class BlockRpcs(ServicerBase):
@@ -44,9 +60,7 @@ class BlockRpcs(ServicerBase):
                 raise FieldError("lease_id", "pin=true needs the lease to pin under")
             lease_id = validate.lease_id(request.lease_id)
         table = node.table(namespace)
-        chain, query_tokens, from_tokens = node.chain(
-            table, tenant, request.tokens, request.hashes, request.extras
-        )
+        chain, query_tokens, from_tokens = await self.chain(table, tenant, request)
         result = node.store.lookup(
             namespace, tenant, chain, node.now(), lease_id=lease_id, query_tokens=query_tokens
         )
@@ -90,10 +104,20 @@ class BlockRpcs(ServicerBase):
             hit_tokens=hit_tokens,
             miss_tokens=max(0, query_tokens - hit_tokens),
         )
+        try:
+            blocks = await off_loop(len(result.blocks), convert.locations, pool, result.blocks)
+        except BaseException:
+            # Cancelled while the reply was built: the caller never learns of
+            # these pins, so drop them (one per block, as the lookup took).
+            if result.pinned and result.blocks and lease_id is not None:
+                hashes = [b.hash for b in result.blocks]
+                with contextlib.suppress(KVStoreError):
+                    node.store.release(namespace, tenant, lease_id, hashes, node.now())
+            raise
         return pb.LookupResponse(
             hit_blocks=result.hit_blocks,
             hit_tokens=hit_tokens,
-            blocks=convert.locations(pool, result.blocks),
+            blocks=blocks,
             pinned=result.pinned and bool(result.blocks),
             miss_reason=int(result.miss_reason),  # type: ignore[arg-type]
             pool_epoch=node.epoch,
@@ -109,21 +133,39 @@ class BlockRpcs(ServicerBase):
         namespace = self.namespace(request.namespace_id, tenant)
         lease_id = validate.lease_id(request.lease_id)
         table = node.table(namespace)
-        chain, _, _ = node.chain(table, tenant, request.tokens, request.hashes, request.extras)
+        chain, _, _ = await self.chain(table, tenant, request)
         try:
             result = node.store.reserve(namespace, tenant, lease_id, chain, node.now())
         finally:
             node.publish_events()  # a reservation may have evicted blocks
         pool = node.pool(namespace)
-        entries = []
-        for entry in result.entries:
-            msg = pb.ReserveEntry(hash=entry.hash, status=_RESERVE_STATUS[entry.status])
-            if entry.slot is not None:
-                msg.location.CopyFrom(
-                    convert.location(pool, BlockRef(entry.hash, entry.slot, entry.generation))
-                )
-            entries.append(msg)
+        try:
+            entries = await off_loop(len(result.entries), _reserve_entries, pool, result.entries)
+        except BaseException:
+            # Cancelled while the reply was built: give back what was reserved.
+            reserved = [e.hash for e in result.reserved]
+            if reserved:
+                with contextlib.suppress(KVStoreError):
+                    node.store.abort(namespace, tenant, lease_id, reserved, node.now())
+                node.publish_events()
+            raise
         return pb.ReserveResponse(entries=entries, pool_epoch=node.epoch)
+
+    async def chain(
+        self, table: BlockTable, tenant: TenantId, request: pb.LookupRequest | pb.ReserveRequest
+    ) -> tuple[list[BlockHash], int, bool]:
+        """The chain a Lookup or Reserve names, bounded, hashed off the loop."""
+        config = self.node.config
+        return await chains.chain(
+            self.node.root(table, tenant),
+            table.block_size,
+            table.spec.scheme,
+            request.tokens,
+            request.hashes,
+            request.extras,
+            max_blocks=config.max_chain_blocks,
+            max_tokens=config.max_request_tokens,
+        )
 
     def _on_hashes(self, request: _HashesRequest, context: Any, verb: _StoreVerb) -> int:
         """Validate a (namespace, lease, hashes) request and apply ``verb`` to it."""

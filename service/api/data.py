@@ -9,7 +9,7 @@ touch a slot that has since been handed to someone else.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 from kvstore.results import BlockRef
@@ -18,6 +18,15 @@ from kvstore.v1 import kvstore_pb2 as pb
 from service.api import validate
 from service.api.base import ServicerBase
 from service.api.errors import FieldError, guard_stream_in, guard_stream_out
+from service.api.offload import off_loop
+
+
+def _refs(blocks: Sequence[pb.BlockRef]) -> list[BlockRef]:
+    """The blocks a ReadBlocks request names, checked (pure: may run off the loop)."""
+    return [
+        BlockRef(validate.block_hash(b.hash, f"blocks[{i}].hash"), SlotId(b.slot), b.generation)
+        for i, b in enumerate(blocks)
+    ]
 
 
 class DataRpcs(ServicerBase):
@@ -37,12 +46,10 @@ class DataRpcs(ServicerBase):
         if len(request.blocks) > node.config.max_chain_blocks:
             raise FieldError(
                 "blocks",
-                f"names {len(request.blocks)} blocks, at most {node.config.max_chain_blocks}",
+                f"names {len(request.blocks)} blocks, at most"
+                f" {node.config.max_chain_blocks} per call (max_chain_blocks)",
             )
-        refs = [
-            BlockRef(validate.block_hash(b.hash, f"blocks[{i}].hash"), SlotId(b.slot), b.generation)
-            for i, b in enumerate(request.blocks)
-        ]
+        refs = await off_loop(len(request.blocks), _refs, request.blocks)
         pool = node.pool(namespace)
         for ref in refs:
             # Checked right before each read: the lease may expire mid-stream.
@@ -77,7 +84,10 @@ class DataRpcs(ServicerBase):
                     f"a block of this namespace is {block_bytes} bytes, got {len(item.data)}",
                 )
             if len(written) >= node.config.max_chain_blocks:
-                raise FieldError("block", f"at most {node.config.max_chain_blocks} blocks a call")
+                raise FieldError(
+                    "block",
+                    f"at most {node.config.max_chain_blocks} blocks a call (max_chain_blocks)",
+                )
             slot = node.store.writing_slot(namespace, tenant, lease_id, hash_, node.now())
             pool.write(slot, item.data)
             written[hash_] = None

@@ -8,7 +8,11 @@ Anything else escaping a handler is a bug: logged with its traceback and
 answered ``INTERNAL``, never ``UNKNOWN``.
 
 `guard_unary`, `guard_stream_out` and `guard_stream_in` wrap servicer
-methods; they also time each call and count errors per code (`RpcObserver`).
+methods; they decode the raw request bytes (`service.api.decode`), so a
+malformed request is ``INVALID_ARGUMENT`` too, and they time each call and
+count errors per code (`RpcObserver`). Every message and field description
+sent is cut to `MAX_ECHO_CHARS`: a request value echoed whole could overflow
+gRPC's 16 KiB metadata limit and turn into ``RESOURCE_EXHAUSTED``.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from google.rpc import code_pb2, error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
 from kvstore import errors as core
+from service.api.decode import decode, decode_stream
 
 log = logging.getLogger(__name__)
 
@@ -76,17 +81,28 @@ def status_code_of(exc: core.KVStoreError) -> grpc.StatusCode:
     return grpc.StatusCode.INTERNAL  # a KVStoreError subclass nobody mapped: a bug
 
 
+MAX_ECHO_CHARS = 500
+"""Longest status message (and field description) sent; the rest is cut."""
+
+
+def shorten(text: str, limit: int = MAX_ECHO_CHARS) -> str:
+    """``text`` cut to ``limit`` characters, saying how much was cut."""
+    if len(text) <= limit:
+        return text
+    return f"{text[:limit]}... ({len(text) - limit} more characters cut)"
+
+
 def to_status(exc: core.KVStoreError) -> Any:
     """A `grpc.Status` for ``exc`` carrying rich details where they help."""
     code = status_code_of(exc)
-    status = status_pb2.Status(code=code.value[0], message=str(exc))
+    status = status_pb2.Status(code=code.value[0], message=shorten(str(exc)))
     if isinstance(exc, FieldError):
         detail = any_pb2.Any()
         detail.Pack(
             error_details_pb2.BadRequest(
                 field_violations=[
                     error_details_pb2.BadRequest.FieldViolation(
-                        field=exc.field, description=exc.description
+                        field=shorten(exc.field, 100), description=shorten(exc.description)
                     )
                 ]
             )
@@ -108,6 +124,10 @@ class Guarded(Protocol):
     @property
     def observer(self) -> RpcObserver:
         """Receives one report per call."""
+
+    @property
+    def max_request_bytes(self) -> int:
+        """Largest request (of a unary or server-streaming call) decoded; 0 = gRPC's bound."""
 
 
 S = TypeVar("S", bound=Guarded)
@@ -157,7 +177,12 @@ def _guard(
             started = time.perf_counter()
             code = grpc.StatusCode.OK
             try:
-                return await handler(self, request, context)
+                message: Any
+                if drain:
+                    message = decode_stream(method, request)  # type: ignore[arg-type]
+                else:
+                    message = decode(method, request, self.max_request_bytes)
+                return await handler(self, message, context)
             except BaseException as exc:
                 code = _code_of(exc, context)
                 if _passes(exc):
@@ -196,7 +221,8 @@ def guard_stream_out(
             started = time.perf_counter()
             code = grpc.StatusCode.OK
             try:
-                async for item in handler(self, request, context):
+                message = decode(method, request, self.max_request_bytes)
+                async for item in handler(self, message, context):
                     yield item
             except BaseException as exc:
                 code = _code_of(exc, context)

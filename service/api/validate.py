@@ -53,7 +53,9 @@ def block_hashes(
     if required and not values:
         raise FieldError(field, "is empty; name at least one block")
     if len(values) > max_blocks:
-        raise FieldError(field, f"names {len(values)} blocks, at most {max_blocks} per call")
+        raise FieldError(
+            field, f"names {len(values)} blocks, at most {max_blocks} per call (max_chain_blocks)"
+        )
     hashes = list(values)
     for i, value in enumerate(hashes):  # hot path: no per-item call or string
         if len(value) != HASH_BYTES:
@@ -62,9 +64,18 @@ def block_hashes(
 
 
 def chain_source(
-    tokens: Sequence[int], hashes: Sequence[bytes], extras: Sequence[bytes], max_tokens: int
+    tokens: Sequence[int],
+    hashes: Sequence[bytes],
+    extras: Sequence[bytes],
+    max_tokens: int,
+    max_blocks: int,
+    block_size: int,
 ) -> str:
     """Which of ``tokens`` / ``hashes`` a chain request uses: exactly one, bounded.
+
+    At most ``max_tokens`` tokens (``max_request_tokens``) and no more than
+    ``max_blocks`` (``max_chain_blocks``) blocks of them; at most one extra
+    per block. The hashes are bounded by `block_hashes`.
 
     Returns:
         ``"tokens"`` or ``"hashes"``.
@@ -76,8 +87,24 @@ def chain_source(
     if hashes and extras:
         raise FieldError("extras", "extras go with tokens; hashes already include them")
     if len(tokens) > max_tokens:
-        raise FieldError("tokens", f"{len(tokens)} tokens exceed the bound of {max_tokens}")
+        raise FieldError(
+            "tokens", f"{len(tokens)} tokens, at most {max_tokens} per call (max_request_tokens)"
+        )
+    if len(tokens) // block_size > max_blocks:  # a trailing partial block is not hashed
+        raise FieldError(
+            "tokens",
+            f"{len(tokens)} tokens are {len(tokens) // block_size} full blocks, at most"
+            f" {max_blocks} per call (max_chain_blocks)",
+        )
+    if len(extras) > max_blocks:
+        raise FieldError(
+            "extras", f"{len(extras)} extras, at most {max_blocks} per call (max_chain_blocks)"
+        )
     return "tokens" if tokens else "hashes"
+
+
+MAX_PAGE_TOKEN_DIGITS = 18
+"""Digits of the offset in a page token (so offset + page size fits in an int64)."""
 
 
 def page_size(value: int) -> int:
@@ -91,9 +118,16 @@ def page_offset(token: str) -> int:
     """The offset an opaque ListBlocks page token stands for ("" = first page)."""
     if not token:
         return 0
-    if not token.startswith("o") or not token[1:].isdigit():
+    digits = token[1:]
+    # isdigit() alone accepts "²" and other Unicode digits that int() refuses,
+    # and int() of thousands of digits is slow (and refused past 4300).
+    if (
+        not token.startswith("o")
+        or not 0 < len(digits) <= MAX_PAGE_TOKEN_DIGITS
+        or not (digits.isascii() and digits.isdigit())
+    ):
         raise FieldError("page_token", "is not a token from a previous ListBlocks page")
-    return int(token[1:])
+    return int(digits)
 
 
 def page_token(offset: int) -> str:

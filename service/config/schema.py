@@ -89,9 +89,13 @@ class Config:
     grace_seconds: float = 5.0
     """Seconds in-flight RPCs get to finish on shutdown."""
     max_message_bytes: int = 64 << 20
-    """Largest gRPC message the server sends or receives."""
-    max_chain_blocks: int = 65536
-    """Most blocks one request may name (tokens are bounded by this times block_size)."""
+    """Largest gRPC message the server sends or receives (a WriteBlocks message holds a block)."""
+    max_request_bytes: int = 2 << 20
+    """Largest request of a call other than WriteBlocks; over it is INVALID_ARGUMENT."""
+    max_chain_blocks: int = 16384
+    """Most blocks one request may name; over it is INVALID_ARGUMENT (docs/api.md, Limits)."""
+    max_request_tokens: int = 262144
+    """Most tokens one Lookup or Reserve may send (also at most max_chain_blocks x block_size)."""
     max_namespaces: int = 64
     """Most namespaces this node holds."""
     max_pins_per_lease: int = 0
@@ -171,7 +175,9 @@ _PARSERS: dict[str, Callable[[object], object]] = {
     "shared_namespaces": parse_names,
     "grace_seconds": parse_non_negative_float,
     "max_message_bytes": parse_positive(parse_size),
+    "max_request_bytes": parse_positive(parse_size),
     "max_chain_blocks": parse_positive(parse_int),
+    "max_request_tokens": parse_positive(parse_int),
     "max_namespaces": parse_positive(parse_int),
     "max_pins_per_lease": parse_non_negative(parse_int),
     "max_leases_per_tenant": parse_non_negative(parse_int),

@@ -120,7 +120,7 @@ async def test_lookup(stub, namespace, lease, clock):
     await expect(stub, NOT_FOUND, "no lease", look(pin=True, lease_id=99, hashes=[H]))
     # Bounded: at most max_chain_blocks (256) blocks, in hashes or in tokens.
     await expect(stub, INVALID, "at most 256", look(hashes=[H] * 257))
-    await expect(stub, INVALID, "exceed", look(tokens=[1] * (257 * BLOCK_SIZE)))
+    await expect(stub, INVALID, "max_chain_blocks", look(tokens=[1] * (257 * BLOCK_SIZE)))
     # Over the message size limit (1 MiB): gRPC itself refuses it.
     await expect(stub, EXHAUSTED, "", look(tokens=[1 << 31] * 300_000))
     await expect(stub, INVALID, "tenant", look(hashes=[H], metadata=tenant("bad tenant!")))

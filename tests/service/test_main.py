@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import re
 import signal
+import socket
 import sys
 
 import grpc
@@ -53,3 +55,68 @@ async def test_bad_config_exits_with_a_clear_error():
     _, err = await asyncio.wait_for(proc.communicate(), 30)
     assert proc.returncode == 2
     assert b"port (flag --port): expected an integer" in err
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+async def _run_node(tmp_path, *args: str) -> tuple[int | None, str]:
+    """Start `python -m service` with ``args``; (exit code or None if it kept running, stderr)."""
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "service", "--shm-dir", str(tmp_path), "--pool-prefault", "false",
+        "--pool-prefix", "second", *args,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    try:
+        _, err = await asyncio.wait_for(proc.communicate(), 30)
+    except TimeoutError:
+        proc.kill()
+        _, err = await proc.communicate()
+        return None, err.decode()
+    return proc.returncode, err.decode()
+
+
+async def test_a_second_node_on_a_taken_grpc_port_refuses_to_start(kv_server, tmp_path):
+    # gRPC binds with SO_REUSEPORT by default: the second node would "listen" too
+    # and take half the connections.
+    code, err = await _run_node(tmp_path, "--port", str(kv_server.port), "--metrics-port", "0")
+    assert code == 1, err
+    assert f"port {kv_server.port} is in use" in err, err
+    assert "Traceback" not in err, err
+
+
+async def test_a_taken_metrics_port_is_a_clear_error_not_a_traceback(tmp_path):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        code, err = await _run_node(tmp_path, "--port", "0", "--metrics-port", str(port))
+    assert code == 1, err
+    assert f"cannot serve metrics on 127.0.0.1:{port}" in err, err
+    assert "Traceback" not in err and "never awaited" not in err, err
+
+
+async def test_port_0_prints_the_bound_ports_in_stable_lines(tmp_path):
+    metrics_port = _free_port()
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "service", "--port", "0", "--metrics-port", str(metrics_port),
+        "--shm-dir", str(tmp_path), "--pool-prefault", "false",
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    try:
+        first = (await asyncio.wait_for(proc.stdout.readline(), 30)).decode().rstrip("\n")
+        second = (await asyncio.wait_for(proc.stdout.readline(), 30)).decode().rstrip("\n")
+        match = re.fullmatch(r"kvstore-server listening on 127\.0\.0\.1:(\d+)", first)
+        assert match and int(match[1]) > 0, first
+        assert second == f"kvstore-server metrics on http://127.0.0.1:{metrics_port}/metrics"
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{match[1]}") as ch:
+            pong = await kvstore_pb2_grpc.KVStoreStub(ch).Ping(
+                pb.PingRequest(payload=b"x"), timeout=10
+            )
+            assert pong.payload == b"x"
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        await asyncio.wait_for(proc.wait(), 30)
