@@ -75,9 +75,9 @@ class Config:
     pool_prefault: bool = True
     """Touch every page of a new pool so the first writes do not fault."""
     lease_ttl_default: float = 30.0
-    """TTL in seconds of a lease that asks for 0."""
+    """TTL in seconds of a lease that asks for 0 (the SDK's default); at most lease_ttl_max."""
     lease_ttl_max: float = 3600.0
-    """Longest TTL in seconds a lease may ask for."""
+    """Longest TTL in seconds a lease may ask for; given alone, the default follows it down."""
     write_quarantine_seconds: float = 300.0
     """Seconds the slots an expired lease was writing stay unused (late writers; 0 = none)."""
     node_id: str = ""
@@ -279,6 +279,10 @@ def load_config(argv: Sequence[str] | None = None, env: Mapping[str, str] | None
         if value is not None:
             flag = "--" + name.replace("_", "-")
             values[name] = _parse_field(name, value, f"flag {flag}")
+    if "lease_ttl_default" not in values and "lease_ttl_max" in values:
+        # Only a maximum was given: the default follows it down (a default left
+        # above the maximum would refuse every client that asks for 0).
+        values["lease_ttl_default"] = min(Config().lease_ttl_default, values["lease_ttl_max"])
     config = Config(**values)  # type: ignore[arg-type]
     check(config)
     return config

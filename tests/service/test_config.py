@@ -89,3 +89,12 @@ def test_docs_table_lists_every_field_and_is_committed():
     assert (ROOT / "docs" / "config.md").read_text() == table, (
         "docs/config.md is stale: run python -m service.config.docs > docs/config.md"
     )
+
+
+def test_a_lease_ttl_max_alone_brings_the_default_down():
+    # `--lease-ttl-max 5` alone used to fail (the default 30 exceeds it); the SDK's
+    # default clients ask for 0, i.e. this default.
+    assert load_config(["--lease-ttl-max", "5"], {}).lease_ttl_default == 5.0
+    assert load_config([], {"KVSTORE_LEASE_TTL_MAX": "120"}).lease_ttl_default == 30.0
+    config = load_config(["--lease-ttl-max", "5", "--lease-ttl-default", "2"], {})
+    assert (config.lease_ttl_default, config.lease_ttl_max) == (2.0, 5.0)
