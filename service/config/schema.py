@@ -282,7 +282,9 @@ def load_config(argv: Sequence[str] | None = None, env: Mapping[str, str] | None
     if "lease_ttl_default" not in values and "lease_ttl_max" in values:
         # Only a maximum was given: the default follows it down (a default left
         # above the maximum would refuse every client that asks for 0).
-        values["lease_ttl_default"] = min(Config().lease_ttl_default, values["lease_ttl_max"])
+        ttl_max = values["lease_ttl_max"]
+        assert isinstance(ttl_max, float), "bug: lease_ttl_max parsed to a float"
+        values["lease_ttl_default"] = min(Config().lease_ttl_default, ttl_max)
     config = Config(**values)  # type: ignore[arg-type]
     check(config)
     return config
