@@ -24,7 +24,7 @@ from kvstore.hashing import HashScheme, hash_blocks
 from kvstore.layout import NamespaceSpec
 from kvstore.pool.base import BlockPool
 from kvstore.results import ExpiryReport, NamespaceStats
-from kvstore.store import Store, StoreLimits, StoreStats
+from kvstore.store import DropReport, Store, StoreLimits, StoreStats
 from kvstore.types import SHARED_SCOPE, BlockHash, NamespaceId, TenantId
 from kvstore.v1 import kvstore_pb2 as pb
 from service.api import convert, validate
@@ -231,6 +231,28 @@ class Node:
                 raise
             self.pools.adopt(spec.namespace_id, pool)
             return table, True
+
+    async def drop(self, namespace: NamespaceId, force: bool) -> tuple[DropReport, int]:
+        """Drop a namespace (`Store.drop_namespace`) and give its pool back to the budget.
+
+        Returns:
+            (what the store removed, bytes returned to the budget).
+        """
+        async with self._register_lock:  # never interleaved with a registration or a growth
+            try:
+                report = self.store.drop_namespace(namespace, self.now(), force=force)
+            finally:
+                self.publish_events()
+            freed = self.pools.discard(namespace)
+        log.info(
+            "namespace %s dropped%s: %d blocks removed, %d pins dropped, %d writes aborted",
+            namespace,
+            " by force" if force else "",
+            report.removed,
+            report.pins_dropped,
+            report.writes_aborted,
+        )
+        return report, freed
 
     def table(self, namespace: NamespaceId) -> BlockTable:
         """A registered namespace's table (`UnknownNamespace` otherwise)."""

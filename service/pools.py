@@ -150,11 +150,19 @@ class PoolManager:
             len(d.arenas),
         )
 
-    def discard(self, namespace: NamespaceId) -> None:
-        """Close and forget one pool (a registration that failed after creating it)."""
+    def discard(self, namespace: NamespaceId) -> int:
+        """Close and forget one pool (a dropped namespace); returns the bytes freed.
+
+        Closing unlinks the arena files: a runner that still maps them keeps
+        its (now private) memory until it unmaps, and cannot attach them again.
+        """
         pool = self._pools.pop(namespace, None)
-        if pool is not None:
-            pool.close()
+        if pool is None:
+            return 0
+        freed = pool.descriptor.capacity * pool.descriptor.block_bytes
+        pool.close()
+        log.info("namespace %s: pool closed, %d bytes back in the budget", namespace, freed)
+        return freed
 
     def get(self, namespace: NamespaceId) -> BlockPool:
         """The pool of a registered namespace."""

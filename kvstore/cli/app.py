@@ -15,7 +15,7 @@ import sys
 
 import typer
 
-from kvstore.cli import admin, bench, live, reads
+from kvstore.cli import admin, bench, drop, live, reads
 
 app = typer.Typer(
     name="kvstore",
@@ -25,7 +25,7 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
 )
 
-for _command in (*reads.COMMANDS, *admin.COMMANDS, *bench.COMMANDS, *live.COMMANDS):
+for _command in (*reads.COMMANDS, *admin.COMMANDS, *drop.COMMANDS, *bench.COMMANDS, *live.COMMANDS):
     app.command()(_command)
 
 

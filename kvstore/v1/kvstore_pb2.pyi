@@ -1494,3 +1494,63 @@ class ClearResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ClearResponse: _TypeAlias = ClearResponse  # noqa: Y015
+
+@_typing.final
+class DropNamespaceRequest(_message.Message):
+    """Remove a namespace, its blocks and its pool; its memory returns to the
+    node's budget and the same layout may be registered again. Refused with
+    FAILED_PRECONDITION while a block is pinned or WRITING, unless force.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAMESPACE_ID_FIELD_NUMBER: _builtins.int
+    FORCE_FIELD_NUMBER: _builtins.int
+    namespace_id: _builtins.str
+    force: _builtins.bool
+    """take pins from leases and abort writes"""
+    def __init__(
+        self,
+        *,
+        namespace_id: _builtins.str = ...,
+        force: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["force", b"force", "namespace_id", b"namespace_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DropNamespaceRequest: _TypeAlias = DropNamespaceRequest  # noqa: Y015
+
+@_typing.final
+class DropNamespaceResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REMOVED_FIELD_NUMBER: _builtins.int
+    PINS_DROPPED_FIELD_NUMBER: _builtins.int
+    WRITES_ABORTED_FIELD_NUMBER: _builtins.int
+    FREED_BYTES_FIELD_NUMBER: _builtins.int
+    removed: _builtins.int
+    """resident blocks removed"""
+    pins_dropped: _builtins.int
+    """pins taken from leases (force)"""
+    writes_aborted: _builtins.int
+    """writes aborted (force)"""
+    freed_bytes: _builtins.int
+    """pool memory returned to the budget"""
+    def __init__(
+        self,
+        *,
+        removed: _builtins.int = ...,
+        pins_dropped: _builtins.int = ...,
+        writes_aborted: _builtins.int = ...,
+        freed_bytes: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["freed_bytes", b"freed_bytes", "pins_dropped", b"pins_dropped", "removed", b"removed", "writes_aborted", b"writes_aborted"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DropNamespaceResponse: _TypeAlias = DropNamespaceResponse  # noqa: Y015
