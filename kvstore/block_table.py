@@ -411,6 +411,21 @@ class BlockTable:
             removed=len(removed), kept_pinned=self._res.pinned, kept_writing=self._res.writing
         )
 
+    # --- capacity: the node adds and gives back whole arenas at the pool's end ---
+
+    def shortfall(self, tenant: TenantId, chain: Sequence[BlockHash]) -> int:
+        """Blocks of ``chain`` not resident for ``tenant``, beyond the free slots."""
+        return self._res.shortfall(self.scope_of(tenant), chain)
+
+    def resize(self, delta: int, now: float) -> bool:
+        """Add ``delta`` slots or retire the last ``-delta`` (`Residency.resize`)."""
+        removed: list[Block] = []
+        if not self._res.resize(delta, removed):
+            return False
+        self.capacity = self._res.capacity
+        self._emit_removed(removed, now)
+        return True
+
     # --- inspection -----------------------------------------------------------
 
     def resident(self, scope: TenantId | None = None) -> int:

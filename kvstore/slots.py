@@ -4,6 +4,11 @@ A slot is a block-sized place in the pool's memory, numbered 0 … capacity-1.
 Every slot has a generation number, bumped each time the slot is given
 back, so a (slot, generation) pair handed to a runner goes stale the moment
 the slot could hold another block.
+
+The pool grows and shrinks by whole arenas at its end (`add_slots`,
+`retire_tail`): slot ids stay ``0 … capacity-1``. A retired slot keeps its
+generation, so when the same id comes back with a new arena, a handle issued
+before the retirement is still stale.
 """
 
 from __future__ import annotations
@@ -42,3 +47,27 @@ class SlotAllocator:
         """Return a slot; its generation moves on so old handles go stale."""
         self._generation[slot] += 1
         self._free.append(slot)
+
+    def add_slots(self, n: int) -> None:
+        """Grow by ``n`` free slots numbered from the current capacity on."""
+        if n <= 0:
+            raise ValueError(f"bug: adding {n} slots")
+        first = self.capacity
+        self.capacity += n
+        missing = self.capacity - len(self._generation)
+        if missing > 0:  # ids seen before (retired) keep their generations
+            self._generation.extend([0] * missing)
+        self._free.extend(SlotId(s) for s in range(self.capacity - 1, first - 1, -1))
+
+    def tail_is_free(self, n: int) -> bool:
+        """Whether the last ``n`` slots are all free (O(free slots))."""
+        first = self.capacity - n
+        return sum(1 for s in self._free if s >= first) == n
+
+    def retire_tail(self, n: int) -> None:
+        """Shrink by the last ``n`` slots, which must all be free (O(free slots))."""
+        if not 0 < n < self.capacity or not self.tail_is_free(n):
+            raise RuntimeError(f"bug: retiring {n} of {self.capacity} slots that are not all free")
+        first = self.capacity - n
+        self._free = [s for s in self._free if s < first]
+        self.capacity = first

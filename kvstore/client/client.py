@@ -212,6 +212,8 @@ class Client:
                 raise
             hit = hit_from_proto(ns, resp, generation)
             changed = self._session.observe_epoch(resp.pool_epoch)
+            if not changed and hit.blocks and self.map_pool:
+                await self._follow_arenas(ns, hit, resp.pool_version, timeout)
             if changed or (self.map_pool and hit.epoch and hit.epoch != ns.epoch):
                 if hit.pinned:
                     await self._background.cleanup(quietly("release", self._send_release(hit)))
@@ -220,6 +222,18 @@ class Client:
                 raise PoolEpochChanged("the node restarted twice during one lookup", new=hit.epoch)
             return hit
         raise AssertionError("bug: unreachable")
+
+    async def _follow_arenas(
+        self, ns: Namespace, hit: Hit, version: int, timeout: float | None
+    ) -> None:
+        """Map arenas the node added since the mapping was made (`NodeSession.refresh_arenas`)."""
+        try:
+            await self._session.refresh_arenas(ns, version, timeout)
+        except BaseException:
+            if hit.pinned:
+                await self._background.cleanup(quietly("release", self._send_release(hit)))
+            raise
+        hit.mapping = ns.mapping
 
     async def _guarded_lookup(
         self,

@@ -37,6 +37,7 @@ def descriptor_from_proto(msg: pb.AttachPoolResponse) -> PoolDescriptor:
             for a in msg.arenas
         ),
         device=msg.device or "cpu",
+        version=msg.pool_version,
     )
 
 

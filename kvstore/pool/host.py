@@ -135,6 +135,7 @@ class HostPool(BlockPool):
         mode: int = 0o600,
         prefault: bool = True,
         group: int | None = None,
+        first_index: int = 0,
     ) -> HostPool:
         """Create, size and map the arena files of a new pool.
 
@@ -150,6 +151,9 @@ class HostPool(BlockPool):
             prefault: allocate and fault in every page now.
             group: gid to give the files to (the server must be a member);
                 None keeps the server's group.
+            first_index: number in the first arena's file name (the next ones
+                count on); a pool that grows arena by arena passes a number
+                unique in the epoch, so no file name is ever used twice.
 
         Raises:
             InvalidArgument: a non-positive size, a world-accessible mode or
@@ -176,7 +180,7 @@ class HostPool(BlockPool):
             for index in range(n_arenas):
                 slots = min(slots_per_arena, capacity - index * slots_per_arena)
                 size = slots * block_bytes
-                name = arena_file_name(prefix, pid, epoch, namespace, index)
+                name = arena_file_name(prefix, pid, epoch, namespace, first_index + index)
                 path = os.path.join(directory, name)
                 arenas.append(_create_arena(path, size, mode, prefault, group))
                 specs.append(ArenaSpec(index=index, size_bytes=size, path=path))
@@ -286,6 +290,50 @@ class HostMapping(PoolMapping):
                 arena.close()
             raise
         return cls(descriptor, arenas)
+
+    def refresh(self, descriptor: PoolDescriptor) -> bool:
+        """Follow a newer arena set of this pool (`PoolMapping.refresh`); True.
+
+        An arena is kept when its path and size are unchanged (file names are
+        never reused in an epoch), so views of it stay valid.
+
+        Raises:
+            InvalidArgument: ``descriptor`` is another pool, epoch or geometry.
+            PoolUnavailable: a new arena file is gone (given back meanwhile:
+                attach again).
+        """
+        old = self.descriptor
+        if (descriptor.kind, descriptor.epoch, descriptor.namespace) != (
+            old.kind,
+            old.epoch,
+            old.namespace,
+        ) or (descriptor.block_bytes, descriptor.slots_per_arena) != (
+            old.block_bytes,
+            old.slots_per_arena,
+        ):
+            raise InvalidArgument("refresh takes a newer descriptor of the same pool")
+        if self._closed:
+            raise PoolUnavailable(f"the mapping of namespace {old.namespace} is closed")
+        pairs = zip(old.arenas, self._arenas, strict=True)
+        kept = {(spec.path, spec.size_bytes): arena for spec, arena in pairs}
+        arenas: list[_Arena] = []
+        opened: list[_Arena] = []
+        try:
+            for spec in descriptor.arenas:
+                arena = kept.pop((spec.path, spec.size_bytes), None)
+                if arena is None:
+                    arena = _open_arena(spec, descriptor)
+                    opened.append(arena)
+                arenas.append(arena)
+        except BaseException:
+            for arena in opened:
+                arena.close()
+            raise
+        for arena in kept.values():  # given back by the node
+            arena.close()
+        self._arenas = arenas
+        self.descriptor = descriptor
+        return True
 
     def buffer(self, slot: SlotId) -> memoryview:
         """Writable zero-copy view of one slot, ``block_bytes`` long."""

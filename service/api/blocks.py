@@ -81,6 +81,7 @@ class BlockRpcs(ServicerBase):
                     query_tokens=query_tokens,
                 )
         pool = node.pool(namespace)
+        node.memory.touch(namespace)  # a namespace in use gives its arenas back last
         hit_tokens = result.hit_blocks * table.block_size
         node.metrics.observe_lookup(
             namespace,
@@ -99,6 +100,7 @@ class BlockRpcs(ServicerBase):
             pool_epoch=node.epoch,
             chain=chain if from_tokens else [],
             query_tokens=query_tokens,
+            pool_version=pool.descriptor.version,
         )
 
     @guard_unary("Reserve")
@@ -110,6 +112,7 @@ class BlockRpcs(ServicerBase):
         lease_id = validate.lease_id(request.lease_id)
         table = node.table(namespace)
         chain, _, _ = node.chain(table, tenant, request.tokens, request.hashes, request.extras)
+        await node.make_room(table, tenant, chain)  # more arenas, if the budget allows
         try:
             result = node.store.reserve(namespace, tenant, lease_id, chain, node.now())
         finally:
@@ -123,7 +126,9 @@ class BlockRpcs(ServicerBase):
                     convert.location(pool, BlockRef(entry.hash, entry.slot, entry.generation))
                 )
             entries.append(msg)
-        return pb.ReserveResponse(entries=entries, pool_epoch=node.epoch)
+        return pb.ReserveResponse(
+            entries=entries, pool_epoch=node.epoch, pool_version=pool.descriptor.version
+        )
 
     def _on_hashes(self, request: _HashesRequest, context: Any, verb: _StoreVerb) -> int:
         """Validate a (namespace, lease, hashes) request and apply ``verb`` to it."""
