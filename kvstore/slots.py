@@ -57,7 +57,9 @@ class SlotAllocator:
         missing = self.capacity - len(self._generation)
         if missing > 0:  # ids seen before (retired) keep their generations
             self._generation.extend([0] * missing)
-        self._free.extend(SlotId(s) for s in range(self.capacity - 1, first - 1, -1))
+        # At the bottom of the stack: the slots freed before are used first, so
+        # the last arena stays the emptiest one, the cheapest to give back.
+        self._free[:0] = [SlotId(s) for s in range(self.capacity - 1, first - 1, -1)]
 
     def tail_is_free(self, n: int) -> bool:
         """Whether the last ``n`` slots are all free (O(free slots))."""

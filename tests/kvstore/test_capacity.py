@@ -33,6 +33,13 @@ def test_slots_grow_at_the_end_and_retire_only_a_free_tail() -> None:
     assert slots.generation(4) == generation and slots.free == 2
 
 
+def test_new_slots_are_used_after_the_older_free_ones() -> None:
+    slots = SlotAllocator(2)
+    assert slots.take() == 0
+    slots.add_slots(2)
+    assert [slots.take(), slots.take(), slots.take()] == [1, 2, 3]  # the tail fills last
+
+
 def test_grow_makes_room_without_eviction() -> None:
     store = store_of(3)
     table = store.table(NS)
