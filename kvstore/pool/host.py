@@ -292,46 +292,44 @@ class HostMapping(PoolMapping):
         return cls(descriptor, arenas)
 
     def refresh(self, descriptor: PoolDescriptor) -> bool:
-        """Follow a newer arena set of this pool (`PoolMapping.refresh`); True.
+        """Follow arenas added at (or given back from) the end of this pool, in place.
 
-        An arena is kept when its path and size are unchanged (file names are
-        never reused in an epoch), so views of it stay valid.
+        Kept arenas stay mapped, so views and hits made before stay valid;
+        new ones are mapped, given-back ones unmapped. False, and nothing
+        changed, when an arena this mapping holds was replaced or the
+        geometry changed (a dropped namespace registered again): attach anew.
 
         Raises:
-            InvalidArgument: ``descriptor`` is another pool, epoch or geometry.
-            PoolUnavailable: a new arena file is gone (given back meanwhile:
-                attach again).
+            InvalidArgument: ``descriptor`` is another namespace, kind or epoch.
+            PoolUnavailable: the mapping is closed, or a new arena file is
+                gone (given back meanwhile: attach again).
         """
         old = self.descriptor
         if (descriptor.kind, descriptor.epoch, descriptor.namespace) != (
             old.kind,
             old.epoch,
             old.namespace,
-        ) or (descriptor.block_bytes, descriptor.slots_per_arena) != (
-            old.block_bytes,
-            old.slots_per_arena,
         ):
             raise InvalidArgument("refresh takes a newer descriptor of the same pool")
         if self._closed:
             raise PoolUnavailable(f"the mapping of namespace {old.namespace} is closed")
-        pairs = zip(old.arenas, self._arenas, strict=True)
-        kept = {(spec.path, spec.size_bytes): arena for spec, arena in pairs}
-        arenas: list[_Arena] = []
+        common = min(len(old.arenas), len(descriptor.arenas))
+        if (descriptor.block_bytes, descriptor.slots_per_arena) != (
+            old.block_bytes,
+            old.slots_per_arena,
+        ) or descriptor.arenas[:common] != old.arenas[:common]:
+            return False
         opened: list[_Arena] = []
         try:
-            for spec in descriptor.arenas:
-                arena = kept.pop((spec.path, spec.size_bytes), None)
-                if arena is None:
-                    arena = _open_arena(spec, descriptor)
-                    opened.append(arena)
-                arenas.append(arena)
+            for spec in descriptor.arenas[common:]:
+                opened.append(_open_arena(spec, descriptor))
         except BaseException:
             for arena in opened:
                 arena.close()
             raise
-        for arena in kept.values():  # given back by the node
+        for arena in self._arenas[common:]:  # given back by the node
             arena.close()
-        self._arenas = arenas
+        self._arenas = self._arenas[:common] + opened
         self.descriptor = descriptor
         return True
 

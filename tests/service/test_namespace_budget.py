@@ -296,3 +296,27 @@ async def test_the_sdk_maps_new_arenas_without_an_epoch_change(kv_server: Server
             assert np.array_equal(view, sdk_block(i))
         await kv.release(hit)
         await kv.release(before)
+
+
+async def test_a_runner_never_reads_a_dropped_pool_after_it_is_registered_again(kv_server):
+    async with (
+        Client(kv_server.address, tenant="acme", timeout=5.0) as old,
+        Client(kv_server.address, tenant="acme", timeout=5.0) as new,
+    ):
+        ns = await old.register_namespace("again", SDK_LAYOUT)
+        tokens = tokens_of(3, 7)
+        await old.store(ns, tokens, [sdk_block(i) for i in range(3)])
+        async with grpc.aio.insecure_channel(kv_server.address) as channel:
+            admin = kvstore_pb2_grpc.KVStoreStub(channel)
+            await admin.DropNamespace(pb.DropNamespaceRequest(namespace_id=ns.id))
+        # Another runner registers the same model again and stores other bytes.
+        ns_new = await new.register_namespace("again", SDK_LAYOUT)
+        assert ns_new.id == ns.id
+        await new.store(ns_new, tokens, [sdk_block(50 + i) for i in range(3)])
+        # The first runner still holds a mapping of the dropped files: the answer's
+        # pool version differs, so it maps the new pool before handing out views.
+        hit = await old.lookup(ns, tokens, pin=True)
+        assert hit.hit_blocks == 3
+        for i, view in enumerate(hit.numpy_views()):
+            assert np.array_equal(view, sdk_block(50 + i))
+        await old.release(hit)
