@@ -126,10 +126,10 @@ class NamespaceMemory:
         namespace = table.namespace
         now = self.clock()
         self._active[namespace] = now
-        if self._retry_at.get(namespace, 0.0) > now or not table.shortfall(tenant, chain):
+        if self._retry_at.get(namespace, 0.0) > now:
             return
         plan = self.pools.plan_of(namespace)
-        if self.pools.arenas(namespace) >= plan.max_arenas:
+        if self.pools.arenas(namespace) >= plan.max_arenas or not table.shortfall(tenant, chain):
             return
         async with self.lock:
             if not self._registered(table):

@@ -320,3 +320,20 @@ async def test_a_runner_never_reads_a_dropped_pool_after_it_is_registered_again(
         for i, view in enumerate(hit.numpy_views()):
             assert np.array_equal(view, sdk_block(50 + i))
         await old.release(hit)
+
+
+async def test_an_empty_namespace_gives_its_arenas_back_whatever_its_share(stub, clock):
+    lid = (await stub.OpenLease(pb.OpenLeaseRequest(ttl_seconds=600))).lease_id
+    ids = {}
+    for name in ("a", "b"):
+        reg = await stub.RegisterNamespace(
+            pb.RegisterNamespaceRequest(model_id=name, layout=LAYOUT)
+        )
+        ids[name] = reg.namespace_id
+        await store(stub, reg.namespace_id, lid, tokens_of(2 * ARENA_BLOCKS, 1))  # 2 arenas each
+    await stub.Clear(pb.ClearRequest(namespace_id=ids["a"]))
+    clock.advance(2)  # past the retry pause of b's last (failed) growth, if any
+    await store(stub, ids["b"], lid, tokens_of(ARENA_BLOCKS, 2))
+    stats = by_model(await stub.Stats(pb.StatsRequest()))
+    assert stats["a"].capacity == ARENA_BLOCKS and stats["b"].capacity == 3 * ARENA_BLOCKS
+    assert stats["b"].evictions == 0
