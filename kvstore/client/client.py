@@ -235,6 +235,21 @@ class Client:
             raise
         hit.mapping = ns.mapping
 
+    async def follow_pool(
+        self, ns: Namespace, version: int, *, timeout: float | None = None
+    ) -> None:
+        """Map the pool's arenas as of ``version`` at least (0: nothing to do).
+
+        For a process that reads slots another process looked up (the vLLM
+        worker, with its scheduler's `Hit.pool_version`): the pins keep every
+        arena up to theirs in place, so any mapping of this version or later
+        addresses them.
+        """
+        mapping = ns.mapping
+        if not version or (mapping is not None and mapping.descriptor.version >= version):
+            return
+        await self._session.refresh_arenas(ns, version, timeout)
+
     async def _guarded_lookup(
         self,
         ns: Namespace,

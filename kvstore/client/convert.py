@@ -84,4 +84,5 @@ def hit_from_proto(ns: Namespace, resp: pb.LookupResponse, lease_generation: int
         chain=tuple(BlockHash(h) for h in resp.chain),
         mapping=ns.mapping,
         lease_generation=lease_generation,
+        pool_version=resp.pool_version,
     )

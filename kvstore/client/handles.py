@@ -125,6 +125,9 @@ class Hit:
     """Which incarnation of the client's lease holds the pins."""
     released: bool = False
     """True once the pins were released (or lost with the lease)."""
+    pool_version: int = 0
+    """The pool's arena set when the node answered (another process reading the
+    slots maps at least this version first: `Client.follow_pool`)."""
 
     @property
     def hit_blocks(self) -> int:

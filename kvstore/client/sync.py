@@ -103,6 +103,10 @@ class SyncClient:
             self._client.store(ns, tokens, blocks, hashes=hashes, extras=extras, timeout=timeout)
         )
 
+    def follow_pool(self, ns: Namespace, version: int, *, timeout: float | None = None) -> None:
+        """See `Client.follow_pool`."""
+        self._run(self._client.follow_pool(ns, version, timeout=timeout))
+
     def release(self, hit: Hit, *, timeout: float | None = None) -> int:
         """See `Client.release`."""
         return self._run(self._client.release(hit, timeout=timeout))

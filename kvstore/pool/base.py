@@ -85,8 +85,8 @@ class PoolDescriptor:
     device: str = "cpu"
     """``"cpu"``, or the GPU's UUID for CUDA pools."""
     version: int = 0
-    """Which arena set this is: the node changes it whenever it adds an arena to the
-    pool or gives one back (never reused in an epoch). A Lookup or Reserve answer
+    """Which arena set this is: the node raises it whenever it adds an arena to the
+    pool or gives one back (it only grows within an epoch). A Lookup or Reserve answer
     with another version means: attach again, then `PoolMapping.refresh`."""
 
     def __post_init__(self) -> None:

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from kvstore.client import Client
+from kvstore.errors import InvalidArgument
 from kvstore.layout import KVLayout
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc
@@ -337,3 +338,27 @@ async def test_an_empty_namespace_gives_its_arenas_back_whatever_its_share(stub,
     stats = by_model(await stub.Stats(pb.StatsRequest()))
     assert stats["a"].capacity == ARENA_BLOCKS and stats["b"].capacity == 3 * ARENA_BLOCKS
     assert stats["b"].evictions == 0
+
+
+async def test_another_process_follows_the_pool_version_of_a_lookup(kv_server):
+    """The vLLM split: the scheduler looks up, the worker reads the slots through its mapping."""
+    async with (
+        Client(kv_server.address, tenant="acme", timeout=5.0) as scheduler,
+        Client(kv_server.address, tenant="acme", timeout=5.0) as worker,
+    ):
+        ns_w = await worker.register_namespace("split", SDK_LAYOUT)
+        ns_s = await scheduler.register_namespace("split", SDK_LAYOUT)
+        tokens = tokens_of(30, 4)
+        await scheduler.store(ns_s, tokens, [sdk_block(i) for i in range(30)])  # grows the pool
+        hit = await scheduler.lookup(ns_s, tokens, pin=True)
+        assert ns_w.mapping is not None
+        assert hit.pool_version > ns_w.mapping.descriptor.version
+        with pytest.raises(InvalidArgument):
+            ns_w.mapping.buffer(hit.blocks[-1].slot)  # an arena the worker has not mapped
+        await worker.follow_pool(ns_w, hit.pool_version)
+        mapping = ns_w.mapping
+        for i, b in enumerate(hit.blocks):
+            assert np.array_equal(mapping.numpy_view(b.slot, SDK_LAYOUT), sdk_block(i))
+        await worker.follow_pool(ns_w, hit.pool_version)  # nothing to do now
+        assert ns_w.mapping is mapping
+        await scheduler.release(hit)
