@@ -111,6 +111,7 @@ class PeerFetcher:
         node = self.node
         store = node.store
         lease_id = LeaseId(secrets.randbits(63) | 1)
+        await node.make_room(node.table(namespace), tenant, target)  # more arenas, if allowed
         store.open_lease(lease_id, tenant, node.config.peer_fetch_timeout + 1.0, node.now())
         written: list[BlockHash] = []
         try:
