@@ -427,15 +427,26 @@ class BlockTable:
             removed=len(removed), kept_pinned=self._res.pinned, kept_writing=self._res.writing
         )
 
+    # --- capacity: the node adds and gives back whole arenas at the pool's end ---
+
+    def shortfall(self, tenant: TenantId, chain: Sequence[BlockHash]) -> int:
+        """Blocks of ``chain`` not resident for ``tenant``, beyond the free slots."""
+        return self._res.shortfall(self.scope_of(tenant), chain)
+
+    def resize(self, delta: int, now: float) -> bool:
+        """Add ``delta`` slots or retire the last ``-delta`` (`Residency.resize`)."""
+        removed: list[Block] = []
+        if not self._res.resize(delta, removed):
+            return False
+        self.capacity = self._res.capacity
+        self._emit_removed(removed, now)
+        return True
+
     # --- inspection -----------------------------------------------------------
 
     def resident(self, scope: TenantId | None = None) -> int:
         """Resident blocks (READY or WRITING) of one scope, or of all."""
         return self._res.resident(scope)
-
-    def quota_of(self, scope: TenantId) -> int:
-        """Most blocks ``scope`` may hold here (0 = no quota)."""
-        return self._res.quota_of(scope)
 
     def iter_blocks(self, scope: TenantId | None = None) -> Iterator[BlockInfo]:
         """Snapshot of every resident block (of one scope if given), scope by scope."""

@@ -221,6 +221,43 @@ class Residency:
             self._remove(block)
         return removed
 
+    # --- capacity: whole arenas at the end of the pool (`SlotAllocator.add_slots`) ---
+
+    def shortfall(self, scope: TenantId, chain: Iterable[BlockHash]) -> int:
+        """Blocks of ``chain`` not resident in ``scope``, beyond the free slots."""
+        blocks = self._scopes.get(scope, {})
+        return max(0, sum(1 for h in chain if h not in blocks) - self._slots.free)
+
+    def tail_blocks(self, n: int) -> list[Block] | None:
+        """The resident blocks in the last ``n`` slots, or None when one is pinned or WRITING.
+
+        O(resident blocks): an arena-level operation, never per request.
+        """
+        first = self.capacity - n
+        tail = [b for blocks in self._scopes.values() for b in blocks.values() if b.slot >= first]
+        if any(b.state is not BlockState.READY or b.refcount for b in tail):
+            return None
+        return tail
+
+    def resize(self, delta: int, removed: list[Block]) -> bool:
+        """Add ``delta`` free slots, or retire the last ``-delta`` slots.
+
+        Retiring evicts (into ``removed``, counted as evictions) the READY
+        blocks those slots hold. It is refused (False, nothing changed) while
+        one of them is pinned or WRITING, or when it would leave no slot.
+        """
+        if delta > 0:
+            self._slots.add_slots(delta)
+        else:
+            tail = self.tail_blocks(-delta) if 0 < -delta < self.capacity else None
+            if tail is None:
+                return False
+            for block in tail:
+                self._evict_one(removed, block)
+            self._slots.retire_tail(-delta)
+        self.capacity += delta
+        return True
+
     def _evict_one(self, removed: list[Block], victim: Block | None) -> bool:
         if victim is None:
             return False

@@ -13,6 +13,11 @@ once: it is quarantined until a release time (``docs/leases.md``, "Late
 writers"). And free slots are reused least recently freed first, so even a
 slot freed cleanly rests as long as the free list allows before its next
 owner writes it.
+
+The pool grows and shrinks by whole arenas at its end (`add_slots`,
+`retire_tail`): slot ids stay ``0 … capacity-1``. A retired slot keeps its
+generation, so when the same id comes back with a new arena, a handle issued
+before the retirement is still stale.
 """
 
 from __future__ import annotations
@@ -98,3 +103,29 @@ class SlotAllocator:
     def quarantine_snapshot(self) -> list[tuple[float, SlotId]]:
         """(release time, slot) of every quarantined slot, oldest first (for tests and tools)."""
         return list(self._quarantine)
+
+    def add_slots(self, n: int) -> None:
+        """Grow by ``n`` free slots numbered from the current capacity on."""
+        if n <= 0:
+            raise ValueError(f"bug: adding {n} slots")
+        first = self.capacity
+        self.capacity += n
+        missing = self.capacity - len(self._generation)
+        if missing > 0:  # ids seen before (retired) keep their generations
+            self._generation.extend([0] * missing)
+        # At the end of the FIFO: the slots freed before are used first, so the
+        # last arena stays the emptiest one, the cheapest to give back.
+        self._free.extend(SlotId(s) for s in range(first, self.capacity))
+
+    def tail_is_free(self, n: int) -> bool:
+        """Whether the last ``n`` slots are all free, none quarantined (O(free slots))."""
+        first = self.capacity - n
+        return sum(1 for s in self._free if s >= first) == n
+
+    def retire_tail(self, n: int) -> None:
+        """Shrink by the last ``n`` slots, which must all be free (O(free slots))."""
+        if not 0 < n < self.capacity or not self.tail_is_free(n):
+            raise RuntimeError(f"bug: retiring {n} of {self.capacity} slots that are not all free")
+        first = self.capacity - n
+        self._free = deque(s for s in self._free if s < first)
+        self.capacity = first

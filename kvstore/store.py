@@ -12,7 +12,13 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 from kvstore.block_table import BlockTable
-from kvstore.errors import InvalidArgument, LayoutConflict, LimitExceeded, UnknownNamespace
+from kvstore.errors import (
+    FailedPrecondition,
+    InvalidArgument,
+    LayoutConflict,
+    LimitExceeded,
+    UnknownNamespace,
+)
 from kvstore.events import CacheEvent
 from kvstore.layout import NamespaceSpec
 from kvstore.lease import Lease, LeaseTable
@@ -75,6 +81,20 @@ class StoreStats:
     """Pins held over all leases (counting repeats)."""
     writing_by_leases: int
     """WRITING blocks held over all leases."""
+
+
+@dataclass(frozen=True, slots=True)
+class DropReport:
+    """What `Store.drop_namespace` took down with the namespace."""
+
+    namespace: NamespaceId
+    """The namespace dropped."""
+    removed: int
+    """Resident blocks removed (READY ones, plus WRITING ones aborted by force)."""
+    pins_dropped: int
+    """Pins taken from leases (only with force)."""
+    writes_aborted: int
+    """Writes aborted (only with force)."""
 
 
 class Store:
@@ -156,6 +176,36 @@ class Store:
                 f"scheme {existing.scheme.value}; got {spec.layout} scheme {spec.scheme.value}"
             )
         return self._tables[existing.namespace_id]
+
+    def drop_namespace(self, namespace: NamespaceId, now: float, *, force: bool) -> DropReport:
+        """Remove a namespace and every block of it; its id may be registered again.
+
+        Refused (`FailedPrecondition`) while a block is pinned or WRITING,
+        unless ``force``: then every lease loses its pins on the namespace
+        and its writes there are aborted, as if those leases had expired in
+        this namespace only (the leases themselves stay). Emits REMOVED for
+        the blocks and CLEARED for the namespace. Cost: O(leases + blocks of
+        the namespace); an operator's verb, never on a request path.
+        """
+        table = self.table(namespace)
+        stats = table.stats()
+        if (stats.pinned or stats.writing) and not force:
+            raise FailedPrecondition(
+                f"namespace {namespace} has {stats.pinned} pinned and {stats.writing} WRITING "
+                "blocks in use by runners; release them first or drop with force"
+            )
+        pins = writes = 0
+        for lease in list(self._leases):
+            if namespace in lease.pins or namespace in lease.writes:
+                p, w = table.drop_lease(lease, now)
+                pins += p
+                writes += w
+        removed = table.clear(now).removed
+        if len(table):
+            raise RuntimeError(f"bug: namespace {namespace} kept {len(table)} blocks after a drop")
+        del self._tables[namespace]
+        del self._by_model[table.spec.model_id]
+        return DropReport(namespace, removed + writes, pins, writes)
 
     def table(self, namespace: NamespaceId) -> BlockTable:
         """The block table of a namespace, or `UnknownNamespace`."""

@@ -10,10 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import kvstore
 from kvstore.block_table import BlockTable
@@ -21,10 +20,11 @@ from kvstore.errors import PermissionDenied
 from kvstore.layout import NamespaceSpec
 from kvstore.pool.base import BlockPool
 from kvstore.results import ExpiryReport, NamespaceStats
-from kvstore.store import Store, StoreLimits, StoreStats
+from kvstore.store import DropReport, Store, StoreLimits, StoreStats
 from kvstore.types import SHARED_SCOPE, BlockHash, NamespaceId, TenantId
 from kvstore.v1 import kvstore_pb2 as pb
 from service.api import convert
+from service.budget import NamespaceMemory
 from service.cluster.agent import RedisAgent
 from service.cluster.peer_fetch import PeerFetcher
 from service.config import Config, ConfigError
@@ -91,7 +91,8 @@ class Node:
         self.peers: PeerFetcher | None = None
         """Fetches missed blocks from peers; set with `cluster`."""
         self.started = clock()
-        self._register_lock = asyncio.Lock()
+        self.memory = NamespaceMemory(self.pools, self.store, self.now, self.publish_events)
+        """Arenas in and out of namespace pools (growth, give-back, drop)."""
 
     @property
     def epoch(self) -> int:
@@ -206,32 +207,52 @@ class Node:
     # --- namespaces -------------------------------------------------------------
 
     async def register(self, spec: NamespaceSpec, requested_bytes: int) -> tuple[BlockTable, bool]:
-        """The namespace's table, creating it and its pool if new.
+        """The namespace's table, creating it and its pool (one arena) if new.
 
         Returns:
             (table, created).
         """
-        async with self._register_lock:
+        async with self.memory.lock:
             # Same spec: idempotent; another layout: LayoutConflict. Checked
             # before any pool memory is allocated.
             existing = self.store.existing_namespace(spec)
             if existing is not None:
                 return existing, False
-            block_bytes = spec.layout.block_bytes
-            capacity = self.pools.plan_capacity(block_bytes, requested_bytes)
-            pool = await _build_pool(self.pools, spec.namespace_id, block_bytes, capacity)
-            try:
-                table = self.store.register_namespace(
+            table = await self.memory.create(
+                spec.namespace_id,
+                spec.layout.block_bytes,
+                requested_bytes,
+                lambda slots: self.store.register_namespace(
                     spec,
-                    capacity,
+                    slots,
                     shared=self.is_shared(spec.model_id),
                     quota=self.quota_of if self.directory is not None else None,
-                )
-            except BaseException:
-                pool.close()
-                raise
-            self.pools.adopt(spec.namespace_id, pool)
+                ),
+            )
             return table, True
+
+    async def make_room(
+        self, table: BlockTable, tenant: TenantId, chain: Sequence[BlockHash]
+    ) -> None:
+        """Grow the namespace's pool before a reserve if it lacks free slots (`NamespaceMemory`)."""
+        await self.memory.make_room(table, tenant, chain)
+
+    async def drop(self, namespace: NamespaceId, force: bool) -> tuple[DropReport, int]:
+        """Drop a namespace (`Store.drop_namespace`) and give its pool back to the budget.
+
+        Returns:
+            (what the store removed, bytes returned to the budget).
+        """
+        report, freed = await self.memory.drop(namespace, force)
+        log.info(
+            "namespace %s dropped%s: %d blocks removed, %d pins dropped, %d writes aborted",
+            namespace,
+            " by force" if force else "",
+            report.removed,
+            report.pins_dropped,
+            report.writes_aborted,
+        )
+        return report, freed
 
     def table(self, namespace: NamespaceId) -> BlockTable:
         """A registered namespace's table (`UnknownNamespace` otherwise)."""
@@ -296,22 +317,3 @@ def _on_loop(loop: asyncio.AbstractEventLoop) -> bool:
         return asyncio.get_running_loop() is loop
     except RuntimeError:
         return False
-
-
-async def _build_pool(
-    pools: PoolManager, namespace: NamespaceId, block_bytes: int, capacity: int
-) -> BlockPool:
-    """Build a pool in a worker thread (prefaulting takes time); never leak it."""
-    task = asyncio.ensure_future(asyncio.to_thread(pools.build, namespace, block_bytes, capacity))
-    try:
-        return await asyncio.shield(task)
-    except asyncio.CancelledError:
-        # The caller went away: close the pool whenever the thread finishes.
-        task.add_done_callback(
-            lambda t: t.result().close() if not t.cancelled() and t.exception() is None else None
-        )
-        # Wait for that (the caller still holds the register lock), so a
-        # registration that follows never races this pool's file names.
-        with contextlib.suppress(asyncio.CancelledError):
-            await asyncio.wait({task})
-        raise

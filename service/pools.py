@@ -1,12 +1,19 @@
-"""The node's memory budget, carved into one pool per namespace on the node's device.
+"""The node's memory budget, drawn on by namespace pools arena by arena.
 
-`PoolManager` creates a pool when a namespace is registered (a `HostPool`
-for ``device = "cpu"``, a `CudaPool` on the configured GPU otherwise), sized
-``min(requested or the default share, what is left of the budget)`` rounded
-down to whole blocks, and closes (unlinks) every pool on shutdown. Pool
-files of dead servers are removed at start (`cleanup_stale`). The epoch is
-random per server start, so a runner can tell a restarted node's pools from
-the ones it mapped before.
+`PoolManager` owns one `ArenaPool` per namespace on the node's device
+(host shared memory for ``device = "cpu"``, a GPU otherwise). A pool starts
+with one arena and grows by whole arenas while its namespace needs slots
+(`Node.make_room`), up to its ceiling (the bytes RegisterNamespace asked
+for, else `namespace_capacity_bytes`, else the whole budget); every arena
+counts against the node's `capacity_bytes`. The last arena of a pool can be
+given back (its blocks evicted first) when another namespace needs the
+memory, and a dropped namespace gives back all of them. The manager does
+the accounting and the memory; *which* arena moves is the node's decision.
+
+Pool files of dead servers are removed at start (`cleanup_stale`). The epoch
+is random per server start, so a runner can tell a restarted node's pools
+from the ones it mapped before; the arena-set version (`PoolDescriptor.version`)
+changes whenever a pool gains or loses an arena, and is unique in the epoch.
 
 A CUDA node checks its GPU when the manager is built (at server start): no
 cupy, no GPU or not that GPU is a `ConfigError` naming the device, which the
@@ -19,8 +26,10 @@ from __future__ import annotations
 import grp
 import logging
 import secrets
+from dataclasses import dataclass
 
 from kvstore.errors import InvalidArgument
+from kvstore.pool.arenas import ArenaPool
 from kvstore.pool.base import BlockPool, PoolUnavailable
 from kvstore.pool.cuda import CudaDevice, CudaPool, find_device
 from kvstore.pool.cuda_runtime import CudaRuntime, default_runtime
@@ -35,6 +44,23 @@ log = logging.getLogger(__name__)
 def new_epoch() -> int:
     """A random nonzero 63-bit pool epoch."""
     return secrets.randbits(63) or 1
+
+
+@dataclass(frozen=True, slots=True)
+class PoolPlan:
+    """The geometry of a namespace pool, fixed when it is registered."""
+
+    block_bytes: int
+    """Bytes of one block."""
+    slots_per_arena: int
+    """Slots in each arena."""
+    max_arenas: int
+    """Arenas the pool may grow to (at least 1)."""
+
+    @property
+    def arena_bytes(self) -> int:
+        """Bytes of one arena."""
+        return self.slots_per_arena * self.block_bytes
 
 
 class PoolManager:
@@ -56,7 +82,12 @@ class PoolManager:
         self.config = config
         self.epoch = epoch if epoch is not None else new_epoch()
         self.capacity_bytes = config.capacity_bytes
-        self._pools: dict[NamespaceId, BlockPool] = {}
+        self._pools: dict[NamespaceId, ArenaPool] = {}
+        self._plans: dict[NamespaceId, PoolPlan] = {}
+        self._serial = 0
+        """Arena file numbers and arena-set versions: unique in the epoch."""
+        self._building = 0
+        """Bytes of arenas being built (promised, not yet adopted)."""
         self.cuda_runtime: CudaRuntime | None = None
         self.cuda_device: CudaDevice | None = None
         """The GPU of the pools; None for host pools."""
@@ -82,81 +113,156 @@ class PoolManager:
 
     @property
     def allocated_bytes(self) -> int:
-        """Bytes carved into pools so far."""
-        return sum(p.descriptor.capacity * p.descriptor.block_bytes for p in self._pools.values())
+        """Bytes of the arenas of every pool (and of arenas being built)."""
+        return sum(p.descriptor.total_bytes for p in self._pools.values()) + self._building
 
     @property
     def free_bytes(self) -> int:
-        """Bytes of the budget not yet given to a pool."""
+        """Bytes of the budget in no arena."""
         return self.capacity_bytes - self.allocated_bytes
 
-    def plan_capacity(self, block_bytes: int, requested_bytes: int) -> int:
-        """Slots a new pool of ``block_bytes`` blocks gets for ``requested_bytes`` (0 = default).
+    def next_serial(self) -> int:
+        """A number never handed out before in this epoch."""
+        self._serial += 1
+        return self._serial
+
+    # --- planning ---------------------------------------------------------------------
+
+    def plan(self, block_bytes: int, requested_bytes: int) -> PoolPlan:
+        """The geometry of a new pool of ``block_bytes`` blocks.
+
+        The ceiling is ``requested_bytes``, else `namespace_capacity_bytes`,
+        else the budget, never more than the budget; an arena is
+        `arena_bytes` or the ceiling if smaller, in whole blocks, and the
+        ceiling is rounded down to whole arenas.
 
         Raises:
-            ResourceExhausted: not even one block fits in what is left.
+            ResourceExhausted: not even one block fits under the ceiling.
         """
-        want = requested_bytes or self.config.namespace_capacity_bytes
-        grant = min(want, self.free_bytes)
-        blocks = grant // block_bytes
-        if blocks < 1:
+        ceiling = min(
+            requested_bytes or self.config.namespace_capacity_bytes or self.capacity_bytes,
+            self.capacity_bytes,
+        )
+        slots_per_arena = min(self.config.arena_bytes, ceiling) // block_bytes
+        if slots_per_arena < 1:
             raise ResourceExhausted(
-                f"no room for a namespace pool: a block is {block_bytes} bytes, "
-                f"{self.free_bytes} of the node's {self.capacity_bytes} bytes are left"
-                + (f" and {requested_bytes} were asked for" if requested_bytes else "")
+                f"no room for a namespace pool: a block is {block_bytes} bytes, the pool may "
+                f"hold {ceiling} of the node's {self.capacity_bytes} bytes"
+                + (f" ({requested_bytes} were asked for)" if requested_bytes else "")
             )
-        return blocks
+        return PoolPlan(block_bytes, slots_per_arena, ceiling // (slots_per_arena * block_bytes))
 
-    def build(self, namespace: NamespaceId, block_bytes: int, capacity: int) -> BlockPool:
-        """Create the pool of a namespace with ``capacity`` slots, not yet adopted.
+    def plan_of(self, namespace: NamespaceId) -> PoolPlan:
+        """The geometry of a registered namespace's pool."""
+        return self._plans[namespace]
 
-        Touches only the file system and new memory, so it may run in a worker
-        thread (prefaulting a large pool takes a while); `adopt` it afterwards.
+    def arenas(self, namespace: NamespaceId) -> int:
+        """Arenas the namespace's pool holds now."""
+        return self.get(namespace).arenas
+
+    def pool_bytes(self, namespace: NamespaceId) -> int:
+        """Bytes of the namespace's pool."""
+        return self.get(namespace).descriptor.total_bytes
+
+    def namespaces(self) -> list[NamespaceId]:
+        """Namespaces with a pool."""
+        return list(self._pools)
+
+    # --- memory -----------------------------------------------------------------------
+
+    def promise(self, nbytes: int) -> bool:
+        """Count ``nbytes`` as allocated before the arena exists (False: no room).
+
+        Every `promise` is settled by `adopt`, `grow` or `settle`.
         """
+        if nbytes > self.free_bytes:
+            return False
+        self._building += nbytes
+        return True
+
+    def settle(self, nbytes: int) -> None:
+        """Forget a promise whose arena was not built (or is adopted)."""
+        self._building -= nbytes
+        assert self._building >= 0, "bug: settling more than was promised"
+
+    def build_arena(self, namespace: NamespaceId, plan: PoolPlan, serial: int) -> BlockPool:
+        """Create one arena of a namespace's pool; not yet part of it.
+
+        Touches only the file system and new memory, so it may run in a
+        worker thread (prefaulting takes a while); `adopt` or `grow` it afterwards.
+        """
+        spa = plan.slots_per_arena
         if self.cuda_device is not None:
             return CudaPool.create(
                 namespace,
-                block_bytes,
-                capacity,
+                plan.block_bytes,
+                spa,
                 self.epoch,
                 device=self.cuda_device.uuid,
-                arena_bytes=self.config.arena_bytes,
+                arena_bytes=plan.arena_bytes,
                 runtime=self.cuda_runtime,
             )
         return HostPool.create(
             namespace,
-            block_bytes,
-            capacity,
+            plan.block_bytes,
+            spa,
             self.epoch,
             directory=self.config.shm_dir,
-            arena_bytes=self.config.arena_bytes,
+            arena_bytes=plan.arena_bytes,
             prefix=self.config.pool_prefix,
             mode=0o660 if self.config.pool_file_group else self.config.pool_file_mode,
             prefault=self.config.pool_prefault,
             group=pool_group_id(self.config.pool_file_group),
+            first_index=serial,
         )
 
-    def adopt(self, namespace: NamespaceId, pool: BlockPool) -> None:
-        """Count a built pool against the budget and own it from now on."""
+    def adopt(self, namespace: NamespaceId, first: BlockPool, plan: PoolPlan) -> None:
+        """Own a new namespace's pool, made of its first (promised) arena."""
         if namespace in self._pools:
             raise RuntimeError(f"bug: pool of namespace {namespace} created twice")
-        self._pools[namespace] = pool
-        d = pool.descriptor
+        self._pools[namespace] = ArenaPool(first, self.next_serial())
+        self._plans[namespace] = plan
+        self.settle(plan.arena_bytes)
         log.info(
-            "namespace %s: pool of %d blocks x %d bytes in %d arenas",
+            "namespace %s: pool of %d-byte blocks, %d per arena, up to %d arenas",
             namespace,
-            d.capacity,
-            d.block_bytes,
-            len(d.arenas),
+            plan.block_bytes,
+            plan.slots_per_arena,
+            plan.max_arenas,
         )
 
-    def discard(self, namespace: NamespaceId) -> None:
-        """Close and forget one pool (a registration that failed after creating it)."""
-        pool = self._pools.pop(namespace, None)
-        if pool is not None:
-            pool.close()
+    def grow(self, namespace: NamespaceId, arena: BlockPool) -> None:
+        """Append a built (promised) arena to a namespace's pool."""
+        pool = self.get(namespace)
+        pool.append(arena, self.next_serial())
+        self.settle(pool.arena_bytes)
 
-    def get(self, namespace: NamespaceId) -> BlockPool:
+    def shrink(self, namespace: NamespaceId) -> int:
+        """Close the last arena of a namespace's pool; returns the bytes freed.
+
+        The caller has retired its slots first (`BlockTable.resize`).
+        """
+        pool = self.get(namespace)
+        arena = pool.pop(self.next_serial())
+        arena.close()
+        return pool.arena_bytes
+
+    def discard(self, namespace: NamespaceId) -> int:
+        """Close and forget one pool (a dropped namespace); returns the bytes freed.
+
+        Closing unlinks the arena files: a runner that still maps them keeps
+        its (now private) memory until it unmaps, and cannot attach them again.
+        """
+        pool = self._pools.pop(namespace, None)
+        self._plans.pop(namespace, None)
+        if pool is None:
+            return 0
+        freed = pool.descriptor.total_bytes
+        pool.close()
+        log.info("namespace %s: pool closed, %d bytes back in the budget", namespace, freed)
+        return freed
+
+    def get(self, namespace: NamespaceId) -> ArenaPool:
         """The pool of a registered namespace."""
         pool = self._pools.get(namespace)
         if pool is None:
@@ -165,6 +271,7 @@ class PoolManager:
 
     def close(self) -> None:
         """Close every pool and unlink its files; idempotent."""
+        self._plans.clear()
         while self._pools:
             namespace, pool = self._pools.popitem()
             try:

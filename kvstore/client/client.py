@@ -235,6 +235,8 @@ class Client:
                 raise
             hit = hit_from_proto(ns, resp, generation, lease_id)
             changed = self._session.observe_epoch(resp.pool_epoch)
+            if not changed and hit.blocks and self.map_pool:
+                await self._follow_arenas(ns, hit, resp.pool_version, timeout)
             if changed or (self.map_pool and hit.epoch and hit.epoch != ns.epoch):
                 if hit.pinned:
                     await self._background.cleanup(quietly("release", self._send_release(hit)))
@@ -243,6 +245,33 @@ class Client:
                 raise PoolEpochChanged("the node restarted twice during one lookup", new=hit.epoch)
             return hit
         raise AssertionError("bug: unreachable")
+
+    async def _follow_arenas(
+        self, ns: Namespace, hit: Hit, version: int, timeout: float | None
+    ) -> None:
+        """Map arenas the node added since the mapping was made (`NodeSession.refresh_arenas`)."""
+        try:
+            await self._session.refresh_arenas(ns, version, timeout)
+        except BaseException:
+            if hit.pinned:
+                await self._background.cleanup(quietly("release", self._send_release(hit)))
+            raise
+        hit.mapping = ns.mapping
+
+    async def follow_pool(
+        self, ns: Namespace, version: int, *, timeout: float | None = None
+    ) -> None:
+        """Map the pool's arenas as of ``version`` at least (0: nothing to do).
+
+        For a process that reads slots another process looked up (the vLLM
+        worker, with its scheduler's `Hit.pool_version`): the pins keep every
+        arena up to theirs in place, so any mapping of this version or later
+        addresses them.
+        """
+        mapping = ns.mapping
+        if not version or (mapping is not None and mapping.descriptor.version >= version):
+            return
+        await self._session.refresh_arenas(ns, version, timeout)
 
     async def _guarded_lookup(
         self,

@@ -37,6 +37,7 @@ def descriptor_from_proto(msg: pb.AttachPoolResponse) -> PoolDescriptor:
             for a in msg.arenas
         ),
         device=msg.device or "cpu",
+        version=msg.pool_version,
     )
 
 
@@ -90,4 +91,5 @@ def hit_from_proto(
         mapping=ns.mapping,
         lease_generation=lease_generation,
         lease_id=lease_id if resp.pinned else None,
+        pool_version=resp.pool_version,
     )

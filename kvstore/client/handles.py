@@ -128,6 +128,9 @@ class Hit:
     under a lease that replaced it."""
     released: bool = False
     """True once the pins were released (or lost with the lease)."""
+    pool_version: int = 0
+    """The pool's arena set when the node answered (another process reading the
+    slots maps at least this version first: `Client.follow_pool`)."""
 
     @property
     def hit_blocks(self) -> int:

@@ -12,6 +12,11 @@ still holds each lease (`lease_alive`): a copy into a reserved slot is made
 only while that is true, so a process that stalled past its lease's expiry
 never writes a slot the node may have given to another block
 (``docs/leases.md``, "Late writers").
+
+A pool that gained or gave back an arena keeps its epoch and changes its
+``pool_version`` (carried by Lookup and Reserve answers): `refresh_arenas`
+then attaches again and maps only the new arenas (`PoolMapping.refresh`),
+so hits taken before stay readable.
 """
 
 from __future__ import annotations
@@ -211,6 +216,31 @@ class NodeSession:
                 setattr(ns, name, value)
         ns.stale = False
         return ns
+
+    async def refresh_arenas(self, ns: Namespace, version: int, timeout: float | None) -> None:
+        """Follow the pool's arena set when an answer names another ``version``.
+
+        Host pools are refreshed in place; a kind that cannot (CUDA) is
+        attached anew, which ends the hits made with the old mapping.
+        """
+        mapping = ns.mapping
+        if not version or mapping is None or mapping.closed:
+            return
+        if mapping.descriptor.version == version:
+            return
+        resp = await self.rpc.call(
+            "AttachPool", pb.AttachPoolRequest(namespace_id=ns.id), timeout, idempotent=True
+        )
+        descriptor = descriptor_from_proto(resp)
+        if self.observe_epoch(descriptor.epoch) or ns.mapping is not mapping or mapping.closed:
+            return  # restarted, or remapped meanwhile: the epoch rule takes over
+        if descriptor.version == mapping.descriptor.version:
+            return
+        if await asyncio.to_thread(mapping.refresh, descriptor):
+            return
+        device = current_torch_device() if descriptor.kind == "cuda" else None
+        mapping.close()
+        ns.mapping = await asyncio.to_thread(attach, descriptor, device=device)
 
     async def ensure_ready(
         self,

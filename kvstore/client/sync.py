@@ -122,6 +122,10 @@ class SyncClient:
             self._client.store(ns, tokens, blocks, hashes=hashes, extras=extras, timeout=timeout)
         )
 
+    def follow_pool(self, ns: Namespace, version: int, *, timeout: float | None = None) -> None:
+        """See `Client.follow_pool`."""
+        self._run(self._client.follow_pool(ns, version, timeout=timeout))
+
     def release(
         self, hit: Hit, *, streams: Sequence[Any] | None = None, timeout: float | None = None
     ) -> int:

@@ -68,6 +68,7 @@ async def store_chain(
             raise PoolEpochChanged("the node restarted during a store; store again")
         if hashes:
             if session.map_pool:
+                await session.refresh_arenas(ns, resp.pool_version, timeout)
                 await session.refresh_lease(lease_id)
                 _copy_in(ns, reserved, blocks, lambda: session.lease_alive(lease_id))
                 req_c = pb.CommitRequest(namespace_id=ns.id, lease_id=lease_id, hashes=hashes)

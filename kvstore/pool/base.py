@@ -85,6 +85,10 @@ class PoolDescriptor:
     """The arenas, in index order."""
     device: str = "cpu"
     """``"cpu"``, or the GPU's UUID for CUDA pools."""
+    version: int = 0
+    """Which arena set this is: the node raises it whenever it adds an arena to the
+    pool or gives one back (it only grows within an epoch). A Lookup or Reserve answer
+    with another version means: attach again, then `PoolMapping.refresh`."""
 
     def __post_init__(self) -> None:
         if self.kind not in POOL_KINDS:
@@ -242,6 +246,15 @@ class PoolMapping(ABC):
                 f"layout blocks are {layout.block_bytes} bytes, this pool's are "
                 f"{self.descriptor.block_bytes}"
             )
+
+    def refresh(self, descriptor: PoolDescriptor) -> bool:
+        """Follow a newer arena set of the same pool in place; False when this kind cannot.
+
+        Arenas whose export is unchanged stay mapped (views of them stay
+        valid); new ones are mapped, replaced ones are remapped, arenas given
+        back are unmapped. The caller attaches anew when this returns False.
+        """
+        return False
 
     @abstractmethod
     def close(self) -> None:

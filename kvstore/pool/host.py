@@ -136,6 +136,7 @@ class HostPool(BlockPool):
         mode: int = 0o600,
         prefault: bool = True,
         group: int | None = None,
+        first_index: int = 0,
     ) -> HostPool:
         """Create, size and map the arena files of a new pool.
 
@@ -151,6 +152,9 @@ class HostPool(BlockPool):
             prefault: allocate and fault in every page now.
             group: gid to give the files to (the server must be a member);
                 None keeps the server's group.
+            first_index: number in the first arena's file name (the next ones
+                count on); a pool that grows arena by arena passes a number
+                unique in the epoch, so no file name is ever used twice.
 
         Raises:
             InvalidArgument: a non-positive size, a world-accessible mode or
@@ -177,7 +181,7 @@ class HostPool(BlockPool):
             for index in range(n_arenas):
                 slots = min(slots_per_arena, capacity - index * slots_per_arena)
                 size = slots * block_bytes
-                name = arena_file_name(prefix, pid, epoch, namespace, index)
+                name = arena_file_name(prefix, pid, epoch, namespace, first_index + index)
                 path = os.path.join(directory, name)
                 arenas.append(_create_arena(path, size, mode, prefault, group))
                 specs.append(ArenaSpec(index=index, size_bytes=size, path=path))
@@ -289,6 +293,48 @@ class HostMapping(PoolMapping):
                 arena.close()
             raise
         return cls(descriptor, arenas)
+
+    def refresh(self, descriptor: PoolDescriptor) -> bool:
+        """Follow arenas added at (or given back from) the end of this pool, in place.
+
+        Kept arenas stay mapped, so views and hits made before stay valid;
+        new ones are mapped, given-back ones unmapped. False, and nothing
+        changed, when an arena this mapping holds was replaced or the
+        geometry changed (a dropped namespace registered again): attach anew.
+
+        Raises:
+            InvalidArgument: ``descriptor`` is another namespace, kind or epoch.
+            PoolUnavailable: the mapping is closed, or a new arena file is
+                gone (given back meanwhile: attach again).
+        """
+        old = self.descriptor
+        if (descriptor.kind, descriptor.epoch, descriptor.namespace) != (
+            old.kind,
+            old.epoch,
+            old.namespace,
+        ):
+            raise InvalidArgument("refresh takes a newer descriptor of the same pool")
+        if self._closed:
+            raise PoolUnavailable(f"the mapping of namespace {old.namespace} is closed")
+        common = min(len(old.arenas), len(descriptor.arenas))
+        if (descriptor.block_bytes, descriptor.slots_per_arena) != (
+            old.block_bytes,
+            old.slots_per_arena,
+        ) or descriptor.arenas[:common] != old.arenas[:common]:
+            return False
+        opened: list[_Arena] = []
+        try:
+            for spec in descriptor.arenas[common:]:
+                opened.append(_open_arena(spec, descriptor))
+        except BaseException:
+            for arena in opened:
+                arena.close()
+            raise
+        for arena in self._arenas[common:]:  # given back by the node
+            arena.close()
+        self._arenas = self._arenas[:common] + opened
+        self.descriptor = descriptor
+        return True
 
     def buffer(self, slot: SlotId) -> memoryview:
         """Writable zero-copy view of one slot, ``block_bytes`` long."""

@@ -446,6 +446,7 @@ class AttachPoolResponse(_message.Message):
     ARENAS_FIELD_NUMBER: _builtins.int
     LAYOUT_FIELD_NUMBER: _builtins.int
     DEVICE_FIELD_NUMBER: _builtins.int
+    POOL_VERSION_FIELD_NUMBER: _builtins.int
     kind: _builtins.str
     """"host" or "cuda" """
     pool_epoch: _builtins.int
@@ -456,6 +457,8 @@ class AttachPoolResponse(_message.Message):
     """slot s lives in arena s / slots_per_arena"""
     device: _builtins.str
     """"cpu", or the GPU's UUID for cuda pools"""
+    pool_version: _builtins.int
+    """changes whenever arenas are added or given back"""
     @_builtins.property
     def arenas(self) -> _containers.RepeatedCompositeFieldContainer[Global___Arena]: ...
     @_builtins.property
@@ -472,10 +475,11 @@ class AttachPoolResponse(_message.Message):
         arenas: _abc.Iterable[Global___Arena] | None = ...,
         layout: Global___KVLayout | None = ...,
         device: _builtins.str = ...,
+        pool_version: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["layout", b"layout"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["arenas", b"arenas", "block_bytes", b"block_bytes", "capacity_blocks", b"capacity_blocks", "device", b"device", "kind", b"kind", "layout", b"layout", "namespace_id", b"namespace_id", "pool_epoch", b"pool_epoch", "slots_per_arena", b"slots_per_arena"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["arenas", b"arenas", "block_bytes", b"block_bytes", "capacity_blocks", b"capacity_blocks", "device", b"device", "kind", b"kind", "layout", b"layout", "namespace_id", b"namespace_id", "pool_epoch", b"pool_epoch", "pool_version", b"pool_version", "slots_per_arena", b"slots_per_arena"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -579,6 +583,7 @@ class LookupResponse(_message.Message):
     POOL_EPOCH_FIELD_NUMBER: _builtins.int
     CHAIN_FIELD_NUMBER: _builtins.int
     QUERY_TOKENS_FIELD_NUMBER: _builtins.int
+    POOL_VERSION_FIELD_NUMBER: _builtins.int
     hit_blocks: _builtins.int
     hit_tokens: _builtins.int
     pinned: _builtins.bool
@@ -586,6 +591,8 @@ class LookupResponse(_message.Message):
     pool_epoch: _builtins.int
     query_tokens: _builtins.int
     """tokens in the query (full blocks only for hashes)"""
+    pool_version: _builtins.int
+    """the namespace pool's arena set (AttachPool again if new)"""
     @_builtins.property
     def blocks(self) -> _containers.RepeatedCompositeFieldContainer[Global___BlockLocation]: ...
     @_builtins.property
@@ -603,10 +610,11 @@ class LookupResponse(_message.Message):
         pool_epoch: _builtins.int = ...,
         chain: _abc.Iterable[_builtins.bytes] | None = ...,
         query_tokens: _builtins.int = ...,
+        pool_version: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["blocks", b"blocks", "chain", b"chain", "hit_blocks", b"hit_blocks", "hit_tokens", b"hit_tokens", "miss_reason", b"miss_reason", "pinned", b"pinned", "pool_epoch", b"pool_epoch", "query_tokens", b"query_tokens"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["blocks", b"blocks", "chain", b"chain", "hit_blocks", b"hit_blocks", "hit_tokens", b"hit_tokens", "miss_reason", b"miss_reason", "pinned", b"pinned", "pool_epoch", b"pool_epoch", "pool_version", b"pool_version", "query_tokens", b"query_tokens"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -680,7 +688,10 @@ class ReserveResponse(_message.Message):
 
     ENTRIES_FIELD_NUMBER: _builtins.int
     POOL_EPOCH_FIELD_NUMBER: _builtins.int
+    POOL_VERSION_FIELD_NUMBER: _builtins.int
     pool_epoch: _builtins.int
+    pool_version: _builtins.int
+    """the namespace pool's arena set (AttachPool again if new)"""
     @_builtins.property
     def entries(self) -> _containers.RepeatedCompositeFieldContainer[Global___ReserveEntry]: ...
     def __init__(
@@ -688,10 +699,11 @@ class ReserveResponse(_message.Message):
         *,
         entries: _abc.Iterable[Global___ReserveEntry] | None = ...,
         pool_epoch: _builtins.int = ...,
+        pool_version: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["entries", b"entries", "pool_epoch", b"pool_epoch"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["entries", b"entries", "pool_epoch", b"pool_epoch", "pool_version", b"pool_version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1498,3 +1510,63 @@ class ClearResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ClearResponse: _TypeAlias = ClearResponse  # noqa: Y015
+
+@_typing.final
+class DropNamespaceRequest(_message.Message):
+    """Remove a namespace, its blocks and its pool; its memory returns to the
+    node's budget and the same layout may be registered again. Refused with
+    FAILED_PRECONDITION while a block is pinned or WRITING, unless force.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAMESPACE_ID_FIELD_NUMBER: _builtins.int
+    FORCE_FIELD_NUMBER: _builtins.int
+    namespace_id: _builtins.str
+    force: _builtins.bool
+    """take pins from leases and abort writes"""
+    def __init__(
+        self,
+        *,
+        namespace_id: _builtins.str = ...,
+        force: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["force", b"force", "namespace_id", b"namespace_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DropNamespaceRequest: _TypeAlias = DropNamespaceRequest  # noqa: Y015
+
+@_typing.final
+class DropNamespaceResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REMOVED_FIELD_NUMBER: _builtins.int
+    PINS_DROPPED_FIELD_NUMBER: _builtins.int
+    WRITES_ABORTED_FIELD_NUMBER: _builtins.int
+    FREED_BYTES_FIELD_NUMBER: _builtins.int
+    removed: _builtins.int
+    """resident blocks removed"""
+    pins_dropped: _builtins.int
+    """pins taken from leases (force)"""
+    writes_aborted: _builtins.int
+    """writes aborted (force)"""
+    freed_bytes: _builtins.int
+    """pool memory returned to the budget"""
+    def __init__(
+        self,
+        *,
+        removed: _builtins.int = ...,
+        pins_dropped: _builtins.int = ...,
+        writes_aborted: _builtins.int = ...,
+        freed_bytes: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["freed_bytes", b"freed_bytes", "pins_dropped", b"pins_dropped", "removed", b"removed", "writes_aborted", b"writes_aborted"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DropNamespaceResponse: _TypeAlias = DropNamespaceResponse  # noqa: Y015

@@ -129,6 +129,11 @@ class KVStoreStub:
                 request_serializer=kvstore_dot_v1_dot_kvstore__pb2.ClearRequest.SerializeToString,
                 response_deserializer=kvstore_dot_v1_dot_kvstore__pb2.ClearResponse.FromString,
                 _registered_method=True)
+        self.DropNamespace = channel.unary_unary(
+                '/kvstore.v1.KVStore/DropNamespace',
+                request_serializer=kvstore_dot_v1_dot_kvstore__pb2.DropNamespaceRequest.SerializeToString,
+                response_deserializer=kvstore_dot_v1_dot_kvstore__pb2.DropNamespaceResponse.FromString,
+                _registered_method=True)
 
 
 class KVStoreServicer:
@@ -257,6 +262,12 @@ class KVStoreServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def DropNamespace(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KVStoreServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -354,6 +365,11 @@ def add_KVStoreServicer_to_server(servicer, server):
                     servicer.Clear,
                     request_deserializer=kvstore_dot_v1_dot_kvstore__pb2.ClearRequest.FromString,
                     response_serializer=kvstore_dot_v1_dot_kvstore__pb2.ClearResponse.SerializeToString,
+            ),
+            'DropNamespace': grpc.unary_unary_rpc_method_handler(
+                    servicer.DropNamespace,
+                    request_deserializer=kvstore_dot_v1_dot_kvstore__pb2.DropNamespaceRequest.FromString,
+                    response_serializer=kvstore_dot_v1_dot_kvstore__pb2.DropNamespaceResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -869,6 +885,33 @@ class KVStore:
             '/kvstore.v1.KVStore/Clear',
             kvstore_dot_v1_dot_kvstore__pb2.ClearRequest.SerializeToString,
             kvstore_dot_v1_dot_kvstore__pb2.ClearResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DropNamespace(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvstore.v1.KVStore/DropNamespace',
+            kvstore_dot_v1_dot_kvstore__pb2.DropNamespaceRequest.SerializeToString,
+            kvstore_dot_v1_dot_kvstore__pb2.DropNamespaceResponse.FromString,
             options,
             channel_credentials,
             insecure,

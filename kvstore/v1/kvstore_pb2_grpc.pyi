@@ -68,6 +68,7 @@ class KVStoreStub:
     Evict: _grpc.UnaryUnaryMultiCallable[_kvstore_pb2.EvictRequest, _kvstore_pb2.EvictResponse]
     """Admin verbs (need the admin token when auth is configured)."""
     Clear: _grpc.UnaryUnaryMultiCallable[_kvstore_pb2.ClearRequest, _kvstore_pb2.ClearResponse]
+    DropNamespace: _grpc.UnaryUnaryMultiCallable[_kvstore_pb2.DropNamespaceRequest, _kvstore_pb2.DropNamespaceResponse]
 
 @_typing.type_check_only
 class KVStoreAsyncStub(KVStoreStub):
@@ -101,6 +102,7 @@ class KVStoreAsyncStub(KVStoreStub):
     Evict: _aio.UnaryUnaryMultiCallable[_kvstore_pb2.EvictRequest, _kvstore_pb2.EvictResponse]  # type: ignore[assignment]
     """Admin verbs (need the admin token when auth is configured)."""
     Clear: _aio.UnaryUnaryMultiCallable[_kvstore_pb2.ClearRequest, _kvstore_pb2.ClearResponse]  # type: ignore[assignment]
+    DropNamespace: _aio.UnaryUnaryMultiCallable[_kvstore_pb2.DropNamespaceRequest, _kvstore_pb2.DropNamespaceResponse]  # type: ignore[assignment]
 
 class KVStoreServicer(metaclass=_abc_1.ABCMeta):
     @_abc_1.abstractmethod
@@ -245,5 +247,12 @@ class KVStoreServicer(metaclass=_abc_1.ABCMeta):
         request: _kvstore_pb2.ClearRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_kvstore_pb2.ClearResponse, _abc.Awaitable[_kvstore_pb2.ClearResponse]]: ...
+
+    @_abc_1.abstractmethod
+    def DropNamespace(
+        self,
+        request: _kvstore_pb2.DropNamespaceRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_kvstore_pb2.DropNamespaceResponse, _abc.Awaitable[_kvstore_pb2.DropNamespaceResponse]]: ...
 
 def add_KVStoreServicer_to_server(servicer: KVStoreServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -1,4 +1,4 @@
-"""Stats, ListBlocks, WatchEvents, Ping and the admin verbs Evict and Clear."""
+"""Stats, ListBlocks, WatchEvents, Ping and the admin verbs Evict, Clear and DropNamespace."""
 
 from __future__ import annotations
 
@@ -161,4 +161,20 @@ class AdminRpcs(ServicerBase):
             removed=report.removed,
             kept_pinned=report.kept_pinned,
             kept_writing=report.kept_writing,
+        )
+
+    @guard_unary("DropNamespace")
+    async def DropNamespace(
+        self, request: pb.DropNamespaceRequest, context: Any
+    ) -> pb.DropNamespaceResponse:
+        """Remove a namespace and its pool (FAILED_PRECONDITION while in use, unless force)."""
+        node = self.node
+        node.require_admin(context)
+        namespace = self.namespace(request.namespace_id, None)
+        report, freed = await node.drop(namespace, request.force)
+        return pb.DropNamespaceResponse(
+            removed=report.removed,
+            pins_dropped=report.pins_dropped,
+            writes_aborted=report.writes_aborted,
+            freed_bytes=freed,
         )

@@ -95,6 +95,7 @@ class BlockRpcs(ServicerBase):
                     query_tokens=query_tokens,
                 )
         pool = node.pool(namespace)
+        node.memory.touch(namespace)  # a namespace in use gives its arenas back last
         hit_tokens = result.hit_blocks * table.block_size
         node.metrics.observe_lookup(
             namespace,
@@ -123,6 +124,7 @@ class BlockRpcs(ServicerBase):
             pool_epoch=node.epoch,
             chain=chain if from_tokens else [],
             query_tokens=query_tokens,
+            pool_version=pool.descriptor.version,
         )
 
     @guard_unary("Reserve")
@@ -134,6 +136,7 @@ class BlockRpcs(ServicerBase):
         lease_id = validate.lease_id(request.lease_id)
         table = node.table(namespace)
         chain, _, _ = await self.chain(table, tenant, request)
+        await node.make_room(table, tenant, chain)  # more arenas, if the budget allows
         try:
             result = node.store.reserve(namespace, tenant, lease_id, chain, node.now())
         finally:
@@ -149,7 +152,9 @@ class BlockRpcs(ServicerBase):
                     node.store.abort(namespace, tenant, lease_id, reserved, node.now())
                 node.publish_events()
             raise
-        return pb.ReserveResponse(entries=entries, pool_epoch=node.epoch)
+        return pb.ReserveResponse(
+            entries=entries, pool_epoch=node.epoch, pool_version=pool.descriptor.version
+        )
 
     async def chain(
         self, table: BlockTable, tenant: TenantId, request: pb.LookupRequest | pb.ReserveRequest

@@ -101,6 +101,7 @@ def attach_response(descriptor: PoolDescriptor, layout: KVLayout) -> pb.AttachPo
         ],
         layout=layout_to_proto(layout),
         device=descriptor.device,
+        pool_version=descriptor.version,
     )
 
 

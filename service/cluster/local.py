@@ -7,12 +7,13 @@ one way, from the node down to the cluster package, and never back.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Protocol
 
 from kvstore.block_table import BlockTable
 from kvstore.pool.base import BlockPool
 from kvstore.store import Store
-from kvstore.types import NamespaceId
+from kvstore.types import BlockHash, NamespaceId, TenantId
 from service.config import Config
 from service.pools import PoolManager
 
@@ -52,6 +53,11 @@ class LocalNode(Protocol):
 
     def pool(self, namespace: NamespaceId) -> BlockPool:
         """A registered namespace's pool."""
+
+    async def make_room(
+        self, table: BlockTable, tenant: TenantId, chain: Sequence[BlockHash]
+    ) -> None:
+        """Grow a namespace's pool before a reserve of ``chain`` if the budget allows."""
 
     def publish_events(self) -> None:
         """Fan out the store's pending events (to watchers and to the agent)."""

@@ -181,6 +181,8 @@ class PeerFetcher:
                         log.warning("peer %s sent a %d-byte block", holder.node_id, len(item.data))
                         break  # the finally cancels the peer's stream
                     if lease_id is None:
+                        # The peer answered: now make room (more arenas, if the budget allows).
+                        await node.make_room(node.table(namespace), tenant, target)
                         lease_id = self._open_lease(tenant)
                         wanted = self._reserve(namespace, tenant, lease_id, target)
                         if not wanted:

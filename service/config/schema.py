@@ -60,10 +60,10 @@ class Config:
     """Where pools live: "cpu" (shared-memory files) or a GPU, "cuda:N" or "cuda:GPU-<uuid>"."""
     capacity_bytes: int = 1 << 30
     """Node memory budget shared by all namespace pools (sizes like 64MiB, 1GiB, 512M)."""
-    namespace_capacity_bytes: int = 256 << 20
-    """Share a namespace gets when RegisterNamespace asks for 0 bytes; bounded by what is left."""
-    arena_bytes: int = 256 << 20
-    """Size of one shared-memory arena of a pool (one mmap per arena in runners)."""
+    namespace_capacity_bytes: int = 0
+    """Most a namespace's pool grows to when RegisterNamespace asks for 0 bytes (0 = the budget)."""
+    arena_bytes: int = 64 << 20
+    """Unit a pool starts with, grows and gives back by (one mmap/IPC open per arena in runners)."""
     shm_dir: str = "/dev/shm"
     """Directory (tmpfs) that holds the pool files."""
     pool_prefix: str = "kvstore"
@@ -160,7 +160,7 @@ _PARSERS: dict[str, Callable[[object], object]] = {
     "metrics_port": parse_port,
     "device": parse_device,
     "capacity_bytes": parse_positive(parse_size),
-    "namespace_capacity_bytes": parse_positive(parse_size),
+    "namespace_capacity_bytes": parse_non_negative(parse_size),
     "arena_bytes": parse_positive(parse_size),
     "shm_dir": parse_str,
     "pool_prefix": parse_str,
@@ -314,7 +314,7 @@ def check(config: Config) -> None:
     if config.peer_tls_ca and not config.tls_cert:
         raise ConfigError("peer_tls_ca needs tls_cert and tls_key (peers speak TLS when we do)")
     if config.namespace_capacity_bytes > config.capacity_bytes:
-        log.info("namespace_capacity_bytes exceeds capacity_bytes; namespaces get what is left")
+        log.info("namespace_capacity_bytes exceeds capacity_bytes; a pool grows to the budget")
 
 
 def resolve(config: Config) -> Config:

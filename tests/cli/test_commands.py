@@ -19,7 +19,7 @@ def test_status_json(live_node):
     assert r.code == 0, r.stderr
     doc = r.json()
     assert doc["node_id"] == "cli-node" and doc["target"] == live_node.target
-    assert doc["used_blocks"] == 10 and doc["capacity_blocks"] == 64
+    assert doc["used_blocks"] == 10 and doc["capacity_blocks"] == 16  # one arena so far
     assert doc["pinned_blocks"] == 1 and doc["leases"] == 1
     assert (doc["hit_tokens"], doc["miss_tokens"]) == (64, 8)
     assert doc["hit_rate_tokens"] == pytest.approx(64 / 72)

@@ -32,7 +32,7 @@ def test_precedence_flags_over_env_over_file(tmp_path):
     assert config.metrics_port == 4444  # env
     assert config.capacity_bytes == 64 << 20  # file
     assert config.log_level == "DEBUG"
-    assert config.arena_bytes == 256 << 20  # default
+    assert config.arena_bytes == 64 << 20  # default
 
 
 def test_json_file_from_env(tmp_path):

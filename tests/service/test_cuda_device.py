@@ -48,7 +48,7 @@ def test_capacity_flag_abbreviation():
 def test_default_is_host_pools(server_config):  # noqa: F811
     manager = PoolManager(server_config)
     assert server_config.device == "cpu" and manager.cuda_device is None
-    pool = manager.build(NamespaceId("ab" * 8), 256, 4)
+    pool = manager.build_arena(NamespaceId("ab" * 8), manager.plan(256, 4 * 256), 1)
     assert isinstance(pool, HostPool)
     pool.close()
 
@@ -59,10 +59,12 @@ def test_cuda_device_builds_cuda_pools_on_that_gpu(server_config):  # noqa: F811
     manager = PoolManager(config, cuda_runtime=rt)
     assert manager.cuda_device is not None and manager.cuda_device.ordinal == 1
     assert manager.cleanup() == []
-    pool = manager.build(NamespaceId("ab" * 8), 256, 40)
+    plan = manager.plan(256, 40 * 256)  # one arena here (arena_bytes is 16 blocks)
+    assert manager.promise(plan.arena_bytes)
+    pool = manager.build_arena(NamespaceId("ab" * 8), plan, 1)
     assert isinstance(pool, CudaPool) and pool.descriptor.device == UUID1
-    manager.adopt(NamespaceId("ab" * 8), pool)
-    assert manager.allocated_bytes == 40 * 256
+    manager.adopt(NamespaceId("ab" * 8), pool, plan)
+    assert manager.allocated_bytes == 16 * 256 and plan.max_arenas == 2
     manager.close()
     assert not rt.allocations
 

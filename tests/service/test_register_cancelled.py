@@ -20,7 +20,7 @@ from tests.service.conftest import LAYOUT
 
 async def test_register_again_after_a_cancelled_register(stub, kv_server):
     pools = kv_server.node.pools
-    real_build = pools.build
+    real_build = pools.build_arena
     started = threading.Event()
     release = threading.Event()
     calls = 0
@@ -34,7 +34,7 @@ async def test_register_again_after_a_cancelled_register(stub, kv_server):
             release.wait(10)
         return pool
 
-    pools.build = slow_build  # type: ignore[method-assign]
+    pools.build_arena = slow_build  # type: ignore[method-assign]
     request = pb.RegisterNamespaceRequest(model_id="slow-model", layout=LAYOUT)
     first = stub.RegisterNamespace(request)
     assert await asyncio.to_thread(started.wait, 5)

@@ -39,6 +39,8 @@ class LoadSpec:
     """Pool epoch of the lookup: a worker mapping of another epoch must not read the slots."""
     valid: bool = True
     """False when the pins were lost before the step (lease lost): report the blocks failed."""
+    pool_version: int = 0
+    """The pool's arena set at the lookup: the worker maps at least this one first."""
 
 
 @dataclass(frozen=True, slots=True)

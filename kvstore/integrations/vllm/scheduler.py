@@ -122,6 +122,7 @@ class SchedulerSide:
             slots=tuple(int(b.slot) for b in hit.blocks[first:last]),
             epoch=hit.epoch,
             valid=self._still_pinned(hit),
+            pool_version=hit.pool_version,
         )
 
     def build_meta(self, scheduler_output: Any) -> KVStoreConnectorMetadata:

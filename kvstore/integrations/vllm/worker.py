@@ -103,6 +103,16 @@ class WorkerSide:
             raise RuntimeError(
                 f"the pool mapping is at epoch {ns.epoch}, the lookup at {load.epoch}"
             )
+        if load.pool_version > mapping.descriptor.version:
+            # The pool grew (or was dropped and made again) since this worker
+            # mapped it: follow it before reading, never through old arenas.
+            client = self.link.client
+            if client is None:
+                raise RuntimeError("the node is unreachable")
+            client.follow_pool(ns, load.pool_version, timeout=self.link.config.connect_timeout)
+            mapping = ns.mapping
+            if mapping is None or mapping.closed or mapping.descriptor.version < load.pool_version:
+                raise RuntimeError("the pool mapping could not follow the node's arenas")
         views = [mapping.torch_view(SlotId(slot), self.layout) for slot in load.slots]
         scatter_blocks(self.layers, load.block_ids, views)
         self.loaded_blocks += len(load.block_ids)

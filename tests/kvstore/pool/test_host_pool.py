@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import stat
 from pathlib import Path
@@ -9,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from kvstore.errors import InvalidArgument
-from kvstore.pool import ArenaSpec, HostPool, PoolDescriptor, PoolUnavailable
+from kvstore.pool import ArenaSpec, HostMapping, HostPool, PoolDescriptor, PoolUnavailable
+from kvstore.pool.arenas import ArenaPool
 from kvstore.types import SlotId
 
 from .conftest import NS
@@ -178,3 +180,73 @@ def test_create_validation(pool_dir: Path, kwargs: dict[str, object]) -> None:
     args.update(kwargs)
     with pytest.raises(InvalidArgument):
         HostPool.create(NS, epoch=1, **args)  # type: ignore[arg-type]
+
+
+# --- pools that grow and give back arenas (kvstore.pool.arenas, HostMapping.refresh) ----------
+
+
+def _arena(pool_dir: Path, serial: int) -> HostPool:
+    return HostPool.create(
+        NS, 256, 4, 0xABC, directory=str(pool_dir), arena_bytes=4 * 256, first_index=serial
+    )
+
+
+def test_an_arena_pool_grows_and_gives_back_its_last_arena(pool_dir: Path) -> None:
+    pool = ArenaPool(_arena(pool_dir, 1), version=1)
+    try:
+        pool.write(SlotId(3), b"\x01" * 256)
+        pool.append(_arena(pool_dir, 2), version=2)
+        d = pool.descriptor
+        assert (d.capacity, d.slots_per_arena, d.version, d.total_bytes) == (8, 4, 2, 2048)
+        assert [a.index for a in d.arenas] == [0, 1]
+        assert [Path(a.path).name.rsplit("-", 1)[1] for a in d.arenas] == ["1", "2"]
+        pool.write(SlotId(5), b"\x02" * 256)
+        assert pool.read(SlotId(3)) == b"\x01" * 256 and pool.read(SlotId(5)) == b"\x02" * 256
+        last = pool.pop(version=3)
+        assert pool.descriptor.capacity == 4 and pool.descriptor.version == 3
+        last.close()
+        assert not os.path.exists(d.arenas[1].path)
+        with pytest.raises(InvalidArgument):
+            pool.read(SlotId(5))
+        with pytest.raises(RuntimeError):
+            pool.pop(version=4)  # a pool keeps its first arena
+        odd = HostPool.create(NS, 256, 2, 0xABC, directory=str(pool_dir), first_index=9)
+        with pytest.raises(InvalidArgument, match="geometry"):
+            pool.append(odd, version=5)
+        odd.close()
+    finally:
+        pool.close()
+    assert not os.listdir(pool_dir)  # every arena file unlinked
+
+
+def test_a_mapping_follows_added_and_given_back_arenas_in_place(pool_dir: Path) -> None:
+    pool = ArenaPool(_arena(pool_dir, 1), version=1)
+    mapping = HostMapping.open(pool.descriptor)
+    try:
+        pool.write(SlotId(1), b"\x07" * 256)
+        early = mapping.buffer(SlotId(1))
+        pool.append(_arena(pool_dir, 2), version=2)
+        with pytest.raises(InvalidArgument):
+            mapping.buffer(SlotId(6))  # not mapped yet
+        assert mapping.refresh(pool.descriptor)
+        mapping.buffer(SlotId(6))[:] = b"\x08" * 256
+        assert pool.read(SlotId(6)) == b"\x08" * 256
+        assert bytes(early) == b"\x07" * 256  # a view from before stays valid
+        pool.pop(version=3).close()
+        assert mapping.refresh(pool.descriptor) and mapping.descriptor.capacity == 4
+        # The last arena replaced by another (given back, then grown again): attach anew.
+        pool.append(_arena(pool_dir, 3), version=4)
+        replaced = dataclasses.replace(
+            pool.descriptor,
+            arenas=(pool.descriptor.arenas[0], ArenaSpec(1, 1024, "/nonexistent/elsewhere")),
+        )
+        assert mapping.refresh(pool.descriptor)
+        assert not mapping.refresh(replaced)  # another file where arena 1 was
+        assert mapping.descriptor == pool.descriptor  # unchanged
+        other = dataclasses.replace(pool.descriptor, namespace="ffffffffffffffff")
+        with pytest.raises(InvalidArgument):
+            mapping.refresh(other)
+    finally:
+        del early
+        mapping.close()
+        pool.close()

@@ -1,0 +1,77 @@
+"""``kvstore drop``: remove a namespace, its blocks and its pool (admin).
+
+The node refuses (exit 1, FAILED_PRECONDITION) while a block of the
+namespace is pinned or being written; ``--force`` takes the pins from their
+leases and aborts the writes. The pool's memory returns to the node's budget
+and the same model may be registered again.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+from kvstore.cli.admin import Yes, confirm
+from kvstore.cli.common import (
+    DEFAULT_TARGET,
+    AdminToken,
+    Json,
+    Target,
+    Timeout,
+    connect,
+    console,
+    print_json,
+)
+from kvstore.cli.reads import Namespace
+from kvstore.v1 import kvstore_pb2 as pb
+
+Force = Annotated[
+    bool,
+    typer.Option(
+        "--force", help="Drop even while runners pin or write blocks (their pins are lost)."
+    ),
+]
+
+
+def drop(
+    namespace: Namespace,
+    force: Force = False,
+    target: Target = DEFAULT_TARGET,
+    admin_token: AdminToken = "",
+    json: Json = False,
+    timeout: Timeout = 5.0,
+    yes: Yes = False,
+) -> None:
+    """Remove a namespace and free its pool (admin); refused while in use unless --force."""
+    with connect(target, timeout, admin_token) as node:
+        ns = node.resolve_namespace(namespace)
+        how = " by force" if force else ""
+        confirm(f"Drop namespace {ns.model_id} ({ns.namespace_id}){how} on {target}?", yes)
+        resp = node.stub.DropNamespace(
+            pb.DropNamespaceRequest(namespace_id=ns.namespace_id, force=force),
+            timeout=timeout,
+            metadata=node.metadata,
+        )
+    doc = {
+        "namespace": ns.namespace_id,
+        "removed": resp.removed,
+        "pins_dropped": resp.pins_dropped,
+        "writes_aborted": resp.writes_aborted,
+        "freed_bytes": resp.freed_bytes,
+    }
+    if json:
+        print_json(doc)
+    else:
+        console.print(
+            f"dropped {ns.namespace_id} ({ns.model_id}): {resp.removed} blocks removed, "
+            f"{resp.pins_dropped} pins dropped, {resp.writes_aborted} writes aborted, "
+            f"{resp.freed_bytes} bytes freed"
+        )
+
+
+__all__ = ["drop"]
+
+
+COMMANDS = (drop,)
+"""The subcommands of this module; `kvstore.cli.app` registers them."""

@@ -1,0 +1,226 @@
+"""Arenas in and out of namespace pools: on demand, under pressure, on drop.
+
+`NamespaceMemory` is the node's policy over the `PoolManager` (the memory)
+and the store's block tables (the slots):
+
+- **Registration** gives a namespace one arena. When the budget has no room
+  for it, arenas are taken back from other namespaces first (below).
+- **Growth on demand**: before a Reserve, a namespace whose free slots fall
+  short of the chain's missing blocks gets more arenas, up to its ceiling,
+  while the budget (after taking back) allows. Otherwise the reserve evicts
+  the namespace's own least recently used blocks, or answers NO_ROOM for
+  what does not fit: a shortfall is a partial reservation, never a crash.
+- **Giving back under pressure**: the last arena of another namespace is
+  retired (its READY blocks evicted, REMOVED events sent) and its memory
+  returned, least recently active namespace first. Eligible: a namespace
+  with more than its one minimum arena that is empty, or that would still
+  hold at least as many bytes as the asker after the move, so two busy
+  namespaces converge on equal shares instead of trading an arena back and
+  forth. An arena holding a pinned or WRITING block is never retired.
+- **Drop**: every arena of the namespace goes back at once.
+
+One asyncio lock orders every change of the budget, so two growths never
+spend the same bytes. A namespace whose growth failed is not retried for
+`RETRY_SECONDS`, so a full node does not rescan on every Reserve.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable, Sequence
+
+from kvstore.block_table import BlockTable
+from kvstore.errors import LimitExceeded, UnknownNamespace
+from kvstore.pool.base import BlockPool
+from kvstore.store import DropReport, Store
+from kvstore.types import BlockHash, NamespaceId, TenantId
+from service.api.errors import ResourceExhausted
+from service.pools import PoolManager, PoolPlan
+
+log = logging.getLogger(__name__)
+
+RETRY_SECONDS = 1.0
+"""How long a namespace whose growth failed waits before it tries again."""
+
+
+class NamespaceMemory:
+    """Grows, shrinks, creates and drops namespace pools within the node's budget."""
+
+    def __init__(
+        self,
+        pools: PoolManager,
+        store: Store,
+        clock: Callable[[], float],
+        publish: Callable[[], None],
+    ) -> None:
+        """Wire the pools and the store; ``publish`` sends the store's pending events."""
+        self.pools = pools
+        self.store = store
+        self.clock = clock
+        self.publish = publish
+        self.lock = asyncio.Lock()
+        """Held by every change of the budget (and by registrations)."""
+        self._active: dict[NamespaceId, float] = {}
+        self._retry_at: dict[NamespaceId, float] = {}
+
+    def touch(self, namespace: NamespaceId) -> None:
+        """Mark a namespace as used now (its arenas are taken back last)."""
+        self._active[namespace] = self.clock()
+
+    # --- registration and drop ----------------------------------------------------------
+
+    async def create(
+        self, namespace: NamespaceId, block_bytes: int, requested_bytes: int,
+        make_table: Callable[[int], BlockTable],
+    ) -> BlockTable:  # fmt: skip
+        """Build the first arena of a new namespace, then its table (``make_table(slots)``).
+
+        Call with `lock` held.
+
+        Raises:
+            ResourceExhausted: no arena fits, even after taking some back.
+        """
+        plan = self.pools.plan(block_bytes, requested_bytes)
+        if not self._promise(plan.arena_bytes, None):
+            raise ResourceExhausted(
+                f"no room for a namespace pool of {plan.arena_bytes} bytes: "
+                f"{self.pools.free_bytes} of the node's {self.pools.capacity_bytes} bytes are "
+                "free and no other namespace can give an arena back (drop one, or raise "
+                "capacity_bytes)"
+            )
+        try:
+            first = await _build(self.pools, namespace, plan)
+        except BaseException:
+            self.pools.settle(plan.arena_bytes)
+            raise
+        try:
+            table = make_table(plan.slots_per_arena)
+        except BaseException:
+            first.close()
+            self.pools.settle(plan.arena_bytes)
+            raise
+        self.pools.adopt(namespace, first, plan)
+        self.touch(namespace)
+        return table
+
+    async def drop(self, namespace: NamespaceId, force: bool) -> tuple[DropReport, int]:
+        """Drop a namespace from the store and give all its arenas back."""
+        async with self.lock:
+            try:
+                report = self.store.drop_namespace(namespace, self.clock(), force=force)
+            finally:
+                self.publish()
+            freed = self.pools.discard(namespace)
+            self._active.pop(namespace, None)
+            self._retry_at.pop(namespace, None)
+        return report, freed
+
+    # --- growth -------------------------------------------------------------------------
+
+    async def make_room(
+        self, table: BlockTable, tenant: TenantId, chain: Sequence[BlockHash]
+    ) -> None:
+        """Grow ``table``'s pool before a reserve of ``chain`` if its free slots fall short."""
+        namespace = table.namespace
+        now = self.clock()
+        self._active[namespace] = now
+        if self._retry_at.get(namespace, 0.0) > now:
+            return
+        plan = self.pools.plan_of(namespace)
+        if self.pools.arenas(namespace) >= plan.max_arenas or not table.shortfall(tenant, chain):
+            return
+        async with self.lock:
+            if not self._registered(table):
+                return  # dropped (and maybe registered again) while we waited
+            grown = await self._grow(table, plan, table.shortfall(tenant, chain))
+        if not grown:
+            self._retry_at[namespace] = self.clock() + RETRY_SECONDS
+
+    async def _grow(self, table: BlockTable, plan: PoolPlan, need: int) -> bool:
+        """Add arenas until ``need`` slots are covered; False when none could be added."""
+        namespace = table.namespace
+        added = 0
+        while need > 0 and self.pools.arenas(namespace) < plan.max_arenas:
+            if not self._promise(plan.arena_bytes, namespace):
+                break
+            try:
+                arena = await _build(self.pools, namespace, plan)
+            except LimitExceeded as exc:  # tmpfs or GPU memory full: a shortfall, not a crash
+                self.pools.settle(plan.arena_bytes)
+                log.warning("namespace %s: cannot add an arena: %s", namespace, exc)
+                break
+            except BaseException:
+                self.pools.settle(plan.arena_bytes)
+                raise
+            self.pools.grow(namespace, arena)
+            table.resize(plan.slots_per_arena, self.clock())
+            need -= plan.slots_per_arena
+            added += 1
+        if added:
+            log.info(
+                "namespace %s: +%d arenas, now %d (%d bytes free in the budget)",
+                namespace,
+                added,
+                self.pools.arenas(namespace),
+                self.pools.free_bytes,
+            )
+        return added > 0 or need <= 0
+
+    def _registered(self, table: BlockTable) -> bool:
+        try:
+            return self.store.table(table.namespace) is table
+        except UnknownNamespace:
+            return False
+
+    # --- giving back ------------------------------------------------------------------------
+
+    def _promise(self, nbytes: int, asker: NamespaceId | None) -> bool:
+        """Promise ``nbytes`` of the budget, taking arenas back from others if needed."""
+        if self.pools.promise(nbytes):
+            return True
+        self._take_back(nbytes, asker)
+        return self.pools.promise(nbytes)
+
+    def _take_back(self, nbytes: int, asker: NamespaceId | None) -> None:
+        """Retire last arenas of other namespaces until ``nbytes`` are free (if they allow)."""
+        pools = self.pools
+        mine = pools.pool_bytes(asker) if asker is not None else 0
+        now = self.clock()
+        others = [ns for ns in pools.namespaces() if ns != asker and pools.arenas(ns) > 1]
+        others.sort(key=lambda ns: self._active.get(ns, 0.0))
+        for namespace in others:
+            table = self.store.table(namespace)
+            spa = pools.plan_of(namespace).slots_per_arena
+            while pools.free_bytes < nbytes and pools.arenas(namespace) > 1:
+                share_ok = pools.pool_bytes(namespace) - pools.plan_of(namespace).arena_bytes >= (
+                    mine + nbytes
+                )
+                if not (share_ok or len(table) == 0) or not table.resize(-spa, now):
+                    break
+                freed = pools.shrink(namespace)
+                log.info(
+                    "namespace %s gave an arena (%d bytes) back to the budget", namespace, freed
+                )
+            if pools.free_bytes >= nbytes:
+                break
+        self.publish()  # the retired arenas' blocks were evicted
+
+
+async def _build(pools: PoolManager, namespace: NamespaceId, plan: PoolPlan) -> BlockPool:
+    """Build one arena in a worker thread (prefaulting takes time); never leak it."""
+    serial = pools.next_serial()
+    task = asyncio.ensure_future(asyncio.to_thread(pools.build_arena, namespace, plan, serial))
+    try:
+        return await asyncio.shield(task)
+    except asyncio.CancelledError:
+        # The caller went away: close the arena whenever the thread finishes.
+        task.add_done_callback(
+            lambda t: t.result().close() if not t.cancelled() and t.exception() is None else None
+        )
+        # Wait for that (the caller still holds the lock), so what follows
+        # never races this arena's memory.
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.wait({task})
+        raise
