@@ -8,10 +8,16 @@ Design decisions (also in ``docs/pools.md``):
   the server's group attach). A mode that grants anything to *other* is
   refused: prefix-cache contents are tenants' secrets. The file is sized
   with ``ftruncate`` and mapped ``MAP_SHARED``.
-* **Names carry the creator.** ``{prefix}-{pid}-{epoch:x}-{namespace}-{arena}``:
-  the pid lets `cleanup_stale` remove the files of a server that died
-  without closing its pools (SIGKILL, OOM); the epoch keeps two pools of one
-  process apart and tells a runner that a file belongs to another start.
+* **Names carry the creator, a lock proves it alive.** Files are named
+  ``{prefix}-{pid}-{epoch:x}-{namespace}-{arena}``, and the server holds a
+  shared ``flock`` on each of its files until it closes the pool, so
+  `cleanup_stale` can remove the files of a server that died without
+  closing its pools (SIGKILL, OOM): a file whose pid is gone, or that no
+  process holds locked, is stale. The lock matters in containers, where the
+  next node is often pid 1 again and a pid alone would keep the dead node's
+  files forever; the kernel drops a dead process's locks, whatever its pid
+  namespace. The epoch keeps two pools of one process apart and tells a
+  runner that a file belongs to another start.
 * **Arenas, not files per block.** Slots never straddle arenas:
   ``slots_per_arena = max(1, arena_bytes // block_bytes)``,
   ``ceil(capacity / slots_per_arena)`` arenas, the last one possibly smaller.
@@ -32,6 +38,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import mmap
 import os
 import stat
@@ -62,15 +69,20 @@ def arena_file_name(prefix: str, pid: int, epoch: int, namespace: NamespaceId, i
 
 
 class _Arena:
-    """One mapped arena and a cached view of all of it (slicing it is cheap)."""
+    """One mapped arena, a cached view of all of it (slicing it is cheap), its owner's lock."""
 
-    __slots__ = ("map", "view")
+    __slots__ = ("lock_fd", "map", "view")
 
-    def __init__(self, mapped: mmap.mmap) -> None:
+    def __init__(self, mapped: mmap.mmap, lock_fd: int | None = None) -> None:
         self.map = mapped
         self.view = memoryview(mapped)
+        self.lock_fd = lock_fd
+        """The creating server's fd holding a shared flock on the file (None in runners)."""
 
     def close(self) -> None:
+        if self.lock_fd is not None:
+            os.close(self.lock_fd)  # drops the flock: the file may now be taken for stale
+            self.lock_fd = None
         self.view.release()
         # BufferError: a caller still holds a view (numpy array, tensor,
         # memoryview). The mmap object stays alive through that export and
@@ -236,6 +248,13 @@ def _create_arena(
     """
     fd = os.open(path, _OPEN_FLAGS | os.O_CREAT | os.O_EXCL, mode)
     try:
+        # At once: `cleanup_stale` takes an unlocked file for a dead server's.
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BaseException:
+        os.close(fd)
+        _unlink(path)
+        raise
+    try:
         try:
             if group is not None:
                 os.fchown(fd, -1, group)  # before fchmod: chown may clear mode bits
@@ -245,14 +264,15 @@ def _create_arena(
                 _reserve(fd, path, size)
             prot = mmap.PROT_READ | mmap.PROT_WRITE
             mapped = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=prot)
-        finally:
-            os.close(fd)  # the mapping keeps the file's memory; the fd is not needed
+        except BaseException:
+            os.close(fd)
+            raise
         if prefault:
             _populate(mapped, write=True)
     except BaseException:
         _unlink(path)
         raise
-    return _Arena(mapped)
+    return _Arena(mapped, lock_fd=fd)  # the fd stays open only to hold the lock
 
 
 def _unlink(path: str) -> None:
@@ -392,6 +412,21 @@ def _open_arena(spec: ArenaSpec, descriptor: PoolDescriptor) -> _Arena:
     return _Arena(mapped)
 
 
+def _locked(path: str) -> bool:
+    """Whether a process holds a lock on ``path`` (True when that cannot be told)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | os.O_CLOEXEC)
+    except OSError:
+        return True  # gone, or not ours to open: not ours to remove either
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:  # BlockingIOError: a live server holds it
+        return True
+    finally:
+        os.close(fd)  # also drops the lock just taken
+    return False
+
+
 def _pid_alive(pid: int) -> bool:
     if pid <= 0:
         return False
@@ -407,10 +442,12 @@ def _pid_alive(pid: int) -> bool:
 def cleanup_stale(directory: str, prefix: str) -> list[str]:
     """Remove pool files left by server processes that are no longer alive.
 
-    A file ``{prefix}-{pid}-...`` whose pid names no live process is stale.
-    Files of live processes (this one included), files with other names and
-    files this user may not remove are kept. A recycled pid makes a stale
-    file look live; it is then removed by a later call.
+    A file ``{prefix}-{pid}-...`` whose pid names no live process is stale;
+    so is one whose pid is alive but that no process holds locked (a server
+    holds a shared ``flock`` on its files while they are in use: the pid was
+    recycled, or belongs to another pid namespace, as pid 1 of a container
+    does). Files of live servers (this one included), files with other names
+    and files this user may not remove are kept.
 
     Args:
         directory: where pools are created (``HostPool.create``'s directory).
@@ -429,9 +466,9 @@ def cleanup_stale(directory: str, prefix: str) -> list[str]:
         if not name.startswith(head):
             continue
         pid_text = name[len(head) :].split("-", 1)[0]
-        if not pid_text.isdigit() or _pid_alive(int(pid_text)):
-            continue
         path = os.path.join(directory, name)
+        if not pid_text.isdigit() or (_pid_alive(int(pid_text)) and _locked(path)):
+            continue
         try:
             if not stat.S_ISREG(os.lstat(path).st_mode):
                 continue
