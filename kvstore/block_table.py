@@ -436,7 +436,7 @@ class BlockTable:
     def resize(self, delta: int, now: float) -> bool:
         """Add ``delta`` slots or retire the last ``-delta`` (`Residency.resize`)."""
         removed: list[Block] = []
-        if not self._res.resize(delta, removed):
+        if not self._res.resize(delta, removed, now):
             return False
         self.capacity = self._res.capacity
         self._emit_removed(removed, now)

@@ -239,18 +239,20 @@ class Residency:
             return None
         return tail
 
-    def resize(self, delta: int, removed: list[Block]) -> bool:
+    def resize(self, delta: int, removed: list[Block], now: float) -> bool:
         """Add ``delta`` free slots, or retire the last ``-delta`` slots.
 
         Retiring evicts (into ``removed``, counted as evictions) the READY
         blocks those slots hold. It is refused (False, nothing changed) while
-        one of them is pinned or WRITING, or when it would leave no slot.
+        one of them is pinned, WRITING or still quarantined (a late writer may
+        touch it), or when it would leave no slot.
         """
         if delta > 0:
             self._slots.add_slots(delta)
         else:
             tail = self.tail_blocks(-delta) if 0 < -delta < self.capacity else None
-            if tail is None:
+            self._slots.release_due(now)
+            if tail is None or self._slots.quarantined_from(self.capacity + delta):
                 return False
             for block in tail:
                 self._evict_one(removed, block)

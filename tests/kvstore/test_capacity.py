@@ -6,6 +6,7 @@ import pytest
 
 from kvstore import EventKind, ReserveStatus, Store, StoreLimits
 from kvstore.slots import SlotAllocator
+from kvstore.types import LeaseId
 from tests.kvstore.conftest import ALICE, NS, SPEC, Runner, chain, prompt
 
 
@@ -17,10 +18,10 @@ def store_of(capacity: int) -> Store:
 
 def test_slots_grow_at_the_end_and_retire_only_a_free_tail() -> None:
     slots = SlotAllocator(2)
-    assert [slots.take(), slots.take(), slots.take()] == [0, 1, None]
+    assert [slots.take(0.0), slots.take(0.0), slots.take(0.0)] == [0, 1, None]
     slots.add_slots(3)
     assert slots.capacity == 5 and slots.free == 3
-    assert sorted(s for s in iter(slots.take, None)) == [2, 3, 4]
+    assert sorted(s for s in iter(lambda: slots.take(0.0), None)) == [2, 3, 4]
     slots.give_back(4)
     slots.give_back(3)
     assert slots.tail_is_free(2) and not slots.tail_is_free(3)
@@ -35,9 +36,9 @@ def test_slots_grow_at_the_end_and_retire_only_a_free_tail() -> None:
 
 def test_new_slots_are_used_after_the_older_free_ones() -> None:
     slots = SlotAllocator(2)
-    assert slots.take() == 0
+    assert slots.take(0.0) == 0
     slots.add_slots(2)
-    assert [slots.take(), slots.take(), slots.take()] == [1, 2, 3]  # the tail fills last
+    assert [slots.take(0.0), slots.take(0.0), slots.take(0.0)] == [1, 2, 3]  # the tail fills last
 
 
 def test_grow_makes_room_without_eviction() -> None:
@@ -85,3 +86,20 @@ def test_writing_blocks_keep_their_arena() -> None:
     table.resize(2, 1.0)
     assert table.resize(-2, 1.0)  # the new arena is empty
     assert not table.resize(-1, 1.0)  # slot 1 is WRITING
+
+
+def test_quarantined_slots_keep_their_arena_until_their_time() -> None:
+    # A late writer may still copy into a quarantined slot: its arena must not be
+    # unmapped and given to another namespace before the quarantine ends.
+    store = Store(StoreLimits(write_quarantine=10.0))
+    store.register_namespace(SPEC, capacity=2)
+    table = store.table(NS)
+    store.open_lease(LeaseId(7), ALICE, 1.0, 0.0)
+    result = store.reserve(NS, ALICE, LeaseId(7), chain(prompt(2, 2))[:2], 0.0)
+    assert [e.slot for e in result.entries] == [0, 1]
+    store.expire(2.0)  # the writer's lease expired: slots 0 and 1 are quarantined
+    assert table.stats().quarantined == 2
+    assert not table.resize(-1, 5.0)  # refused, and nothing evicted or broken
+    assert table.capacity == 2 and table.stats().quarantined == 2
+    assert table.resize(-1, 12.5)  # the quarantine is over
+    assert table.capacity == 1 and table.stats().free == 1

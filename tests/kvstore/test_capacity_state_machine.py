@@ -14,7 +14,7 @@ from hypothesis.stateful import invariant, rule
 
 from kvstore import BlockState
 from tests.kvstore.conftest import NS
-from tests.kvstore.test_store_state_machine import TTL, StoreMachine
+from tests.kvstore.test_store_state_machine import QUARANTINE, TTL, StoreMachine
 
 ARENA = 4
 """Slots per arena (the machine's pool starts with 12: three arenas)."""
@@ -29,7 +29,7 @@ class ResizingStoreMachine(StoreMachine):
         busy = any(
             i.slot >= first and (i.state is BlockState.WRITING or i.refcount)
             for i in before.values()
-        )
+        ) or any(s >= first and t > self.now for t, s in self._quarantine())
         if grow:
             assert table.resize(ARENA, self.now) and table.capacity == first + 2 * ARENA
             return
@@ -49,7 +49,8 @@ class ResizingStoreMachine(StoreMachine):
         table = self.store.table(NS)
         stats = table.stats()
         assert stats.capacity == table.capacity >= 1
-        assert stats.free + stats.ready + stats.writing == table.capacity
+        assert stats.free + stats.quarantined + stats.ready + stats.writing == table.capacity
+        assert all(s < table.capacity for _, s in self._quarantine()), "a retired slot quarantined"
         infos = list(self.store.iter_blocks(NS))
         assert len(infos) == stats.ready + stats.writing
         assert len({i.slot for i in infos}) == len(infos), "a slot owned by two blocks"
@@ -64,7 +65,11 @@ class ResizingStoreMachine(StoreMachine):
         stats = self.store.stats()
         ns = stats.namespaces[0]
         assert ns.pinned == 0 and ns.writing == 0
-        assert ns.free + ns.ready == ns.capacity
+        assert ns.free + ns.quarantined + ns.ready == ns.capacity
+        self.now += QUARANTINE
+        self._expire()
+        ns = self.store.stats().namespaces[0]
+        assert ns.quarantined == 0 and ns.free + ns.ready == ns.capacity
 
 
 ResizingStoreMachine.TestCase.settings = settings(
