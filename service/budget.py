@@ -83,9 +83,9 @@ class NamespaceMemory:
             ResourceExhausted: no arena fits, even after taking some back.
         """
         plan = self.pools.plan(block_bytes, requested_bytes)
-        if not self._promise(plan.arena_bytes, None):
+        if not self._promise(plan.arena_cost, None):
             raise ResourceExhausted(
-                f"no room for a namespace pool of {plan.arena_bytes} bytes: "
+                f"no room for a namespace pool of {plan.arena_cost} bytes: "
                 f"{self.pools.free_bytes} of the node's {self.pools.capacity_bytes} bytes are "
                 "free and no other namespace can give an arena back (drop one, or raise "
                 "capacity_bytes)"
@@ -93,13 +93,13 @@ class NamespaceMemory:
         try:
             first = await _build(self.pools, namespace, plan)
         except BaseException:
-            self.pools.settle(plan.arena_bytes)
+            self.pools.settle(plan.arena_cost)
             raise
         try:
             table = make_table(plan.slots_per_arena)
         except BaseException:
             first.close()
-            self.pools.settle(plan.arena_bytes)
+            self.pools.settle(plan.arena_cost)
             raise
         self.pools.adopt(namespace, first, plan)
         self.touch(namespace)
@@ -143,16 +143,16 @@ class NamespaceMemory:
         namespace = table.namespace
         added = 0
         while need > 0 and self.pools.arenas(namespace) < plan.max_arenas:
-            if not self._promise(plan.arena_bytes, namespace):
+            if not self._promise(plan.arena_cost, namespace):
                 break
             try:
                 arena = await _build(self.pools, namespace, plan)
             except LimitExceeded as exc:  # tmpfs or GPU memory full: a shortfall, not a crash
-                self.pools.settle(plan.arena_bytes)
+                self.pools.settle(plan.arena_cost)
                 log.warning("namespace %s: cannot add an arena: %s", namespace, exc)
                 break
             except BaseException:
-                self.pools.settle(plan.arena_bytes)
+                self.pools.settle(plan.arena_cost)
                 raise
             self.pools.grow(namespace, arena)
             table.resize(plan.slots_per_arena, self.clock())
@@ -194,7 +194,7 @@ class NamespaceMemory:
             table = self.store.table(namespace)
             spa = pools.plan_of(namespace).slots_per_arena
             while pools.free_bytes < nbytes and pools.arenas(namespace) > 1:
-                share_ok = pools.pool_bytes(namespace) - pools.plan_of(namespace).arena_bytes >= (
+                share_ok = pools.pool_bytes(namespace) - pools.plan_of(namespace).arena_cost >= (
                     mine + nbytes
                 )
                 if not (share_ok or len(table) == 0) or not table.resize(-spa, now):

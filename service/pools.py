@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from kvstore.errors import InvalidArgument
 from kvstore.pool.arenas import ArenaPool
 from kvstore.pool.base import BlockPool, PoolUnavailable
-from kvstore.pool.cuda import CudaDevice, CudaPool, find_device
+from kvstore.pool.cuda import IPC_GRANULARITY, CudaDevice, CudaPool, find_device
 from kvstore.pool.cuda_runtime import CudaRuntime, default_runtime
 from kvstore.pool.host import HostPool, cleanup_stale
 from kvstore.types import NamespaceId
@@ -56,11 +56,18 @@ class PoolPlan:
     """Slots in each arena."""
     max_arenas: int
     """Arenas the pool may grow to (at least 1)."""
+    granule: int = 1
+    """Allocation unit of the device: an arena costs its bytes rounded up to it."""
 
     @property
     def arena_bytes(self) -> int:
-        """Bytes of one arena."""
+        """Bytes of the slots of one arena."""
         return self.slots_per_arena * self.block_bytes
+
+    @property
+    def arena_cost(self) -> int:
+        """Bytes of the budget one arena takes: CUDA arenas are whole 2 MiB blocks."""
+        return -(-self.arena_bytes // self.granule) * self.granule
 
 
 class PoolManager:
@@ -150,7 +157,9 @@ class PoolManager:
                 f"hold {ceiling} of the node's {self.capacity_bytes} bytes"
                 + (f" ({requested_bytes} were asked for)" if requested_bytes else "")
             )
-        return PoolPlan(block_bytes, slots_per_arena, ceiling // (slots_per_arena * block_bytes))
+        granule = IPC_GRANULARITY if self.cuda_device is not None else 1
+        cost = -(-(slots_per_arena * block_bytes) // granule) * granule
+        return PoolPlan(block_bytes, slots_per_arena, max(1, ceiling // cost), granule)
 
     def plan_of(self, namespace: NamespaceId) -> PoolPlan:
         """The geometry of a registered namespace's pool."""
@@ -222,7 +231,7 @@ class PoolManager:
             raise RuntimeError(f"bug: pool of namespace {namespace} created twice")
         self._pools[namespace] = ArenaPool(first, self.next_serial())
         self._plans[namespace] = plan
-        self.settle(plan.arena_bytes)
+        self.settle(plan.arena_cost)
         log.info(
             "namespace %s: pool of %d-byte blocks, %d per arena, up to %d arenas",
             namespace,
@@ -235,7 +244,7 @@ class PoolManager:
         """Append a built (promised) arena to a namespace's pool."""
         pool = self.get(namespace)
         pool.append(arena, self.next_serial())
-        self.settle(pool.arena_bytes)
+        self.settle(self._plans[namespace].arena_cost)
 
     def shrink(self, namespace: NamespaceId) -> int:
         """Close the last arena of a namespace's pool; returns the bytes freed.
@@ -245,7 +254,7 @@ class PoolManager:
         pool = self.get(namespace)
         arena = pool.pop(self.next_serial())
         arena.close()
-        return pool.arena_bytes
+        return self._plans[namespace].arena_cost
 
     def discard(self, namespace: NamespaceId) -> int:
         """Close and forget one pool (a dropped namespace); returns the bytes freed.

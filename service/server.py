@@ -26,7 +26,7 @@ from grpc_reflection.v1alpha import reflection
 from kvstore.v1 import kvstore_pb2
 from service.api import decode
 from service.api.servicer import KVStoreServicer
-from service.config import Config, ConfigError, load_config, resolve
+from service.config import Config, ConfigError, load_config, read_setting_file, resolve
 from service.node import Clock, Node
 from service.ops.web import HitRateHistory, WebApp, on_loop, sample_forever
 
@@ -48,16 +48,14 @@ def server_credentials(config: Config) -> grpc.ServerCredentials | None:
     if not config.tls_cert:
         return None
 
-    def read(name: str, path: str) -> bytes:
-        try:
-            with open(path, "rb") as f:
-                return f.read()
-        except OSError as exc:
-            raise ConfigError(f"{name} {path}: {exc.strerror}") from None
-
-    ca = read("tls_client_ca", config.tls_client_ca) if config.tls_client_ca else None
+    ca = read_setting_file("tls_client_ca", config.tls_client_ca) if config.tls_client_ca else None
     return grpc.ssl_server_credentials(
-        [(read("tls_key", config.tls_key), read("tls_cert", config.tls_cert))],
+        [
+            (
+                read_setting_file("tls_key", config.tls_key),
+                read_setting_file("tls_cert", config.tls_cert),
+            )
+        ],
         root_certificates=ca,
         require_client_auth=ca is not None,
     )

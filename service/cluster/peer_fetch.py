@@ -43,7 +43,7 @@ from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc
 from service.cluster.directory import Holder
 from service.cluster.local import LocalNode
-from service.config import Config, ConfigError
+from service.config import Config, read_setting_file
 
 log = logging.getLogger(__name__)
 
@@ -72,20 +72,15 @@ def peer_credentials(config: Config) -> grpc.ChannelCredentials | None:
     if not config.tls_cert:
         return None
 
-    def read(name: str, path: str) -> bytes:
-        try:
-            with open(path, "rb") as f:
-                return f.read()
-        except OSError as exc:
-            raise ConfigError(f"{name} {path}: {exc.strerror}") from None
-
     ca = config.peer_tls_ca or config.tls_client_ca
     return grpc.ssl_channel_credentials(
-        root_certificates=read("peer_tls_ca" if config.peer_tls_ca else "tls_client_ca", ca)
+        root_certificates=read_setting_file(
+            "peer_tls_ca" if config.peer_tls_ca else "tls_client_ca", ca
+        )
         if ca
         else None,
-        private_key=read("tls_key", config.tls_key),
-        certificate_chain=read("tls_cert", config.tls_cert),
+        private_key=read_setting_file("tls_key", config.tls_key),
+        certificate_chain=read_setting_file("tls_cert", config.tls_cert),
     )
 
 

@@ -7,6 +7,6 @@
 
 from __future__ import annotations
 
-from service.config.schema import Config, ConfigError, load_config, resolve
+from service.config.schema import Config, ConfigError, load_config, read_setting_file, resolve
 
-__all__ = ["Config", "ConfigError", "load_config", "resolve"]
+__all__ = ["Config", "ConfigError", "load_config", "read_setting_file", "resolve"]

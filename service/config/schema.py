@@ -359,3 +359,16 @@ def field_docs() -> dict[str, str]:
             docs[last] = node.value.value.strip()
             last = None
     return docs
+
+
+def read_setting_file(name: str, path: str) -> bytes:
+    """The bytes of the file a setting names (a TLS certificate, key or CA).
+
+    Raises:
+        ConfigError: the file cannot be read; the message names the setting.
+    """
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except OSError as exc:
+        raise ConfigError(f"{name} {path}: {exc.strerror}") from None

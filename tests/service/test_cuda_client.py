@@ -39,7 +39,9 @@ def rt() -> FakeCudaRuntime:
 
 @pytest.fixture
 def node(server_config, rt) -> Iterator[Server]:  # noqa: F811
-    with threaded_node(dataclasses.replace(server_config, device="cuda:0"), rt) as server:
+    # CUDA arenas are whole 2 MiB IPC blocks, counted so in the budget.
+    config = dataclasses.replace(server_config, device="cuda:0", capacity_bytes=16 << 20)
+    with threaded_node(config, rt) as server:
         yield server
 
 

@@ -55,16 +55,21 @@ def test_default_is_host_pools(server_config):  # noqa: F811
 
 def test_cuda_device_builds_cuda_pools_on_that_gpu(server_config):  # noqa: F811
     rt = FakeCudaRuntime(uuids=[UUID0, UUID1])
-    config = dataclasses.replace(server_config, device=f"cuda:{UUID1}")
+    # CUDA arenas are whole 2 MiB IPC blocks: a budget of some.
+    config = dataclasses.replace(server_config, device=f"cuda:{UUID1}", capacity_bytes=16 << 20)
     manager = PoolManager(config, cuda_runtime=rt)
     assert manager.cuda_device is not None and manager.cuda_device.ordinal == 1
     assert manager.cleanup() == []
     plan = manager.plan(256, 40 * 256)  # one arena here (arena_bytes is 16 blocks)
-    assert manager.promise(plan.arena_bytes)
+    assert manager.promise(plan.arena_cost)
     pool = manager.build_arena(NamespaceId("ab" * 8), plan, 1)
     assert isinstance(pool, CudaPool) and pool.descriptor.device == UUID1
     manager.adopt(NamespaceId("ab" * 8), pool, plan)
-    assert manager.allocated_bytes == 16 * 256 and plan.max_arenas == 2
+    # A CUDA arena is a whole 2 MiB IPC block (kvstore.pool.cuda.ipc_size), and the
+    # budget counts it so: the padding is memory no other namespace can have.
+    assert plan.arena_bytes == 16 * 256 and plan.arena_cost == 2 << 20
+    assert manager.allocated_bytes == 2 << 20 and manager.free_bytes == (16 << 20) - (2 << 20)
+    assert plan.max_arenas == 1  # the 10 KiB ceiling holds no second 2 MiB block
     manager.close()
     assert not rt.allocations
 
@@ -97,7 +102,8 @@ async def test_client_stores_and_reads_through_a_cuda_mapping(server_config):  #
     rt = FakeCudaRuntime(uuids=[UUID0], total_bytes=1 << 24)
     set_default_runtime(rt)
     try:
-        server = Server(dataclasses.replace(server_config, device="cuda:0"), expiry_tick=0.02)
+        config = dataclasses.replace(server_config, device="cuda:0", capacity_bytes=8 << 20)
+        server = Server(config, expiry_tick=0.02)
         await server.start()
         try:
             async with Client(server.address, tenant="acme", timeout=5.0) as kv:
