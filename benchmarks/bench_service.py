@@ -369,7 +369,12 @@ def main(argv: list[str] | None = None) -> None:
     capacity = f"{max(64 * MiB, 2 * layout_bytes) // MiB}MiB"
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="kvstore-bench-", dir=args.shm_dir) as shm:
-        server = ServerProcess.start(shm, capacity=capacity, prefix_stem="kvbench")
+        # One arena holds the whole chain: a pool starts with one arena and the
+        # bandwidth runs copy through the mapping as it was attached.
+        arena = f"{-(-layout_bytes // MiB)}MiB"
+        server = ServerProcess.start(
+            shm, capacity=capacity, prefix_stem="kvbench", extra_args=("--arena-bytes", arena)
+        )
         try:
             report = asyncio.run(run(args, server.target))
         finally:
