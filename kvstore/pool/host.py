@@ -335,13 +335,17 @@ class HostMapping(PoolMapping):
 
     def buffer(self, slot: SlotId) -> memoryview:
         """Writable zero-copy view of one slot, ``block_bytes`` long."""
+        arena, offset = self.descriptor.locate(slot)
+        return self.arena_buffer(arena)[offset : offset + self.descriptor.block_bytes]
+
+    def arena_buffer(self, index: int) -> memoryview:
+        """Writable view of a whole arena (copies of runs of adjacent slots slice it once)."""
         if self._closed:
             raise PoolUnavailable(
                 f"the mapping of namespace {self.descriptor.namespace} "
                 f"(epoch {self.descriptor.epoch:x}) is closed"
             )
-        arena, offset = self.descriptor.locate(slot)
-        return self._arenas[arena].view[offset : offset + self.descriptor.block_bytes]
+        return self._arenas[index].view[:]  # a slice: exports from it never block closing
 
     @property
     def closed(self) -> bool:
