@@ -338,6 +338,11 @@ class HostMapping(PoolMapping):
         arena, offset = self.descriptor.locate(slot)
         return self.arena_buffer(arena)[offset : offset + self.descriptor.block_bytes]
 
+    @property
+    def huge_page_bytes(self) -> int:
+        """Bytes of this process's mapping backed by huge pages now (reads /proc/self/smaps)."""
+        return sum(pages.mapped_huge_bytes(arena.map) or 0 for arena in self._arenas)
+
     def arena_buffer(self, index: int) -> memoryview:
         """Writable view of a whole arena (copies of runs of adjacent slots slice it once)."""
         if self._closed:

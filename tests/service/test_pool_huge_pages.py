@@ -2,16 +2,26 @@
 
 from __future__ import annotations
 
+import os
+import re
+import shutil
+import tempfile
 from dataclasses import replace
 from pathlib import Path
 
+import grpc
 import pytest
+from prometheus_client import generate_latest
 
 from kvstore.pool import host_pages
 from kvstore.pool.host_pages import HugePageSupport
 from kvstore.types import NamespaceId
-from service.config import ConfigError, load_config
+from kvstore.v1 import kvstore_pb2 as pb
+from kvstore.v1 import kvstore_pb2_grpc
+from service.config import Config, ConfigError, load_config
 from service.pools import PoolManager
+from service.server import Server
+from tests.service.conftest import LAYOUT
 
 
 def test_the_setting_takes_auto_on_off_only() -> None:
@@ -54,3 +64,59 @@ def test_the_manager_sums_the_huge_page_bytes_of_its_pools(
     finally:
         manager.discard(ns)
     assert manager.huge_page_bytes == 0
+
+
+def _huge_tmpfs() -> str | None:
+    """A writable tmpfs mounted with huge pages here (the huge case skips without one)."""
+    mounts = Path("/proc/self/mounts")
+    for line in mounts.read_text().splitlines() if mounts.exists() else []:
+        parts = line.split()
+        huge = len(parts) > 3 and parts[2] == "tmpfs" and "huge=" in parts[3]
+        if huge and "huge=never" not in parts[3] and os.access(parts[1], os.W_OK):
+            return parts[1]
+    return None
+
+
+@pytest.mark.parametrize(
+    "huge_dir",
+    [
+        None,
+        pytest.param(
+            _huge_tmpfs(),
+            marks=pytest.mark.skipif(_huge_tmpfs() is None, reason="no huge-page tmpfs here"),
+        ),
+    ],
+    ids=["small-pages", "huge-page-tmpfs"],
+)
+async def test_the_node_exports_the_huge_page_bytes_of_its_pools(
+    server_config: Config, tmp_path: Path, huge_dir: str | None
+) -> None:
+    if huge_dir is not None:
+        shm = tempfile.mkdtemp(dir=huge_dir)
+        config = replace(
+            server_config,
+            shm_dir=shm,
+            pool_prefault=True,
+            pool_huge_pages="on",
+            arena_bytes=2 << 20,
+            capacity_bytes=4 << 20,
+            namespace_capacity_bytes=0,
+        )
+    else:
+        config = replace(server_config, pool_prefault=True, arena_bytes=2 << 20,
+                         capacity_bytes=4 << 20, namespace_capacity_bytes=0)  # fmt: skip
+    server = Server(config)
+    await server.start()
+    try:
+        async with grpc.aio.insecure_channel(server.address) as channel:
+            stub = kvstore_pb2_grpc.KVStoreStub(channel)
+            await stub.RegisterNamespace(
+                pb.RegisterNamespaceRequest(model_id="m", layout=LAYOUT), timeout=5
+            )
+        text = generate_latest(server.node.metrics.registry).decode()
+        value = float(re.search(r"^kvstore_node_huge_page_bytes (\S+)$", text, re.M)[1])  # type: ignore[index]
+        assert value == (2 << 20 if huge_dir is not None else 0)
+    finally:
+        await server.stop(0.1)
+        if huge_dir is not None:
+            shutil.rmtree(config.shm_dir, ignore_errors=True)

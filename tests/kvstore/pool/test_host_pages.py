@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from kvstore.errors import InvalidArgument, LimitExceeded
-from kvstore.pool import HostPool, attach
+from kvstore.pool import HostMapping, HostPool, attach
 from kvstore.pool import host_pages as pages
 from kvstore.pool.host_pages import HugePageSupport
 from kvstore.types import SlotId
@@ -111,6 +111,7 @@ def test_where_huge_pages_are_not_offered_the_pool_falls_back_to_small_pages(
         pool.write(SlotId(3), b"\x07" * 256)
         mapping = attach(pool.descriptor)
         try:
+            assert isinstance(mapping, HostMapping) and mapping.huge_page_bytes == 0
             assert bytes(mapping.buffer(SlotId(3))) == b"\x07" * 256
         finally:
             mapping.close()
@@ -183,8 +184,7 @@ def test_a_huge_page_tmpfs_backs_node_and_runner_with_huge_pages(directory: str)
         assert pool.huge_page_bytes == size
         mapping = attach(pool.descriptor)
         try:
-            arena = mapping._arenas[0]  # type: ignore[attr-defined]
-            assert pages.mapped_huge_bytes(arena.map) == size
+            assert isinstance(mapping, HostMapping) and mapping.huge_page_bytes == size
             data = np.frombuffer(mapping.buffer(SlotId(5)), dtype=np.uint8)
             data[:] = 9
             assert pool.read(SlotId(5)) == b"\x09" * (1 << 16)
