@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from kvstore.client import transfer
 from kvstore.client.blocks import slot_runs
 from kvstore.client.handles import BlockLocation, Hit
 from kvstore.client.transfer import _copy_in
@@ -179,3 +180,25 @@ def test_copy_into_refuses_wrong_targets_and_released_hits(
         hit.copy_into(np.zeros((2 * BB, 2), dtype=np.uint8)[:, 0])
     with pytest.raises(FailedPrecondition):
         _hit(mapping, [0, 1], released=True).copy_into(np.zeros(2 * BB, dtype=np.uint8))
+
+
+def test_long_runs_are_copied_in_chunks_with_a_lease_check_each(
+    pool: tuple[HostPool, HostMapping], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    node, mapping = pool
+    monkeypatch.setattr(transfer, "RUN_BYTES", 2 * BB)  # runs of 4 slots: chunks of 2
+    blocks = _blocks(10)
+    pairs = [(i, i) for i in range(10)]  # runs 0-3, 4-7, 8-9
+    checks = 0
+
+    def lease_alive() -> None:
+        nonlocal checks
+        checks += 1
+        if checks == 4:
+            raise LeaseExpired("lapsed")
+
+    with pytest.raises(LeaseExpired):
+        _copy_in(_Ns(mapping), _reserved(pairs), blocks, lease_alive)  # type: ignore[arg-type]
+    for slot in range(10):
+        expected = blocks[slot].tobytes() if slot < 6 else bytes(BB)  # 3 chunks copied
+        assert node.read(SlotId(slot)) == expected, slot
