@@ -33,7 +33,8 @@ Two schemes exist (`HashScheme`):
     per-tenant scopes alone (the root cannot carry a salt and stay
     compatible).
 
-This module is the one implementation used by the server (requests that send
+The vLLM scheme's canonical CBOR lives in `kvstore.cbor`; ``cbor_encode``
+is re-exported here. This module is the one implementation used by the server (requests that send
 tokens) and by the client (requests that send hashes).
 """
 
@@ -47,6 +48,7 @@ from enum import StrEnum
 import numpy as np
 import numpy.typing as npt
 
+from kvstore.cbor import UINT32_LIMIT, cbor_encode, cbor_head, encode_uints
 from kvstore.errors import InvalidArgument
 from kvstore.types import HASH_BYTES, BlockHash
 
@@ -175,10 +177,49 @@ def _hash_blocks_vllm(
         raise InvalidArgument(f"tokens must be integers, got dtype {ids.dtype}")
     n_blocks = ids.size // block_size
     extras = _check_extras(extras, n_blocks)
-    token_list: list[int] = ids.tolist()
+    ids = ids[: n_blocks * block_size]
+    if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= UINT32_LIMIT):
+        return _hash_blocks_vllm_generic(root, ids.tolist(), block_size, extras)
+    # The bytes hashed per block are, in canonical CBOR:
+    #   0x83 | 0x58 0x20 parent | array head | each token | extra keys (0xf6 for None)
+    # (a 3-array, a 32-byte string, an array of block_size uints, the keys).
+    data, ends = encode_uints(ids)
+    bounds: list[int] = [0, *ends[block_size - 1 :: block_size].tolist()]
+    lead = b"\x83" + cbor_head(2, HASH_BYTES)
+    array_head = cbor_head(4, block_size)
+    sha256 = hashlib.sha256
     parent: bytes = root
     out: list[BlockHash] = []
+    append = out.append
+    if extras is None:
+        for i in range(n_blocks):
+            body = data[bounds[i] : bounds[i + 1]]
+            parent = sha256(lead + parent + array_head + body + b"\xf6").digest()
+            append(BlockHash(parent))
+        return out
+    last: object = None
+    last_encoded = b"\xf6"
     for i in range(n_blocks):
+        extra = extras[i]
+        if extra is not last:  # runs share one tuple (a LoRA name): encode it once
+            if extra is not None and not isinstance(extra, tuple):
+                raise InvalidArgument(
+                    "extras of the vllm-sha256-cbor scheme must be tuples or None"
+                )
+            last, last_encoded = extra, cbor_encode(extra)
+        body = data[bounds[i] : bounds[i + 1]]
+        parent = sha256(lead + parent + array_head + body + last_encoded).digest()
+        append(BlockHash(parent))
+    return out
+
+
+def _hash_blocks_vllm_generic(
+    root: BlockHash, token_list: list[int], block_size: int, extras: Sequence[Extra] | None
+) -> list[BlockHash]:
+    """Token ids outside ``[0, 2**32)``: the general encoder, item by item (as vLLM would)."""
+    parent: bytes = root
+    out: list[BlockHash] = []
+    for i in range(len(token_list) // block_size):
         extra = extras[i] if extras is not None else None
         if extra is not None and not isinstance(extra, tuple):
             raise InvalidArgument("extras of the vllm-sha256-cbor scheme must be tuples or None")
@@ -190,56 +231,15 @@ def _hash_blocks_vllm(
     return out
 
 
-# --- canonical CBOR (RFC 8949 §4.2.1) for the few types vLLM hashes ---------
-
-
-def _cbor_head(major: int, value: int) -> bytes:
-    if value < 24:
-        return bytes((major << 5 | value,))
-    if value < 1 << 8:
-        return bytes((major << 5 | 24, value))
-    if value < 1 << 16:
-        return bytes((major << 5 | 25,)) + value.to_bytes(2, "big")
-    if value < 1 << 32:
-        return bytes((major << 5 | 26,)) + value.to_bytes(4, "big")
-    if value < 1 << 64:
-        return bytes((major << 5 | 27,)) + value.to_bytes(8, "big")
-    raise InvalidArgument(f"integer {value} does not fit CBOR's 64-bit heads")
-
-
-def cbor_encode(value: object) -> bytes:
-    """Canonical CBOR of None, bool, int, str, bytes and tuples/lists of them.
-
-    Matches ``cbor2.dumps(value, canonical=True)`` for these types (the
-    tests check it against cbor2); anything else is an `InvalidArgument`.
-    """
-    out = bytearray()
-    _cbor_into(out, value)
-    return bytes(out)
-
-
-def _cbor_into(out: bytearray, value: object) -> None:
-    if value is None:
-        out.append(0xF6)
-    elif value is True:
-        out.append(0xF5)
-    elif value is False:
-        out.append(0xF4)
-    elif isinstance(value, int):
-        if value >= 0:
-            out += _cbor_head(0, value)
-        else:
-            out += _cbor_head(1, -1 - value)
-    elif isinstance(value, bytes):
-        out += _cbor_head(2, len(value))
-        out += value
-    elif isinstance(value, str):
-        encoded = value.encode("utf-8")
-        out += _cbor_head(3, len(encoded))
-        out += encoded
-    elif isinstance(value, (tuple, list)):
-        out += _cbor_head(4, len(value))
-        for item in value:
-            _cbor_into(out, item)
-    else:
-        raise InvalidArgument(f"cannot CBOR-encode {type(value).__name__} for a block hash")
+__all__ = [
+    "MAX_TOKEN",
+    "Extra",
+    "ExtraKey",
+    "HashScheme",
+    "Tokens",
+    "cbor_encode",
+    "hash_blocks",
+    "kvstore_root",
+    "token_bytes",
+    "vllm_root",
+]

@@ -29,6 +29,7 @@ import secrets
 from dataclasses import dataclass
 
 from kvstore.errors import InvalidArgument
+from kvstore.pool import host_pages
 from kvstore.pool.arenas import ArenaPool
 from kvstore.pool.base import BlockPool, PoolUnavailable
 from kvstore.pool.cuda import IPC_GRANULARITY, CudaDevice, CudaPool, find_device
@@ -100,6 +101,13 @@ class PoolManager:
         """The GPU of the pools; None for host pools."""
         if config.device != "cpu":
             self.cuda_runtime, self.cuda_device = _open_device(config, cuda_runtime)
+        else:
+            offer = host_pages.support(config.shm_dir)
+            if config.pool_huge_pages == "on" and not offer.possible:
+                raise ConfigError(f"pool_huge_pages is on, but no huge pages: {offer.reason}")
+            if config.pool_huge_pages != "off":
+                log.info("pool huge pages %s: %s", "offered" if offer.possible else "not offered",
+                         offer.reason)  # fmt: skip
 
     def cleanup(self) -> list[str]:
         """Remove pool files of server processes that are gone; returns their paths.
@@ -223,7 +231,13 @@ class PoolManager:
             prefault=self.config.pool_prefault,
             group=pool_group_id(self.config.pool_file_group),
             first_index=serial,
+            huge_pages=self.config.pool_huge_pages,  # type: ignore[arg-type]
         )
+
+    @property
+    def huge_page_bytes(self) -> int:
+        """Bytes of the host pools the kernel backs with huge pages (as measured when built)."""
+        return sum(p.huge_page_bytes for p in self._pools.values())
 
     def adopt(self, namespace: NamespaceId, first: BlockPool, plan: PoolPlan) -> None:
         """Own a new namespace's pool, made of its first (promised) arena."""
@@ -233,11 +247,14 @@ class PoolManager:
         self._plans[namespace] = plan
         self.settle(plan.arena_cost)
         log.info(
-            "namespace %s: pool of %d-byte blocks, %d per arena, up to %d arenas",
+            "namespace %s: pool of %d-byte blocks, %d per arena, up to %d arenas; "
+            "%d of %d bytes in huge pages",
             namespace,
             plan.block_bytes,
             plan.slots_per_arena,
             plan.max_arenas,
+            first.huge_page_bytes,
+            plan.arena_bytes,
         )
 
     def grow(self, namespace: NamespaceId, arena: BlockPool) -> None:

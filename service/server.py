@@ -194,6 +194,7 @@ class Server:
             lambda: {
                 "capacity_bytes": node.pools.capacity_bytes,
                 "allocated_bytes": node.pools.allocated_bytes,
+                "huge_page_bytes": node.pools.huge_page_bytes,
                 "uptime_seconds": node.now() - node.started,
             },
         )

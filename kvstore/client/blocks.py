@@ -96,6 +96,41 @@ def copy_block_to_tensor(source: BlockSource, target: Any) -> None:
         flat_target.copy_(flat)
 
 
+def slot_runs(slots: Sequence[int], positions: Sequence[int], slots_per_arena: int) -> list[int]:
+    """Where runs start: blocks whose slots *and* positions are adjacent, in one arena.
+
+    Returns the start of each run in ``slots``, then ``len(slots)``: run *r*
+    is ``slots[starts[r] : starts[r + 1]]``, and copies one arena range to
+    (or from) one range of the caller's array. Slots never straddle arenas,
+    so a slot that begins an arena begins a run.
+    """
+    if not slots:
+        return [0]  # no runs
+    starts = [0]
+    for k in range(1, len(slots)):
+        slot = slots[k]
+        if (
+            slot != slots[k - 1] + 1
+            or positions[k] != positions[k - 1] + 1
+            or not (slot % slots_per_arena)
+        ):
+            starts.append(k)
+    starts.append(len(slots))
+    return starts
+
+
+def chain_array(blocks: object, block_bytes: int) -> np.ndarray[Any, np.dtype[np.uint8]] | None:
+    """``blocks`` as rows of bytes when it is one C-contiguous array of whole blocks, else None.
+
+    Then a run of adjacent blocks is one slice of it: one copy, not one per block.
+    """
+    if not isinstance(blocks, np.ndarray) or blocks.ndim < 1 or not blocks.flags.c_contiguous:
+        return None
+    if not len(blocks) or blocks.nbytes != len(blocks) * block_bytes:
+        return None
+    return blocks.reshape(len(blocks), -1).view(np.uint8)
+
+
 def block_bytes_of(source: BlockSource) -> bytes:
     """A block's bytes as one `bytes` object (for WriteBlocks)."""
     torch = sys.modules.get("torch")

@@ -14,18 +14,20 @@ another block's bytes.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import numpy.typing as npt
 
+from kvstore.client.blocks import slot_runs
 from kvstore.client.errors import PoolEpochChanged
-from kvstore.errors import FailedPrecondition
+from kvstore.errors import FailedPrecondition, InvalidArgument
 from kvstore.hashing import Extra, HashScheme, Tokens, hash_blocks
 from kvstore.layout import KVLayout, NamespaceSpec
-from kvstore.pool import PoolMapping
+from kvstore.pool import HostMapping, PoolMapping
 from kvstore.results import MissReason
 from kvstore.types import BlockHash, LeaseId, NamespaceId, SlotId
 
@@ -173,6 +175,45 @@ class Hit:
         mapping = self._live_mapping()
         layout = self.namespace.layout
         return [mapping.numpy_view(b.slot, layout) for b in self.blocks]
+
+    def copy_into(self, out: npt.NDArray[Any]) -> None:
+        """Copy the hit blocks' bytes into ``out``, in chain order (host pools).
+
+        One copy per run of adjacent slots in an arena, not one per block:
+        the fastest way to load a hit into the caller's memory.
+
+        Args:
+            out: a writable C-contiguous array of exactly ``hit_blocks``
+                blocks' bytes, any dtype and shape (e.g. ``(hit_blocks,
+                *layout.block_shape)``).
+
+        Raises:
+            InvalidArgument: ``out`` is not such an array.
+            FailedPrecondition: the hit was released, the pool is not mapped,
+                or it is a CUDA pool (use `torch_views`).
+        """
+        mapping = self._live_mapping()
+        if not isinstance(mapping, HostMapping):
+            raise FailedPrecondition("copy_into copies out of host pools; use torch_views")
+        descriptor = mapping.descriptor
+        block_bytes, spa = descriptor.block_bytes, descriptor.slots_per_arena
+        if not isinstance(out, np.ndarray) or not out.flags.c_contiguous:
+            raise InvalidArgument("copy_into needs a C-contiguous numpy array")
+        if not out.flags.writeable:
+            raise InvalidArgument("copy_into needs a writable array")
+        if out.nbytes != len(self.blocks) * block_bytes:
+            raise InvalidArgument(
+                f"{len(self.blocks)} blocks are {len(self.blocks) * block_bytes} bytes, "
+                f"the array is {out.nbytes}"
+            )
+        target = out.reshape(-1).view(np.uint8).data
+        slots = [b.slot for b in self.blocks]
+        starts = slot_runs(slots, range(len(slots)), spa)
+        for a, b in itertools.pairwise(starts):
+            offset = slots[a] % spa * block_bytes
+            size = (b - a) * block_bytes
+            arena = mapping.arena_buffer(slots[a] // spa)
+            target[a * block_bytes : a * block_bytes + size] = arena[offset : offset + size]
 
     def torch_views(self) -> list[torch.Tensor]:
         """Zero-copy tensors of the hit blocks, with the layout's dtype and shape.

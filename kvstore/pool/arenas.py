@@ -44,6 +44,11 @@ class ArenaPool(BlockPool):
         """Arenas in the pool."""
         return len(self._parts)
 
+    @property
+    def huge_page_bytes(self) -> int:
+        """Bytes of the arenas backed by huge pages."""
+        return sum(part.huge_page_bytes for part in self._parts)
+
     def append(self, part: BlockPool, version: int) -> None:
         """Add an arena at the end (its slots follow the last slot)."""
         d = part.descriptor

@@ -154,6 +154,11 @@ class BlockPool(ABC):
     def view(self, slot: SlotId) -> memoryview:
         """Writable zero-copy view of one slot, ``block_bytes`` long."""
 
+    @property
+    def huge_page_bytes(self) -> int:
+        """Bytes the kernel backs with huge pages (host pools; measured when pre-faulted)."""
+        return 0
+
     def read(self, slot: SlotId) -> bytes:
         """A copy of one slot's bytes."""
         return bytes(self.view(slot))

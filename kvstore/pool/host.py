@@ -28,6 +28,7 @@ Design decisions (also in ``docs/pools.md``):
   ``madvise(MADV_POPULATE_WRITE)`` (Linux 5.14+), falling back to touching
   one byte per page. A runner maps with ``MAP_POPULATE`` where the platform
   has it, else ``madvise(MADV_WILLNEED)``.
+* **Huge pages where offered**: see `kvstore.pool.host_pages`.
 * **Closing is memory safe.** ``mmap.close`` refuses while a view exported
   from it is alive; such an arena stays mapped until the last view is
   collected. The file is unlinked regardless, so the name is gone and no new
@@ -42,11 +43,9 @@ import fcntl
 import mmap
 import os
 import stat
-import sys
 
-import numpy as np
-
-from kvstore.errors import InvalidArgument, LimitExceeded
+from kvstore.errors import InvalidArgument
+from kvstore.pool import host_pages as pages
 from kvstore.pool.base import ArenaSpec, BlockPool, PoolDescriptor, PoolMapping, PoolUnavailable
 from kvstore.pool.host_access import missing_file_error, permission_error
 from kvstore.types import NamespaceId, SlotId
@@ -56,9 +55,6 @@ DEFAULT_DIRECTORY = "/dev/shm"
 
 DEFAULT_ARENA_BYTES = 256 << 20
 """Arena size: few enough files and maps for a large pool, small enough to fit tmpfs limits."""
-
-_MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
-"""Linux 5.14+: fault in every page writable in one call (Python 3.11 lacks the constant)."""
 
 _OPEN_FLAGS = os.O_RDWR | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
 
@@ -71,13 +67,14 @@ def arena_file_name(prefix: str, pid: int, epoch: int, namespace: NamespaceId, i
 class _Arena:
     """One mapped arena, a cached view of all of it (slicing it is cheap), its owner's lock."""
 
-    __slots__ = ("lock_fd", "map", "view")
+    __slots__ = ("huge_bytes", "lock_fd", "map", "view")
 
-    def __init__(self, mapped: mmap.mmap, lock_fd: int | None = None) -> None:
+    def __init__(self, mapped: mmap.mmap, lock_fd: int | None = None, huge_bytes: int = 0) -> None:
         self.map = mapped
         self.view = memoryview(mapped)
         self.lock_fd = lock_fd
         """The creating server's fd holding a shared flock on the file (None in runners)."""
+        self.huge_bytes = huge_bytes  # backed by huge pages after pre-faulting (0: unmeasured)
 
     def close(self) -> None:
         if self.lock_fd is not None:
@@ -89,40 +86,6 @@ class _Arena:
         # unmaps when the last view is collected; closing now would dangle it.
         with contextlib.suppress(BufferError):
             self.map.close()
-
-
-def _populate(mapped: mmap.mmap, *, write: bool) -> None:
-    if write:
-        if sys.platform == "linux":
-            try:
-                mapped.madvise(_MADV_POPULATE_WRITE)
-                return
-            except OSError:
-                pass  # kernel older than 5.14: touch the pages instead
-        pages = np.frombuffer(mapped, dtype=np.uint8)
-        try:
-            pages[:: mmap.PAGESIZE] = 0  # the file is new: its bytes are zero already
-        finally:
-            del pages
-    elif hasattr(mmap, "MADV_WILLNEED"):
-        with contextlib.suppress(OSError):  # only a hint
-            mapped.madvise(mmap.MADV_WILLNEED)
-
-
-def _reserve(fd: int, path: str, size: int) -> None:
-    """Allocate the pages of a file now so that a full tmpfs fails here, loudly."""
-    if not hasattr(os, "posix_fallocate"):
-        return
-    try:
-        os.posix_fallocate(fd, 0, size)
-    except OSError as exc:
-        if exc.errno == errno.ENOSPC:
-            raise LimitExceeded(
-                f"no room for a {size}-byte arena in {os.path.dirname(path)}: "
-                "the shared-memory filesystem is full (raise its size or lower the pool size)"
-            ) from exc
-        if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
-            raise
 
 
 class HostPool(BlockPool):
@@ -149,6 +112,7 @@ class HostPool(BlockPool):
         prefault: bool = True,
         group: int | None = None,
         first_index: int = 0,
+        huge_pages: pages.HugePages = "auto",
     ) -> HostPool:
         """Create, size and map the arena files of a new pool.
 
@@ -167,10 +131,11 @@ class HostPool(BlockPool):
             first_index: number in the first arena's file name (the next ones
                 count on); a pool that grows arena by arena passes a number
                 unique in the epoch, so no file name is ever used twice.
+            huge_pages: ask for huge pages where offered (``auto``), fail where not (``on``).
 
         Raises:
-            InvalidArgument: a non-positive size, a world-accessible mode or
-                a prefix with a path separator.
+            InvalidArgument: a non-positive size, a world-accessible mode, a
+                prefix with a path separator, huge_pages "on" where none are offered.
             LimitExceeded: the filesystem has no room for the pool.
         """
         if mode & 0o007:
@@ -184,6 +149,7 @@ class HostPool(BlockPool):
             raise InvalidArgument(f"pool file prefix {prefix!r} must be a plain file name part")
         if not 0 <= epoch < 1 << 64:
             raise InvalidArgument(f"epoch must fit in 64 bits, got {epoch}")
+        huge = pages.wanted(huge_pages, directory)
         slots_per_arena = max(1, arena_bytes // block_bytes)
         n_arenas = -(-capacity // slots_per_arena)
         pid = os.getpid()
@@ -195,7 +161,7 @@ class HostPool(BlockPool):
                 size = slots * block_bytes
                 name = arena_file_name(prefix, pid, epoch, namespace, first_index + index)
                 path = os.path.join(directory, name)
-                arenas.append(_create_arena(path, size, mode, prefault, group))
+                arenas.append(_create_arena(path, size, mode, prefault, group, huge))
                 specs.append(ArenaSpec(index=index, size_bytes=size, path=path))
         except BaseException:
             for arena in arenas:
@@ -226,6 +192,11 @@ class HostPool(BlockPool):
         """True once `close` ran."""
         return self._closed
 
+    @property
+    def huge_page_bytes(self) -> int:
+        """Bytes of the pool the kernel backed with huge pages when it was pre-faulted."""
+        return sum(arena.huge_bytes for arena in self._arenas)
+
     def close(self) -> None:
         """Unmap the arenas and unlink their files; idempotent."""
         if self._closed:
@@ -239,7 +210,7 @@ class HostPool(BlockPool):
 
 
 def _create_arena(
-    path: str, size: int, mode: int, prefault: bool, group: int | None = None
+    path: str, size: int, mode: int, prefault: bool, group: int | None = None, huge: bool = False
 ) -> _Arena:
     """Create and map one arena file; on failure nothing of it is left behind.
 
@@ -260,19 +231,25 @@ def _create_arena(
                 os.fchown(fd, -1, group)  # before fchmod: chown may clear mode bits
             os.fchmod(fd, mode)  # os.open's mode is filtered by the umask; make it exact
             os.ftruncate(fd, size)
-            if prefault:
-                _reserve(fd, path, size)
+            if prefault and not huge:  # a huge page pool reserves once it is populated
+                pages.reserve(fd, path, size)
             prot = mmap.PROT_READ | mmap.PROT_WRITE
             mapped = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=prot)
         except BaseException:
             os.close(fd)
             raise
+        if huge:
+            pages.advise(mapped)  # before the first fault: pages faulted small stay small
+        huge_bytes = 0
         if prefault:
-            _populate(mapped, write=True)
+            pages.populate(mapped, write=True)
+            if huge:
+                pages.reserve(fd, path, size)
+            huge_bytes = pages.mapped_huge_bytes(mapped) or 0
     except BaseException:
         _unlink(path)
         raise
-    return _Arena(mapped, lock_fd=fd)  # the fd stays open only to hold the lock
+    return _Arena(mapped, lock_fd=fd, huge_bytes=huge_bytes)  # fd open only to hold the lock
 
 
 def _unlink(path: str) -> None:
@@ -358,13 +335,22 @@ class HostMapping(PoolMapping):
 
     def buffer(self, slot: SlotId) -> memoryview:
         """Writable zero-copy view of one slot, ``block_bytes`` long."""
+        arena, offset = self.descriptor.locate(slot)
+        return self.arena_buffer(arena)[offset : offset + self.descriptor.block_bytes]
+
+    @property
+    def huge_page_bytes(self) -> int:
+        """Bytes of this process's mapping backed by huge pages now (reads /proc/self/smaps)."""
+        return sum(pages.mapped_huge_bytes(arena.map) or 0 for arena in self._arenas)
+
+    def arena_buffer(self, index: int) -> memoryview:
+        """Writable view of a whole arena (copies of runs of adjacent slots slice it once)."""
         if self._closed:
             raise PoolUnavailable(
                 f"the mapping of namespace {self.descriptor.namespace} "
                 f"(epoch {self.descriptor.epoch:x}) is closed"
             )
-        arena, offset = self.descriptor.locate(slot)
-        return self._arenas[arena].view[offset : offset + self.descriptor.block_bytes]
+        return self._arenas[index].view[:]  # a slice: exports from it never block closing
 
     @property
     def closed(self) -> bool:
@@ -403,12 +389,16 @@ def _open_arena(spec: ArenaSpec, descriptor: PoolDescriptor) -> _Arena:
                 f"pool file {spec.path} is {info.st_size} bytes, the descriptor says "
                 f"{spec.size_bytes}: it belongs to another server start; attach the pool again"
             )
-        flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+        # Where huge pages are offered, madvise before the pages are mapped (no MAP_POPULATE).
+        huge = pages.support(os.path.dirname(spec.path)).possible
+        flags = mmap.MAP_SHARED | (0 if huge else getattr(mmap, "MAP_POPULATE", 0))
         mapped = mmap.mmap(fd, spec.size_bytes, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
     finally:
         os.close(fd)
-    if not hasattr(mmap, "MAP_POPULATE"):
-        _populate(mapped, write=False)
+    if huge and pages.advise(mapped):
+        pages.populate_read(mapped)
+    elif huge or not hasattr(mmap, "MAP_POPULATE"):
+        pages.populate(mapped, write=False)
     return _Arena(mapped)
 
 

@@ -28,6 +28,7 @@ from service.config.values import (
     parse_bool,
     parse_device,
     parse_file_mode,
+    parse_huge_pages,
     parse_int,
     parse_log_level,
     parse_names,
@@ -74,6 +75,8 @@ class Config:
     """Group (name or gid) the pool files are given to, with mode 0o660; empty = the server's."""
     pool_prefault: bool = True
     """Touch every page of a new pool so the first writes do not fault."""
+    pool_huge_pages: str = "auto"
+    """Huge pages for host pools: auto (where the shm_dir tmpfs offers them), on (required), off."""
     lease_ttl_default: float = 30.0
     """TTL in seconds of a lease that asks for 0 (the SDK's default); at most lease_ttl_max."""
     lease_ttl_max: float = 3600.0
@@ -167,6 +170,7 @@ _PARSERS: dict[str, Callable[[object], object]] = {
     "pool_file_mode": parse_file_mode,
     "pool_file_group": parse_str,
     "pool_prefault": parse_bool,
+    "pool_huge_pages": parse_huge_pages,
     "lease_ttl_default": parse_positive_float,
     "lease_ttl_max": parse_positive_float,
     "write_quarantine_seconds": parse_non_negative_float,

@@ -160,3 +160,10 @@ def parse_file_mode(value: object) -> int:
     if mode & 0o007:
         raise ValueError(f"pool files must not be world accessible, got {mode:o}")
     return mode
+
+
+def parse_huge_pages(value: object) -> str:
+    mode = parse_str(value).strip().lower()
+    if mode not in ("auto", "on", "off"):
+        raise ValueError(f"expected auto, on or off, got {value!r}")
+    return mode

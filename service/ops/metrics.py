@@ -49,7 +49,8 @@ DEFAULT_TENANT_LABELS = 100
 """Distinct ``tenant`` label values before the rest fold into ``_other``."""
 
 NodeInfo = Callable[[], dict[str, float]]
-"""Node-wide gauges read at scrape time: capacity_bytes, allocated_bytes, uptime_seconds."""
+"""Node-wide gauges read at scrape time: capacity_bytes, allocated_bytes, huge_page_bytes,
+uptime_seconds."""
 
 
 class _StoreCollector(Collector):
@@ -110,6 +111,7 @@ class _NodeCollector(Collector):
         for name, doc in (
             ("capacity_bytes", "The node's memory budget"),
             ("allocated_bytes", "Memory carved into namespace pools"),
+            ("huge_page_bytes", "Pool memory backed by huge pages (pool_huge_pages)"),
             ("uptime_seconds", "Seconds since the node started"),
         ):
             yield GaugeMetricFamily(f"kvstore_node_{name}", doc, value=info[name])

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import hashlib
 import pickle
+import sys
 
 import cbor2
 import numpy as np
 import pytest
 
 from kvstore import InvalidArgument
+from kvstore.cbor import encode_uints
 from kvstore.hashing import (
     HashScheme,
     cbor_encode,
@@ -143,3 +145,91 @@ VLLM_BLOCKS_SEED0 = [
     "d830de3d42c00f25a2949b5d12d98642664a44872c1614c5b0147556276afc9c",
     "fedd9e4abebebbe6f6cf96b682f08d316063fe2f22a5c552192dd62904fcccac",
 ]
+
+
+BOUNDARIES = [0, 1, 23, 24, 255, 256, 65535, 65536, 2**32 - 1]
+
+
+def _cbor2_chain(
+    root: bytes, tokens: list[int], block_size: int, extras: list[object]
+) -> list[bytes]:
+    parent, out = root, []
+    for i in range(len(tokens) // block_size):
+        block = tuple(tokens[i * block_size : (i + 1) * block_size])
+        parent = hashlib.sha256(cbor2.dumps((parent, block, extras[i]), canonical=True)).digest()
+        out.append(parent)
+    return out
+
+
+def test_uint_encoder_matches_cbor2_at_every_width() -> None:
+    values = np.array([*BOUNDARIES, 22, 100, 1000, 70000, 2**31], dtype=np.int64)
+    data, ends = encode_uints(values)
+    starts = [0, *ends[:-1].tolist()]
+    for value, start, end in zip(values.tolist(), starts, ends.tolist(), strict=True):
+        assert data[start:end] == cbor2.dumps(value, canonical=True), value
+    assert encode_uints(np.array([], dtype=np.int64))[0] == b""
+
+
+@pytest.mark.parametrize("block_size", [1, 16, 24, 300])
+@pytest.mark.parametrize("dtype", [np.int64, np.uint32, None])
+def test_fast_vllm_encoder_gives_cbor2_bytes_for_random_tokens(
+    block_size: int, dtype: object
+) -> None:
+    rng = np.random.default_rng(block_size)
+    for trial in range(4):
+        n = int(rng.integers(0, 5 * block_size + 3))
+        widths = rng.integers(0, 5, size=n)
+        tokens = [
+            int(rng.integers(0, (24, 256, 65536, 2**32, 2**32)[w]))
+            if w < 4
+            else BOUNDARIES[int(rng.integers(0, 9))]
+            for w in widths
+        ]
+        n_blocks = n // block_size
+        lora = ("lora-a", 7, b"mm")
+        extras: list[object] = [None if rng.integers(0, 2) else lora for _ in range(n_blocks)]
+        root = vllm_root(str(trial))
+        given = tokens if dtype is None else np.array(tokens, dtype=dtype)
+        scheme = HashScheme.VLLM_SHA256_CBOR
+        assert hash_blocks(root, given, block_size, scheme=scheme) == _cbor2_chain(
+            root, tokens, block_size, [None] * n_blocks
+        )
+        assert hash_blocks(root, given, block_size, scheme=scheme, extras=extras) == _cbor2_chain(
+            root, tokens, block_size, extras
+        )
+        empty: list[object] = [()] * n_blocks  # an empty tuple is not None: 0x80, not 0xf6
+        assert hash_blocks(root, given, block_size, scheme=scheme, extras=empty) == _cbor2_chain(
+            root, tokens, block_size, empty
+        )
+
+
+def test_vllm_scheme_tokens_beyond_u32_still_match_cbor2() -> None:
+    # Not token ids a model makes, but the encoding stays cbor2's (the general path).
+    root = vllm_root("0")
+    tokens = [-1, 2**32, 2**40, 5, -(2**33), 0, 24, 23]
+    ours = hash_blocks(root, tokens, 4, scheme=HashScheme.VLLM_SHA256_CBOR)
+    assert ours == _cbor2_chain(root, tokens, 4, [None, None])
+
+
+def test_vllm_scheme_rejects_non_tuple_extras() -> None:
+    with pytest.raises(InvalidArgument):
+        hash_blocks(
+            vllm_root("0"),
+            list(range(32)),
+            16,
+            scheme=HashScheme.VLLM_SHA256_CBOR,
+            extras=[None, [1]],
+        )
+
+
+def test_hashing_bench_compares_with_cbor2_and_runs_without_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from kvstore.cli.microbench import Sizes, hashing
+
+    tiny = Sizes(tokens=256, resident=0, metadata_blocks=0)
+    assert hashing(tiny)["vllm_cbor2_hashlib_tokens_per_s"] > 0
+    monkeypatch.setitem(sys.modules, "cbor2", None)  # import cbor2 now raises ImportError
+    row = hashing(tiny)
+    assert "vllm_cbor2_hashlib_tokens_per_s" not in row
+    assert row["vllm_sha256_cbor_tokens_per_s"] > 0

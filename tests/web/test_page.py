@@ -113,7 +113,8 @@ def test_metrics_still_served_and_named_by_convention(web_node):
                  "kvstore_rpc_duration_seconds", "kvstore_rpc_errors_total",
                  "kvstore_blocks", "kvstore_capacity_blocks", "kvstore_leases",
                  "kvstore_lease_pins", "kvstore_node_capacity_bytes",
-                 "kvstore_node_allocated_bytes", "kvstore_node_uptime_seconds"):  # fmt: skip
+                 "kvstore_node_allocated_bytes", "kvstore_node_uptime_seconds",
+                 "kvstore_node_huge_page_bytes"):  # fmt: skip
         assert f"# HELP {name} " in text, name
     counters = [line.split()[2] for line in text.splitlines() if line.endswith(" counter")]
     assert counters and all(name.endswith("_total") for name in counters), counters
