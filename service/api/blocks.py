@@ -169,8 +169,10 @@ class BlockRpcs(ServicerBase):
         """The chain a Lookup or Reserve names, bounded, hashed off the loop."""
         config = self.node.config
         tokens, hashes = chains.packed_fields(request, config.max_chain_blocks)
+        # Only tokens are hashed under the root: a chain of hashes needs none.
+        root = self.node.root(table, tenant) if len(tokens) else BlockHash(b"")
         return await chains.chain(
-            self.node.root(table, tenant),
+            root,
             table.block_size,
             table.spec.scheme,
             tokens,
@@ -187,7 +189,10 @@ class BlockRpcs(ServicerBase):
         namespace = self.namespace(request.namespace_id, tenant)
         lease_id = validate.lease_id(request.lease_id)
         max_blocks = node.config.max_chain_blocks
-        hashes = validate.block_hashes(chains.packed_hashes(request, max_blocks), max_blocks)
+        if request.packed_hashes:  # 32 bytes each by construction
+            hashes = chains.packed_hashes(request, max_blocks)
+        else:
+            hashes = validate.block_hashes(request.hashes, max_blocks)
         count = verb(namespace, tenant, lease_id, hashes, node.now())
         node.publish_events()
         return count
