@@ -3,6 +3,7 @@ and builds per-block locations only when asked (docs/api.md, "Wire forms")."""
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import numpy as np
@@ -57,6 +58,11 @@ async def test_lookup_is_packed_and_its_hit_lazy(kv: Client, monkeypatch) -> Non
     ]
     assert await kv.release(hit) == 6
     assert sent[-1].packed_hashes == hit.hit_hashes and not sent[-1].hashes
+
+    miss = await kv.lookup(ns, [9] * 9, pin=True)
+    assert (miss.hit_blocks, miss.blocks, miss.hashes, miss.slots.size) == (0, (), [], 0)
+    assert len(miss.chain) == 2 and miss.miss_reason is MissReason.ABSENT
+    assert await kv.release(miss) == 0
 
     by_hashes = await kv.lookup(ns, hashes=list(hit.chain))
     assert sent[-1].packed_hashes == b"".join(hit.chain) and not sent[-1].hashes
@@ -142,3 +148,13 @@ def _namespace() -> Any:
         chain_root=BlockHash(bytes(32)),
         shared=False,
     )
+
+
+def test_the_wire_benchmark_runs(capsys) -> None:
+    from benchmarks import bench_wire
+
+    bench_wire.main(["--quick", "--blocks", "8"])
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["blocks"] == 8 and doc["chain_tokens"] == 128
+    for mode in ("hashes", "tokens"):
+        assert doc[mode]["per_block_us"] > 0 and doc[mode]["packed_us"] > 0

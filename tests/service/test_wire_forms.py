@@ -156,6 +156,12 @@ async def test_packed_reserve_commit_and_abort(stub, namespace, lease):
         ),
         ("Lookup", pb.LookupRequest(packed_hashes=b"\x01" * 32 * 257), "packed_hashes", "257"),
         ("Reserve", pb.ReserveRequest(packed_hashes=b"\x01" * 31), "packed_hashes", "31 bytes"),
+        (
+            "Reserve",
+            pb.ReserveRequest(packed_tokens=b"\x01" * 4 * (256 * BLOCK_SIZE + BLOCK_SIZE)),
+            "tokens",
+            "max_chain_blocks",
+        ),
         ("Release", pb.ReleaseRequest(packed_hashes=b"\x01" * 40), "packed_hashes", "40 bytes"),
         ("Commit", pb.CommitRequest(packed_hashes=b"\x01" * 33), "packed_hashes", "33 bytes"),
         (
