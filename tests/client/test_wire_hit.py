@@ -8,6 +8,8 @@ from typing import Any
 
 import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from kvstore.api import wire
 from kvstore.client import Client
@@ -158,3 +160,21 @@ def test_the_wire_benchmark_runs(capsys) -> None:
     assert doc["blocks"] == 8 and doc["chain_tokens"] == 128
     for mode in ("hashes", "tokens"):
         assert doc[mode]["per_block_us"] > 0 and doc[mode]["packed_us"] > 0
+
+
+@given(st.lists(st.binary(min_size=32, max_size=32), max_size=40))
+def test_packed_hashes_round_trip(hashes: list[bytes]) -> None:
+    assert wire.unpack_hashes(wire.pack_hashes(hashes)) == hashes
+
+
+@given(st.lists(st.integers(0, 2**32 - 1), max_size=200))
+def test_packed_tokens_round_trip(tokens: list[int]) -> None:
+    packed = wire.pack_tokens(tokens)
+    assert packed == np.array(tokens, dtype="<u4").tobytes()
+    assert wire.unpack_tokens(packed).tolist() == tokens
+
+
+@given(st.binary(max_size=100).filter(lambda b: len(b) % 32 != 0))
+def test_packed_hashes_of_a_bad_length_are_refused(packed: bytes) -> None:
+    with pytest.raises(InvalidArgument, match="not a whole number"):
+        wire.unpack_hashes(packed)
