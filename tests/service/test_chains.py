@@ -19,8 +19,8 @@ from service.tenancy.callers import ChainRoots
 ROOT = bytes(range(32))
 
 
-def test_token_array_copies_every_chunk_in_order() -> None:
-    n = 2 * chains.TOKEN_CHUNK + 5
+def test_token_array_copies_every_token_in_order() -> None:
+    n = 2 * 65536 + 5
     values = [(i * 7919) % (2**32) for i in range(n)]
     request = pb.LookupRequest(tokens=values)
     assert np.array_equal(chains.token_array(request.tokens), np.array(values, dtype=np.uint32))
