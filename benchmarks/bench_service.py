@@ -320,6 +320,11 @@ async def run(args: argparse.Namespace, target: str) -> dict[str, Any]:
         bandwidth = await bench_bandwidth(client, stub, ns, chain, args)
         # The chain is stored (READY) after the bandwidth runs: every lookup is a full hit.
         latency = await bench_latency(client, ns, tokens, chain, args)
+        # A short chain: its first blocks (per-call costs, not per-block ones).
+        short = min(args.short_blocks, len(chain))
+        latency_short = await bench_latency(
+            client, ns, tokens[: short * args.block_size], chain[:short], args
+        )
         stats = await client.stats()
     return {
         "layout": {
@@ -334,6 +339,7 @@ async def run(args: argparse.Namespace, target: str) -> dict[str, Any]:
             "chain_tokens": len(tokens),
         },
         "lookup_vs_ping": latency,
+        f"lookup_vs_ping_{short}_blocks": latency_short,
         "bandwidth": bandwidth,
         "node_after": {
             "leases": stats.leases,
@@ -346,6 +352,9 @@ async def run(args: argparse.Namespace, target: str) -> dict[str, Any]:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.bench_service")
     parser.add_argument("--blocks", type=int, default=512, help="blocks per chain")
+    parser.add_argument(
+        "--short-blocks", type=int, default=32, help="blocks of the short chain's latency run"
+    )
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--kv-heads", type=int, default=8)
     parser.add_argument("--head-dim", type=int, default=128)
@@ -370,11 +379,10 @@ def main(argv: list[str] | None = None) -> None:
     capacity = f"{max(64 * MiB, 2 * layout_bytes) // MiB}MiB"
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="kvstore-bench-", dir=args.shm_dir) as shm:
-        # One arena holds the whole chain: a pool starts with one arena and the
-        # bandwidth runs copy through the mapping as it was attached.
-        arena = f"{-(-layout_bytes // MiB)}MiB"
+        # One arena for the whole budget: the pool is its full size from the start
+        # (store_phases writes through the mapping it attached first).
         server = ServerProcess.start(
-            shm, capacity=capacity, prefix_stem="kvbench", extra_args=("--arena-bytes", arena)
+            shm, capacity=capacity, prefix_stem="kvbench", extra_args=("--arena-bytes", capacity)
         )
         try:
             report = asyncio.run(run(args, server.target))

@@ -1,15 +1,38 @@
-"""Wire forms of the values both sides of the API exchange: layouts and hash schemes.
+"""Wire forms of the values both sides of the API exchange: layouts, hash schemes,
+and the packed forms of chains (docs/api.md, "Wire forms").
 
 One module owns this mapping so that the client and the service cannot
 drift apart. It imports the generated protobuf messages but not grpc.
+
+Packed forms: a chain of block hashes travels as one ``bytes`` field, the
+32-byte hashes concatenated; tokens as one ``bytes`` field of little-endian
+uint32. One bytes field is parsed and serialised by protobuf in one copy,
+where a repeated field costs a Python object per item on each side.
 """
 
 from __future__ import annotations
 
+import array
+import sys
+from collections.abc import Iterable
+from typing import Any
+
+import numpy as np
+
 from kvstore.errors import InvalidArgument
-from kvstore.hashing import HashScheme
+from kvstore.hashing import HashScheme, Tokens, token_bytes
 from kvstore.layout import KVLayout
+from kvstore.types import HASH_BYTES, BlockHash
 from kvstore.v1 import kvstore_pb2 as pb
+
+_HASH_DTYPE = np.dtype(f"V{HASH_BYTES}")
+"""One opaque 32-byte item: `unpack_hashes` splits a packed field with it."""
+
+TOKEN_BYTES = 4
+"""Bytes of one token in ``packed_tokens`` (little-endian uint32)."""
+
+_NATIVE_U32 = sys.byteorder == "little" and array.array("I").itemsize == TOKEN_BYTES
+"""``array('I')`` is exactly the packed token form on this machine."""
 
 _SCHEMES: dict[int, HashScheme] = {
     pb.HASH_SCHEME_UNSPECIFIED: HashScheme.KVSTORE_SHA256,
@@ -64,3 +87,67 @@ def scheme_from_proto(value: int) -> HashScheme:
     if scheme is None:
         raise InvalidArgument(f"unknown hash scheme {value}")
     return scheme
+
+
+def pack_hashes(hashes: Iterable[bytes]) -> bytes:
+    """``packed_hashes``: the hashes concatenated (each must be 32 bytes).
+
+    Raises:
+        InvalidArgument: a hash is not 32 bytes (it would shift every later one).
+    """
+    hashes = list(hashes)
+    packed = b"".join(hashes)
+    if len(packed) != HASH_BYTES * len(hashes):
+        bad = next(i for i, h in enumerate(hashes) if len(h) != HASH_BYTES)
+        raise InvalidArgument(
+            f"hashes[{bad}] is {len(hashes[bad])} bytes; a block hash is {HASH_BYTES}"
+        )
+    return packed
+
+
+def unpack_hashes(packed: bytes, field: str = "packed_hashes") -> list[BlockHash]:
+    """The 32-byte hashes of a ``packed_hashes`` field, in order.
+
+    Raises:
+        InvalidArgument: the length is not a multiple of 32 bytes.
+    """
+    if len(packed) % HASH_BYTES:
+        raise InvalidArgument(
+            f"{field} is {len(packed)} bytes, not a whole number of {HASH_BYTES}-byte hashes"
+        )
+    # A void dtype's tolist() gives one bytes object per item, NULs kept: 8 µs
+    # for 512 hashes, where slicing in a loop takes 60 µs.
+    hashes: list[BlockHash] = np.frombuffer(packed, dtype=_HASH_DTYPE).tolist()
+    return hashes
+
+
+def pack_tokens(tokens: Tokens) -> bytes:
+    """``packed_tokens``: token ids as little-endian uint32.
+
+    A list of ints takes the fast path of ``array('I')`` (which also refuses
+    ids out of range); arrays and tensors go through `kvstore.hashing.token_bytes`.
+
+    Raises:
+        InvalidArgument: ids out of ``[0, 2**32)``, not integers, or not one-dimensional.
+    """
+    if _NATIVE_U32 and isinstance(tokens, list):
+        try:
+            return array.array("I", tokens).tobytes()
+        except (OverflowError, TypeError):
+            pass  # token_bytes says what is wrong
+    return token_bytes(tokens)
+
+
+def unpack_tokens(
+    packed: bytes, field: str = "packed_tokens"
+) -> np.ndarray[Any, np.dtype[np.uint32]]:
+    """The token ids of a ``packed_tokens`` field (a read-only view of ``packed``).
+
+    Raises:
+        InvalidArgument: the length is not a multiple of 4 bytes.
+    """
+    if len(packed) % TOKEN_BYTES:
+        raise InvalidArgument(
+            f"{field} is {len(packed)} bytes, not a whole number of {TOKEN_BYTES}-byte tokens"
+        )
+    return np.frombuffer(packed, dtype="<u4").astype(np.uint32, copy=False)

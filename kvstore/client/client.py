@@ -225,7 +225,12 @@ class Client:
             await self._session.ensure_ready(ns, timeout)
             lease_id, generation = await self._lease.current() if pin else (LeaseId(0), 0)
             req = pb.LookupRequest(
-                namespace_id=ns.id, lease_id=lease_id, pin=pin, allow_remote=allow_remote, **fields
+                namespace_id=ns.id,
+                lease_id=lease_id,
+                pin=pin,
+                allow_remote=allow_remote,
+                packed_reply=True,
+                **fields,
             )
             try:
                 resp = await self._guarded_lookup(ns, req, timeout)
@@ -235,7 +240,7 @@ class Client:
                 raise
             hit = hit_from_proto(ns, resp, generation, lease_id)
             changed = self._session.observe_epoch(resp.pool_epoch)
-            if not changed and hit.blocks and self.map_pool:
+            if not changed and hit.hit_blocks and self.map_pool:
                 await self._follow_arenas(ns, hit, resp.pool_version, timeout)
             if changed or (self.map_pool and hit.epoch and hit.epoch != ns.epoch):
                 if hit.pinned:
@@ -299,14 +304,11 @@ class Client:
             resp = await call
         except KVStoreError:
             return
-        if resp.pinned and resp.blocks:
+        hashes = resp.hit_hashes or b"".join(b.hash for b in resp.blocks)
+        if resp.pinned and hashes:
             # Under the lease that pinned them: if it was replaced meanwhile,
             # the new lease's pins of the same blocks are not ours to drop.
-            req = pb.ReleaseRequest(
-                namespace_id=ns.id,
-                lease_id=lease_id,
-                hashes=[b.hash for b in resp.blocks],
-            )
+            req = pb.ReleaseRequest(namespace_id=ns.id, lease_id=lease_id, packed_hashes=hashes)
             await quietly("release", self._rpc.call("Release", req, None, idempotent=False))
 
     async def release(
@@ -338,7 +340,7 @@ class Client:
         Returns:
             Pins the node released.
         """
-        if not hit.pinned or hit.released or not hit.blocks:
+        if not hit.pinned or hit.released or not hit.hit_blocks:
             hit.released = True
             return 0
         hit.released = True  # no new views from here on
@@ -361,7 +363,7 @@ class Client:
         if hit.lease_id is None:  # the pins' lease, never a replacement's
             return 0
         req = pb.ReleaseRequest(
-            namespace_id=hit.namespace.id, lease_id=hit.lease_id, hashes=hit.hashes
+            namespace_id=hit.namespace.id, lease_id=hit.lease_id, packed_hashes=hit.hit_hashes
         )
         resp = await self._rpc.call("Release", req, timeout, idempotent=False)
         return int(resp.released)

@@ -9,12 +9,15 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
+
+from kvstore.api.wire import pack_hashes, pack_tokens
 from kvstore.client.handles import BlockLocation, Hit, Namespace
 from kvstore.errors import InvalidArgument
-from kvstore.hashing import Extra, Tokens, token_bytes
+from kvstore.hashing import Extra, Tokens
 from kvstore.pool import ArenaSpec, PoolDescriptor
 from kvstore.results import MissReason
-from kvstore.types import BlockHash, LeaseId, NamespaceId, SlotId
+from kvstore.types import HASH_BYTES, BlockHash, LeaseId, NamespaceId, SlotId
 from kvstore.v1 import kvstore_pb2 as pb
 
 
@@ -44,7 +47,10 @@ def descriptor_from_proto(msg: pb.AttachPoolResponse) -> PoolDescriptor:
 def chain_fields(
     tokens: Tokens | None, hashes: Sequence[bytes] | None, extras: Sequence[Extra] | None
 ) -> dict[str, Any]:
-    """The ``tokens`` / ``hashes`` / ``extras`` fields of a Lookup or Reserve request.
+    """The chain fields of a Lookup or Reserve request, in their packed wire forms.
+
+    ``packed_tokens`` or ``packed_hashes`` (one bytes field each, see
+    docs/api.md, "Wire forms"), and ``extras``.
 
     Raises:
         InvalidArgument: neither or both of tokens and hashes, bad token ids,
@@ -54,9 +60,9 @@ def chain_fields(
         raise InvalidArgument("give exactly one of tokens or hashes")
     fields: dict[str, Any] = {}
     if tokens is not None:
-        fields["tokens"] = memoryview(token_bytes(tokens)).cast("I").tolist()
+        fields["packed_tokens"] = pack_tokens(tokens)
     else:
-        fields["hashes"] = list(hashes or ())
+        fields["packed_hashes"] = pack_hashes(hashes or ())
     if extras is not None:
         if not all(e is None or isinstance(e, bytes) for e in extras):
             raise InvalidArgument("extras sent to the node must be bytes (or None)")
@@ -76,20 +82,45 @@ def hit_from_proto(
 ) -> Hit:
     """A `Hit` of a Lookup response, bound to the namespace's current mapping.
 
+    The packed reply (``packed_reply`` asked) is kept as it came: the hashes
+    as one bytes object, slots and generations as arrays; `Hit` builds the
+    per-block locations only if they are asked for. A reply in the per-block
+    form (a node that predates the packed fields) is read too.
+
     ``lease_id`` is the lease the Lookup was sent with: a pinned hit is
     released under it, never under a lease that replaced it.
     """
+    fields: dict[str, Any] = {
+        "hit_tokens": resp.hit_tokens,
+        "query_tokens": resp.query_tokens,
+        "pinned": resp.pinned,
+        "miss_reason": MissReason(resp.miss_reason),
+        "epoch": resp.pool_epoch,
+        "mapping": ns.mapping,
+        "lease_generation": lease_generation,
+        "lease_id": lease_id if resp.pinned else None,
+        "pool_version": resp.pool_version,
+    }
+    if resp.blocks or resp.chain:
+        return Hit.of_locations(
+            ns,
+            [location_from_proto(b) for b in resp.blocks],
+            chain=[BlockHash(h) for h in resp.chain],
+            **fields,
+        )
+    slots = np.array(resp.slots, dtype=np.uint64)
+    if len(resp.hit_hashes) != HASH_BYTES * len(slots) or len(resp.generations) != len(slots):
+        raise InvalidArgument(
+            f"the node's packed reply is inconsistent: {len(resp.hit_hashes)} bytes of "
+            f"hashes, {len(slots)} slots, {len(resp.generations)} generations"
+        )
     return Hit(
         namespace=ns,
-        blocks=tuple(location_from_proto(b) for b in resp.blocks),
-        hit_tokens=resp.hit_tokens,
-        query_tokens=resp.query_tokens,
-        pinned=resp.pinned,
-        miss_reason=MissReason(resp.miss_reason),
-        epoch=resp.pool_epoch,
-        chain=tuple(BlockHash(h) for h in resp.chain),
-        mapping=ns.mapping,
-        lease_generation=lease_generation,
-        lease_id=lease_id if resp.pinned else None,
-        pool_version=resp.pool_version,
+        hit_hashes=resp.hit_hashes,
+        slots=slots,
+        generations=np.array(resp.generations, dtype=np.uint64),
+        packed_chain=resp.packed_chain,
+        slots_per_arena=resp.slots_per_arena,
+        block_bytes=resp.block_bytes,
+        **fields,
     )

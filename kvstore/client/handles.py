@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import numpy.typing as npt
 
+from kvstore.api.wire import unpack_hashes
 from kvstore.client.blocks import slot_runs
 from kvstore.client.errors import PoolEpochChanged
 from kvstore.errors import FailedPrecondition, InvalidArgument
@@ -29,7 +30,7 @@ from kvstore.hashing import Extra, HashScheme, Tokens, hash_blocks
 from kvstore.layout import KVLayout, NamespaceSpec
 from kvstore.pool import HostMapping, PoolMapping
 from kvstore.results import MissReason
-from kvstore.types import BlockHash, LeaseId, NamespaceId, SlotId
+from kvstore.types import HASH_BYTES, BlockHash, LeaseId, NamespaceId, SlotId
 
 if TYPE_CHECKING:
     import torch
@@ -103,12 +104,22 @@ class BlockLocation:
 
 @dataclass(slots=True, eq=False)
 class Hit:
-    """The leading READY blocks of a chain, pinned under the client's lease if asked."""
+    """The leading READY blocks of a chain, pinned under the client's lease if asked.
+
+    The node's packed reply is kept as it came (the hashes as one bytes
+    object, slots and generations as arrays): `blocks`, `hashes` and `chain`
+    are built on first access, views only when asked for. Build one with
+    `Hit.packed` or `Hit.of_locations`.
+    """
 
     namespace: Namespace
     """The namespace looked up."""
-    blocks: tuple[BlockLocation, ...]
-    """Hit blocks from the start of the chain."""
+    hit_hashes: bytes
+    """The hit blocks' hashes, concatenated (32 bytes each), in chain order."""
+    slots: npt.NDArray[np.uint64]
+    """Slot of each hit block, in chain order."""
+    generations: npt.NDArray[np.uint64]
+    """Slot generation of each hit block."""
     hit_tokens: int
     """Tokens covered by the hit blocks."""
     query_tokens: int
@@ -119,8 +130,12 @@ class Hit:
     """Why the run of hits ended."""
     epoch: int
     """Pool epoch of the answer."""
-    chain: tuple[BlockHash, ...] = ()
-    """Every full block's hash of the query (when tokens were sent)."""
+    packed_chain: bytes = b""
+    """Every full block's hash of the query, concatenated (when tokens were sent)."""
+    slots_per_arena: int = 0
+    """Slots per arena of the pool (slot s is in arena s // slots_per_arena)."""
+    block_bytes: int = 0
+    """Bytes per block (offset in the arena: (s % slots_per_arena) * block_bytes)."""
     mapping: PoolMapping | None = field(default=None, repr=False)
     """The mapping the locations refer to (None when the pool is not mapped)."""
     lease_generation: int = 0
@@ -133,11 +148,60 @@ class Hit:
     pool_version: int = 0
     """The pool's arena set when the node answered (another process reading the
     slots maps at least this version first: `Client.follow_pool`)."""
+    _blocks: tuple[BlockLocation, ...] | None = field(default=None, repr=False)
+    _chain: tuple[BlockHash, ...] | None = field(default=None, repr=False)
+
+    @classmethod
+    def of_locations(
+        cls,
+        namespace: Namespace,
+        blocks: Sequence[BlockLocation],
+        *,
+        chain: Sequence[BlockHash] = (),
+        **fields: Any,
+    ) -> Hit:
+        """A hit of per-block locations (the node's unpacked reply)."""
+        blocks = tuple(blocks)
+        hit = cls(
+            namespace=namespace,
+            hit_hashes=b"".join(b.hash for b in blocks),
+            slots=np.array([b.slot for b in blocks], dtype=np.uint64),
+            generations=np.array([b.generation for b in blocks], dtype=np.uint64),
+            packed_chain=b"".join(chain),
+            **fields,
+        )
+        hit._blocks = blocks
+        hit._chain = tuple(chain)
+        return hit
 
     @property
     def hit_blocks(self) -> int:
         """Number of hit blocks."""
-        return len(self.blocks)
+        return len(self.slots)
+
+    @property
+    def blocks(self) -> tuple[BlockLocation, ...]:
+        """Hit blocks from the start of the chain (built on first access)."""
+        if self._blocks is None:
+            per_arena = self.slots_per_arena
+            block_bytes = self.block_bytes
+            hashes = self.hit_hashes
+            blocks = []
+            for i, (slot, generation) in enumerate(
+                zip(self.slots.tolist(), self.generations.tolist(), strict=True)
+            ):
+                arena, index = divmod(slot, per_arena) if per_arena else (0, slot)
+                blocks.append(
+                    BlockLocation(
+                        BlockHash(hashes[i * HASH_BYTES : (i + 1) * HASH_BYTES]),
+                        SlotId(slot),
+                        generation,
+                        arena,
+                        index * block_bytes,
+                    )
+                )
+            self._blocks = tuple(blocks)
+        return self._blocks
 
     @property
     def refs(self) -> tuple[BlockLocation, ...]:
@@ -147,7 +211,14 @@ class Hit:
     @property
     def hashes(self) -> list[BlockHash]:
         """Hashes of the hit blocks."""
-        return [b.hash for b in self.blocks]
+        return unpack_hashes(self.hit_hashes, "hit_hashes")
+
+    @property
+    def chain(self) -> tuple[BlockHash, ...]:
+        """Every full block's hash of the query (when tokens were sent; built on first access)."""
+        if self._chain is None:
+            self._chain = tuple(unpack_hashes(self.packed_chain, "packed_chain"))
+        return self._chain
 
     def _live_mapping(self) -> PoolMapping:
         if self.pinned and self.released:
@@ -165,16 +236,19 @@ class Hit:
             )
         return mapping
 
+    def _slot_ids(self) -> list[SlotId]:
+        return self.slots.tolist()  # type: ignore[no-any-return]
+
     def buffers(self) -> list[memoryview]:
         """Writable zero-copy byte views of the hit blocks, in chain order."""
         mapping = self._live_mapping()
-        return [mapping.buffer(b.slot) for b in self.blocks]
+        return [mapping.buffer(slot) for slot in self._slot_ids()]
 
     def numpy_views(self) -> list[npt.NDArray[np.generic]]:
         """Zero-copy numpy arrays of the hit blocks (``layout.block_shape`` each)."""
         mapping = self._live_mapping()
         layout = self.namespace.layout
-        return [mapping.numpy_view(b.slot, layout) for b in self.blocks]
+        return [mapping.numpy_view(slot, layout) for slot in self._slot_ids()]
 
     def copy_into(self, out: npt.NDArray[Any]) -> None:
         """Copy the hit blocks' bytes into ``out``, in chain order (host pools).
@@ -201,13 +275,13 @@ class Hit:
             raise InvalidArgument("copy_into needs a C-contiguous numpy array")
         if not out.flags.writeable:
             raise InvalidArgument("copy_into needs a writable array")
-        if out.nbytes != len(self.blocks) * block_bytes:
+        slots = [int(s) for s in self._slot_ids()]
+        if out.nbytes != len(slots) * block_bytes:
             raise InvalidArgument(
-                f"{len(self.blocks)} blocks are {len(self.blocks) * block_bytes} bytes, "
+                f"{len(slots)} blocks are {len(slots) * block_bytes} bytes, "
                 f"the array is {out.nbytes}"
             )
         target = out.reshape(-1).view(np.uint8).data
-        slots = [b.slot for b in self.blocks]
         starts = slot_runs(slots, range(len(slots)), spa)
         for a, b in itertools.pairwise(starts):
             offset = slots[a] % spa * block_bytes
@@ -222,7 +296,7 @@ class Hit:
         """
         mapping = self._live_mapping()
         layout = self.namespace.layout
-        return [mapping.torch_view(b.slot, layout) for b in self.blocks]
+        return [mapping.torch_view(slot, layout) for slot in self._slot_ids()]
 
 
 @dataclass(frozen=True, slots=True)

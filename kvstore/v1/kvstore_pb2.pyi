@@ -526,7 +526,13 @@ Global___BlockLocation: _TypeAlias = BlockLocation  # noqa: Y015
 class LookupRequest(_message.Message):
     """A chain is given either as tokens (the server hashes full blocks with the
     tenant's root) or as precomputed block hashes (32 bytes each, computed with
-    kvstore.hashing and the chain_root of RegisterNamespace). Exactly one.
+    kvstore.hashing and the chain_root of RegisterNamespace). Exactly one of
+    tokens, hashes, packed_tokens, packed_hashes.
+
+    Wire forms (docs/api.md): the packed fields carry the same values as one
+    bytes field each (or packed integers), for long chains; a request with
+    packed_reply gets the packed reply fields instead of per-block messages.
+    A request without the new fields is answered exactly as before.
     """
 
     DESCRIPTOR: _descriptor.Descriptor
@@ -538,12 +544,21 @@ class LookupRequest(_message.Message):
     HASHES_FIELD_NUMBER: _builtins.int
     EXTRAS_FIELD_NUMBER: _builtins.int
     ALLOW_REMOTE_FIELD_NUMBER: _builtins.int
+    PACKED_HASHES_FIELD_NUMBER: _builtins.int
+    PACKED_TOKENS_FIELD_NUMBER: _builtins.int
+    PACKED_REPLY_FIELD_NUMBER: _builtins.int
     namespace_id: _builtins.str
     lease_id: _builtins.int
     """required when pin is set"""
     pin: _builtins.bool
     allow_remote: _builtins.bool
     """may fetch missing blocks from a peer node"""
+    packed_hashes: _builtins.bytes
+    """the chain's hashes concatenated (32 bytes each)"""
+    packed_tokens: _builtins.bytes
+    """the tokens as little-endian uint32, concatenated"""
+    packed_reply: _builtins.bool
+    """answer with hit_hashes/slots/generations, not blocks"""
     @_builtins.property
     def tokens(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     @_builtins.property
@@ -562,10 +577,13 @@ class LookupRequest(_message.Message):
         hashes: _abc.Iterable[_builtins.bytes] | None = ...,
         extras: _abc.Iterable[_builtins.bytes] | None = ...,
         allow_remote: _builtins.bool = ...,
+        packed_hashes: _builtins.bytes = ...,
+        packed_tokens: _builtins.bytes = ...,
+        packed_reply: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["allow_remote", b"allow_remote", "extras", b"extras", "hashes", b"hashes", "lease_id", b"lease_id", "namespace_id", b"namespace_id", "pin", b"pin", "tokens", b"tokens"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["allow_remote", b"allow_remote", "extras", b"extras", "hashes", b"hashes", "lease_id", b"lease_id", "namespace_id", b"namespace_id", "packed_hashes", b"packed_hashes", "packed_reply", b"packed_reply", "packed_tokens", b"packed_tokens", "pin", b"pin", "tokens", b"tokens"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -584,6 +602,12 @@ class LookupResponse(_message.Message):
     CHAIN_FIELD_NUMBER: _builtins.int
     QUERY_TOKENS_FIELD_NUMBER: _builtins.int
     POOL_VERSION_FIELD_NUMBER: _builtins.int
+    HIT_HASHES_FIELD_NUMBER: _builtins.int
+    SLOTS_FIELD_NUMBER: _builtins.int
+    GENERATIONS_FIELD_NUMBER: _builtins.int
+    SLOTS_PER_ARENA_FIELD_NUMBER: _builtins.int
+    BLOCK_BYTES_FIELD_NUMBER: _builtins.int
+    PACKED_CHAIN_FIELD_NUMBER: _builtins.int
     hit_blocks: _builtins.int
     hit_tokens: _builtins.int
     pinned: _builtins.bool
@@ -593,12 +617,27 @@ class LookupResponse(_message.Message):
     """tokens in the query (full blocks only for hashes)"""
     pool_version: _builtins.int
     """the namespace pool's arena set (AttachPool again if new)"""
+    hit_hashes: _builtins.bytes
+    """The packed reply (packed_reply asked): block i of the hit is hit_hashes[32i:32i+32],
+    slots[i], generations[i]; its arena is slot / slots_per_arena and its offset
+    (slot % slots_per_arena) * block_bytes, as in BlockLocation.
+    """
+    slots_per_arena: _builtins.int
+    block_bytes: _builtins.int
+    packed_chain: _builtins.bytes
+    """chain, concatenated (tokens sent, packed_reply asked)"""
     @_builtins.property
-    def blocks(self) -> _containers.RepeatedCompositeFieldContainer[Global___BlockLocation]: ...
+    def blocks(self) -> _containers.RepeatedCompositeFieldContainer[Global___BlockLocation]:
+        """unless packed_reply was asked"""
+
     @_builtins.property
     def chain(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bytes]:
-        """every full block's hash (when tokens were sent)"""
+        """every full block's hash (tokens sent; not packed_reply)"""
 
+    @_builtins.property
+    def slots(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    @_builtins.property
+    def generations(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     def __init__(
         self,
         *,
@@ -611,10 +650,16 @@ class LookupResponse(_message.Message):
         chain: _abc.Iterable[_builtins.bytes] | None = ...,
         query_tokens: _builtins.int = ...,
         pool_version: _builtins.int = ...,
+        hit_hashes: _builtins.bytes = ...,
+        slots: _abc.Iterable[_builtins.int] | None = ...,
+        generations: _abc.Iterable[_builtins.int] | None = ...,
+        slots_per_arena: _builtins.int = ...,
+        block_bytes: _builtins.int = ...,
+        packed_chain: _builtins.bytes = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["blocks", b"blocks", "chain", b"chain", "hit_blocks", b"hit_blocks", "hit_tokens", b"hit_tokens", "miss_reason", b"miss_reason", "pinned", b"pinned", "pool_epoch", b"pool_epoch", "pool_version", b"pool_version", "query_tokens", b"query_tokens"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_bytes", b"block_bytes", "blocks", b"blocks", "chain", b"chain", "generations", b"generations", "hit_blocks", b"hit_blocks", "hit_hashes", b"hit_hashes", "hit_tokens", b"hit_tokens", "miss_reason", b"miss_reason", "packed_chain", b"packed_chain", "pinned", b"pinned", "pool_epoch", b"pool_epoch", "pool_version", b"pool_version", "query_tokens", b"query_tokens", "slots", b"slots", "slots_per_arena", b"slots_per_arena"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -629,8 +674,17 @@ class ReserveRequest(_message.Message):
     TOKENS_FIELD_NUMBER: _builtins.int
     HASHES_FIELD_NUMBER: _builtins.int
     EXTRAS_FIELD_NUMBER: _builtins.int
+    PACKED_HASHES_FIELD_NUMBER: _builtins.int
+    PACKED_TOKENS_FIELD_NUMBER: _builtins.int
+    PACKED_REPLY_FIELD_NUMBER: _builtins.int
     namespace_id: _builtins.str
     lease_id: _builtins.int
+    packed_hashes: _builtins.bytes
+    """as in LookupRequest"""
+    packed_tokens: _builtins.bytes
+    """as in LookupRequest"""
+    packed_reply: _builtins.bool
+    """answer with the packed fields, not entries"""
     @_builtins.property
     def tokens(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     @_builtins.property
@@ -645,10 +699,13 @@ class ReserveRequest(_message.Message):
         tokens: _abc.Iterable[_builtins.int] | None = ...,
         hashes: _abc.Iterable[_builtins.bytes] | None = ...,
         extras: _abc.Iterable[_builtins.bytes] | None = ...,
+        packed_hashes: _builtins.bytes = ...,
+        packed_tokens: _builtins.bytes = ...,
+        packed_reply: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["extras", b"extras", "hashes", b"hashes", "lease_id", b"lease_id", "namespace_id", b"namespace_id", "tokens", b"tokens"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["extras", b"extras", "hashes", b"hashes", "lease_id", b"lease_id", "namespace_id", b"namespace_id", "packed_hashes", b"packed_hashes", "packed_reply", b"packed_reply", "packed_tokens", b"packed_tokens", "tokens", b"tokens"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -689,21 +746,47 @@ class ReserveResponse(_message.Message):
     ENTRIES_FIELD_NUMBER: _builtins.int
     POOL_EPOCH_FIELD_NUMBER: _builtins.int
     POOL_VERSION_FIELD_NUMBER: _builtins.int
+    HASHES_FIELD_NUMBER: _builtins.int
+    STATUSES_FIELD_NUMBER: _builtins.int
+    SLOTS_FIELD_NUMBER: _builtins.int
+    GENERATIONS_FIELD_NUMBER: _builtins.int
+    SLOTS_PER_ARENA_FIELD_NUMBER: _builtins.int
+    BLOCK_BYTES_FIELD_NUMBER: _builtins.int
     pool_epoch: _builtins.int
     pool_version: _builtins.int
     """the namespace pool's arena set (AttachPool again if new)"""
+    hashes: _builtins.bytes
+    """The packed reply (packed_reply asked): entry i is hashes[32i:32i+32],
+    statuses[i], and for RESERVED and HIT slots[i] and generations[i] (0 otherwise).
+    """
+    slots_per_arena: _builtins.int
+    block_bytes: _builtins.int
     @_builtins.property
-    def entries(self) -> _containers.RepeatedCompositeFieldContainer[Global___ReserveEntry]: ...
+    def entries(self) -> _containers.RepeatedCompositeFieldContainer[Global___ReserveEntry]:
+        """unless packed_reply was asked"""
+
+    @_builtins.property
+    def statuses(self) -> _containers.RepeatedScalarFieldContainer[Global___ReserveStatus.ValueType]: ...
+    @_builtins.property
+    def slots(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    @_builtins.property
+    def generations(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     def __init__(
         self,
         *,
         entries: _abc.Iterable[Global___ReserveEntry] | None = ...,
         pool_epoch: _builtins.int = ...,
         pool_version: _builtins.int = ...,
+        hashes: _builtins.bytes = ...,
+        statuses: _abc.Iterable[Global___ReserveStatus.ValueType] | None = ...,
+        slots: _abc.Iterable[_builtins.int] | None = ...,
+        generations: _abc.Iterable[_builtins.int] | None = ...,
+        slots_per_arena: _builtins.int = ...,
+        block_bytes: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["entries", b"entries", "pool_epoch", b"pool_epoch", "pool_version", b"pool_version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_bytes", b"block_bytes", "entries", b"entries", "generations", b"generations", "hashes", b"hashes", "pool_epoch", b"pool_epoch", "pool_version", b"pool_version", "slots", b"slots", "slots_per_arena", b"slots_per_arena", "statuses", b"statuses"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -716,8 +799,11 @@ class CommitRequest(_message.Message):
     NAMESPACE_ID_FIELD_NUMBER: _builtins.int
     LEASE_ID_FIELD_NUMBER: _builtins.int
     HASHES_FIELD_NUMBER: _builtins.int
+    PACKED_HASHES_FIELD_NUMBER: _builtins.int
     namespace_id: _builtins.str
     lease_id: _builtins.int
+    packed_hashes: _builtins.bytes
+    """or the hashes concatenated (32 bytes each); not both"""
     @_builtins.property
     def hashes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bytes]: ...
     def __init__(
@@ -726,10 +812,11 @@ class CommitRequest(_message.Message):
         namespace_id: _builtins.str = ...,
         lease_id: _builtins.int = ...,
         hashes: _abc.Iterable[_builtins.bytes] | None = ...,
+        packed_hashes: _builtins.bytes = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["hashes", b"hashes", "lease_id", b"lease_id", "namespace_id", b"namespace_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["hashes", b"hashes", "lease_id", b"lease_id", "namespace_id", b"namespace_id", "packed_hashes", b"packed_hashes"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -761,8 +848,11 @@ class AbortRequest(_message.Message):
     NAMESPACE_ID_FIELD_NUMBER: _builtins.int
     LEASE_ID_FIELD_NUMBER: _builtins.int
     HASHES_FIELD_NUMBER: _builtins.int
+    PACKED_HASHES_FIELD_NUMBER: _builtins.int
     namespace_id: _builtins.str
     lease_id: _builtins.int
+    packed_hashes: _builtins.bytes
+    """or the hashes concatenated (32 bytes each); not both"""
     @_builtins.property
     def hashes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bytes]: ...
     def __init__(
@@ -771,10 +861,11 @@ class AbortRequest(_message.Message):
         namespace_id: _builtins.str = ...,
         lease_id: _builtins.int = ...,
         hashes: _abc.Iterable[_builtins.bytes] | None = ...,
+        packed_hashes: _builtins.bytes = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["hashes", b"hashes", "lease_id", b"lease_id", "namespace_id", b"namespace_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["hashes", b"hashes", "lease_id", b"lease_id", "namespace_id", b"namespace_id", "packed_hashes", b"packed_hashes"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -806,8 +897,11 @@ class ReleaseRequest(_message.Message):
     NAMESPACE_ID_FIELD_NUMBER: _builtins.int
     LEASE_ID_FIELD_NUMBER: _builtins.int
     HASHES_FIELD_NUMBER: _builtins.int
+    PACKED_HASHES_FIELD_NUMBER: _builtins.int
     namespace_id: _builtins.str
     lease_id: _builtins.int
+    packed_hashes: _builtins.bytes
+    """or the hashes concatenated (32 bytes each); not both"""
     @_builtins.property
     def hashes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bytes]: ...
     def __init__(
@@ -816,10 +910,11 @@ class ReleaseRequest(_message.Message):
         namespace_id: _builtins.str = ...,
         lease_id: _builtins.int = ...,
         hashes: _abc.Iterable[_builtins.bytes] | None = ...,
+        packed_hashes: _builtins.bytes = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["hashes", b"hashes", "lease_id", b"lease_id", "namespace_id", b"namespace_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["hashes", b"hashes", "lease_id", b"lease_id", "namespace_id", b"namespace_id", "packed_hashes", b"packed_hashes"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

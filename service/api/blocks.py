@@ -9,21 +9,13 @@ from typing import Any
 from kvstore.block_table import BlockTable
 from kvstore.errors import KVStoreError
 from kvstore.pool.base import BlockPool
-from kvstore.results import BlockRef, MissReason, ReserveEntry, ReserveStatus
+from kvstore.results import BlockRef, MissReason, ReserveEntry
 from kvstore.types import BlockHash, LeaseId, NamespaceId, TenantId
 from kvstore.v1 import kvstore_pb2 as pb
 from service.api import chains, convert, validate
 from service.api.base import ServicerBase
 from service.api.errors import FieldError, guard_unary
 from service.api.offload import off_loop
-
-_RESERVE_STATUS = {
-    ReserveStatus.HIT: pb.RESERVE_STATUS_HIT,
-    ReserveStatus.IN_FLIGHT: pb.RESERVE_STATUS_IN_FLIGHT,
-    ReserveStatus.RESERVED: pb.RESERVE_STATUS_RESERVED,
-    ReserveStatus.NO_ROOM: pb.RESERVE_STATUS_NO_ROOM,
-}
-
 
 _HashesRequest = pb.CommitRequest | pb.AbortRequest | pb.ReleaseRequest
 """The requests that name a lease and a list of block hashes."""
@@ -36,7 +28,7 @@ def _reserve_entries(pool: BlockPool, entries: Sequence[ReserveEntry]) -> list[p
     """The wire form of a reservation (pure: may run off the loop)."""
     out = []
     for entry in entries:
-        msg = pb.ReserveEntry(hash=entry.hash, status=_RESERVE_STATUS[entry.status])
+        msg = pb.ReserveEntry(hash=entry.hash, status=convert.RESERVE_STATUS[entry.status])
         if entry.slot is not None:
             msg.location.CopyFrom(
                 convert.location(pool, BlockRef(entry.hash, entry.slot, entry.generation))
@@ -106,7 +98,15 @@ class BlockRpcs(ServicerBase):
             miss_tokens=max(0, query_tokens - hit_tokens),
         )
         try:
-            blocks = await off_loop(len(result.blocks), convert.locations, pool, result.blocks)
+            if request.packed_reply:
+                reply = await off_loop(
+                    len(result.blocks), convert.packed_locations, pool, result.blocks
+                )
+                if from_tokens:
+                    reply["packed_chain"] = b"".join(chain)
+            else:
+                blocks = await off_loop(len(result.blocks), convert.locations, pool, result.blocks)
+                reply = {"blocks": blocks, "chain": chain if from_tokens else []}
         except BaseException:
             # Cancelled while the reply was built: the caller never learns of
             # these pins, so drop them (one per block, as the lookup took).
@@ -118,13 +118,12 @@ class BlockRpcs(ServicerBase):
         return pb.LookupResponse(
             hit_blocks=result.hit_blocks,
             hit_tokens=hit_tokens,
-            blocks=blocks,
             pinned=result.pinned and bool(result.blocks),
             miss_reason=int(result.miss_reason),  # type: ignore[arg-type]
             pool_epoch=node.epoch,
-            chain=chain if from_tokens else [],
             query_tokens=query_tokens,
             pool_version=pool.descriptor.version,
+            **reply,
         )
 
     @guard_unary("Reserve")
@@ -143,7 +142,15 @@ class BlockRpcs(ServicerBase):
             node.publish_events()  # a reservation may have evicted blocks
         pool = node.pool(namespace)
         try:
-            entries = await off_loop(len(result.entries), _reserve_entries, pool, result.entries)
+            if request.packed_reply:
+                reply = await off_loop(
+                    len(result.entries), convert.packed_reserve, pool, result.entries
+                )
+            else:
+                entries = await off_loop(
+                    len(result.entries), _reserve_entries, pool, result.entries
+                )
+                reply = {"entries": entries}
         except BaseException:
             # Cancelled while the reply was built: give back what was reserved.
             reserved = [e.hash for e in result.reserved]
@@ -153,7 +160,7 @@ class BlockRpcs(ServicerBase):
                 node.publish_events()
             raise
         return pb.ReserveResponse(
-            entries=entries, pool_epoch=node.epoch, pool_version=pool.descriptor.version
+            pool_epoch=node.epoch, pool_version=pool.descriptor.version, **reply
         )
 
     async def chain(
@@ -161,12 +168,15 @@ class BlockRpcs(ServicerBase):
     ) -> tuple[list[BlockHash], int, bool]:
         """The chain a Lookup or Reserve names, bounded, hashed off the loop."""
         config = self.node.config
+        tokens, hashes = chains.packed_fields(request, config.max_chain_blocks)
+        # Only tokens are hashed under the root: a chain of hashes needs none.
+        root = self.node.root(table, tenant) if len(tokens) else BlockHash(b"")
         return await chains.chain(
-            self.node.root(table, tenant),
+            root,
             table.block_size,
             table.spec.scheme,
-            request.tokens,
-            request.hashes,
+            tokens,
+            hashes,
             request.extras,
             max_blocks=config.max_chain_blocks,
             max_tokens=config.max_request_tokens,
@@ -178,7 +188,11 @@ class BlockRpcs(ServicerBase):
         tenant = node.tenant(context)
         namespace = self.namespace(request.namespace_id, tenant)
         lease_id = validate.lease_id(request.lease_id)
-        hashes = validate.block_hashes(request.hashes, node.config.max_chain_blocks)
+        max_blocks = node.config.max_chain_blocks
+        if request.packed_hashes:  # 32 bytes each by construction
+            hashes = chains.packed_hashes(request, max_blocks)
+        else:
+            hashes = validate.block_hashes(request.hashes, max_blocks)
         count = verb(namespace, tenant, lease_id, hashes, node.now())
         node.publish_events()
         return count

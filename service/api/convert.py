@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 from kvstore.api import wire
 from kvstore.block import BlockState
@@ -11,7 +12,7 @@ from kvstore.events import CacheEvent, EventKind
 from kvstore.hashing import HashScheme
 from kvstore.layout import KVLayout
 from kvstore.pool.base import BlockPool, PoolDescriptor
-from kvstore.results import BlockInfo, BlockRef, NamespaceStats
+from kvstore.results import BlockInfo, BlockRef, NamespaceStats, ReserveEntry, ReserveStatus
 from kvstore.v1 import kvstore_pb2 as pb
 from service.api.errors import FieldError
 
@@ -25,6 +26,14 @@ _BLOCK_STATES = {
     BlockState.WRITING: pb.BLOCK_STATE_WRITING,
     BlockState.READY: pb.BLOCK_STATE_READY,
 }
+
+RESERVE_STATUS = {
+    ReserveStatus.HIT: pb.RESERVE_STATUS_HIT,
+    ReserveStatus.IN_FLIGHT: pb.RESERVE_STATUS_IN_FLIGHT,
+    ReserveStatus.RESERVED: pb.RESERVE_STATUS_RESERVED,
+    ReserveStatus.NO_ROOM: pb.RESERVE_STATUS_NO_ROOM,
+}
+"""Wire value of each reservation outcome."""
 
 ToUnix = Callable[[float], float]
 """Turns a store time (the server's monotonic clock) into unix seconds."""
@@ -71,6 +80,39 @@ def locations(pool: BlockPool, refs: Iterable[BlockRef]) -> list[pb.BlockLocatio
             )
         )
     return out
+
+
+def packed_locations(pool: BlockPool, refs: Sequence[BlockRef]) -> dict[str, Any]:
+    """The packed reply fields of a Lookup (``hit_hashes``, ``slots``, ...) for ``refs``.
+
+    Three flat lists instead of one message per block: ~40 µs for 512 blocks
+    where the messages took ~0.8 ms. Arena and offset are left to the client
+    (``slots_per_arena``, ``block_bytes``).
+    """
+    descriptor = pool.descriptor
+    return {
+        "hit_hashes": b"".join([ref.hash for ref in refs]),
+        "slots": [ref.slot for ref in refs],
+        "generations": [ref.generation for ref in refs],
+        "slots_per_arena": descriptor.slots_per_arena,
+        "block_bytes": descriptor.block_bytes,
+    }
+
+
+def packed_reserve(pool: BlockPool, entries: Sequence[ReserveEntry]) -> dict[str, Any]:
+    """The packed reply fields of a Reserve: hashes, statuses, slots, generations.
+
+    Entries without a slot (IN_FLIGHT, NO_ROOM) carry slot and generation 0.
+    """
+    descriptor = pool.descriptor
+    return {
+        "hashes": b"".join([e.hash for e in entries]),
+        "statuses": [RESERVE_STATUS[e.status] for e in entries],
+        "slots": [e.slot or 0 for e in entries],
+        "generations": [e.generation if e.slot is not None else 0 for e in entries],
+        "slots_per_arena": descriptor.slots_per_arena,
+        "block_bytes": descriptor.block_bytes,
+    }
 
 
 def location(pool: BlockPool, ref: BlockRef) -> pb.BlockLocation:

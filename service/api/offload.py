@@ -6,8 +6,8 @@ work whose size grows with the request (hashing a chain, turning tokens into
 an array, building thousands of response messages) goes to `off_loop` once it
 is bigger than ``inline`` items. Python code on a worker thread gives the GIL
 back to the loop every switch interval (5 ms), which is what bounds the
-loop's stall; C calls that hold the GIL for long (``np.fromiter`` over a
-protobuf field, one huge ``hashlib`` call) are cut into chunks by the callers.
+loop's stall; C calls that would hold the GIL for long (one huge ``hashlib``
+call) are cut into chunks by the callers.
 
 Two workers: more would only compete with the loop for the GIL. Nothing run
 here may touch the store, which lives on the loop.

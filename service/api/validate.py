@@ -11,6 +11,8 @@ import re
 from collections.abc import Sequence
 from typing import cast
 
+import numpy as np
+
 from kvstore.types import HASH_BYTES, BlockHash, LeaseId, NamespaceId
 from service.api.errors import FieldError
 
@@ -64,7 +66,7 @@ def block_hashes(
 
 
 def chain_source(
-    tokens: Sequence[int],
+    tokens: Sequence[int] | np.ndarray,
     hashes: Sequence[bytes],
     extras: Sequence[bytes],
     max_tokens: int,
@@ -80,11 +82,12 @@ def chain_source(
     Returns:
         ``"tokens"`` or ``"hashes"``.
     """
-    if tokens and hashes:
+    # len(), not truth: tokens may be a numpy array (packed_tokens).
+    if len(tokens) and len(hashes):
         raise FieldError("tokens", "send either tokens or hashes, not both")
-    if not tokens and not hashes:
+    if not len(tokens) and not len(hashes):
         raise FieldError("tokens", "send either tokens or hashes; both are empty")
-    if hashes and extras:
+    if len(hashes) and extras:
         raise FieldError("extras", "extras go with tokens; hashes already include them")
     if len(tokens) > max_tokens:
         raise FieldError(
@@ -100,7 +103,7 @@ def chain_source(
         raise FieldError(
             "extras", f"{len(extras)} extras, at most {max_blocks} per call (max_chain_blocks)"
         )
-    return "tokens" if tokens else "hashes"
+    return "tokens" if len(tokens) else "hashes"
 
 
 MAX_PAGE_TOKEN_DIGITS = 18

@@ -119,7 +119,7 @@ class SchedulerSide:
         tracked.pending_load = LoadSpec(
             request_id=request.request_id,
             block_ids=tuple(block_ids[first:last]),
-            slots=tuple(int(b.slot) for b in hit.blocks[first:last]),
+            slots=tuple(hit.slots[first:last].tolist()),
             epoch=hit.epoch,
             valid=self._still_pinned(hit),
             pool_version=hit.pool_version,

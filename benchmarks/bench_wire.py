@@ -1,0 +1,144 @@
+"""Wire-form benchmark: what a Lookup's messages cost, without gRPC and without the store.
+
+One Lookup+pin of an N-block chain, both sides in this process: the client
+builds and serialises the request, the node parses it and turns it into a
+chain, builds and serialises the reply for N hit blocks, and the client
+parses it into a `Hit`. Measured for the per-block forms (repeated fields,
+one ``BlockLocation`` per block: what a client that predates the packed
+forms sends and gets) and for the packed forms the SDK uses (docs/api.md,
+"Wire forms"), with hashes and with tokens. The node's hashing of tokens
+is left out (it is the same for both forms). Prints one JSON object.
+
+    python -m benchmarks.bench_wire [--blocks 512] [--block-size 16] [--iterations 300] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from kvstore.api import wire
+from kvstore.client.convert import chain_fields, hit_from_proto, location_from_proto
+from kvstore.client.handles import Namespace
+from kvstore.layout import KVLayout, NamespaceSpec
+from kvstore.results import BlockRef
+from kvstore.types import BlockHash, LeaseId, NamespaceId, SlotId
+from kvstore.v1 import kvstore_pb2 as pb
+from service.api import chains, convert, validate
+
+MAX_BLOCKS = 16384
+
+
+class _Descriptor:
+    slots_per_arena = 4096
+    block_bytes = 256 << 10
+
+
+class _Pool:
+    """The two things the reply builders read of a pool."""
+
+    descriptor = _Descriptor()
+
+
+def _per_block(mode: str, hashes: list[bytes], tokens: list[int], refs: Any) -> Callable[[], None]:
+    pool: Any = _Pool()
+
+    def run() -> None:
+        if mode == "hashes":
+            fields: dict[str, Any] = {"hashes": hashes}
+        else:
+            fields = {"tokens": memoryview(wire.pack_tokens(tokens)).cast("I").tolist()}
+        raw = pb.LookupRequest(namespace_id="x", pin=True, **fields).SerializeToString()
+        request = pb.LookupRequest.FromString(raw)
+        if mode == "hashes":
+            validate.block_hashes(request.hashes, MAX_BLOCKS)
+        else:
+            np.fromiter(request.tokens, dtype=np.uint32, count=len(request.tokens))
+        reply = pb.LookupResponse(
+            blocks=convert.locations(pool, refs), chain=hashes if mode == "tokens" else []
+        ).SerializeToString()
+        resp = pb.LookupResponse.FromString(reply)
+        tuple(location_from_proto(b) for b in resp.blocks)
+        tuple(BlockHash(h) for h in resp.chain)
+
+    return run
+
+
+def _packed(mode: str, hashes: list[bytes], tokens: list[int], refs: Any) -> Callable[[], None]:
+    pool: Any = _Pool()
+    ns = Namespace(
+        NamespaceSpec("m", KVLayout(4, 8, 128, 16, "float16")),
+        NamespaceId("0" * 16),
+        _Descriptor.block_bytes,
+        MAX_BLOCKS,
+        BlockHash(bytes(32)),
+        False,
+    )
+
+    def run() -> None:
+        fields = (
+            chain_fields(tokens, None, None)
+            if mode == "tokens"
+            else chain_fields(None, hashes, None)
+        )
+        raw = pb.LookupRequest(
+            namespace_id="x", pin=True, packed_reply=True, **fields
+        ).SerializeToString()
+        request = pb.LookupRequest.FromString(raw)
+        sent_tokens, sent_hashes = chains.packed_fields(request, MAX_BLOCKS)
+        if mode == "hashes":
+            validate.block_hashes(sent_hashes, MAX_BLOCKS)
+        else:
+            chains.token_array(sent_tokens)
+        reply_fields = convert.packed_locations(pool, refs)
+        if mode == "tokens":
+            reply_fields["packed_chain"] = b"".join(hashes)
+        reply = pb.LookupResponse(**reply_fields).SerializeToString()
+        hit_from_proto(ns, pb.LookupResponse.FromString(reply), 0, LeaseId(0))
+
+    return run
+
+
+def _median_us(fn: Callable[[], None], iterations: int) -> float:
+    fn()  # warm up
+    times = []
+    for _ in range(iterations):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return round(statistics.median(times) * 1e6, 1)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.bench_wire")
+    parser.add_argument("--blocks", type=int, default=512)
+    parser.add_argument("--block-size", type=int, default=16, help="tokens per block")
+    parser.add_argument("--iterations", type=int, default=300)
+    parser.add_argument("--quick", action="store_true", help="30 iterations (a smoke run)")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.iterations = 30
+    hashes = [os.urandom(32) for _ in range(args.blocks)]
+    tokens = np.random.default_rng(1).integers(1, 128_000, args.blocks * args.block_size).tolist()
+    refs = tuple(BlockRef(BlockHash(h), SlotId(i), 1) for i, h in enumerate(hashes))
+    report: dict[str, Any] = {"blocks": args.blocks, "chain_tokens": len(tokens)}
+    for mode in ("hashes", "tokens"):
+        old = _median_us(_per_block(mode, hashes, tokens, refs), args.iterations)
+        new = _median_us(_packed(mode, hashes, tokens, refs), args.iterations)
+        report[mode] = {
+            "per_block_us": old,
+            "packed_us": new,
+            "per_block_over_packed": round(old / new, 1),
+        }
+    print(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()

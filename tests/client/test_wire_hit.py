@@ -1,0 +1,180 @@
+"""The SDK's wire forms: packed requests, and a `Hit` that keeps the packed reply
+and builds per-block locations only when asked (docs/api.md, "Wire forms")."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kvstore.api import wire
+from kvstore.client import Client
+from kvstore.client.convert import chain_fields, hit_from_proto
+from kvstore.client.handles import BlockLocation
+from kvstore.errors import InvalidArgument
+from kvstore.results import MissReason
+from kvstore.types import BlockHash, LeaseId, SlotId
+from kvstore.v1 import kvstore_pb2 as pb
+
+from .conftest import LAYOUT
+
+TOKENS = list(range(500, 500 + 4 * 6 + 1))
+"""Six full blocks and a partial one."""
+
+
+def block(i: int) -> np.ndarray:
+    return np.full(LAYOUT.block_shape, i + 0.25, np.float16)
+
+
+async def test_lookup_is_packed_and_its_hit_lazy(kv: Client, monkeypatch) -> None:
+    ns = await kv.register_namespace("wire", LAYOUT)
+    await kv.store(ns, TOKENS, [block(i) for i in range(6)])
+    sent: list[Any] = []
+    call = kv._rpc.call
+
+    async def spy(method: str, request: Any, *args: Any, **kwargs: Any) -> Any:
+        sent.append(request)
+        return await call(method, request, *args, **kwargs)
+
+    monkeypatch.setattr(kv._rpc, "call", spy)
+    hit = await kv.lookup(ns, TOKENS, pin=True)
+    lookup = sent[-1]
+    assert lookup.packed_reply and lookup.packed_tokens == wire.pack_tokens(TOKENS)
+    assert not lookup.tokens and not lookup.hashes
+    assert hit._blocks is None and hit._chain is None  # nothing built yet
+    for i, view in enumerate(hit.numpy_views()):
+        assert np.array_equal(view, block(i))
+    assert hit._blocks is None  # views come from the slot array
+    assert hit.chain == tuple(ns.hash(TOKENS)) and hit.hashes == list(hit.chain)
+
+    # The per-block form of the same lookup (what an old client gets) agrees.
+    old = await call(
+        "Lookup", pb.LookupRequest(namespace_id=ns.id, tokens=TOKENS), None, idempotent=True
+    )
+    assert [(b.hash, b.slot, b.generation, b.arena, b.offset) for b in old.blocks] == [
+        (b.hash, b.slot, b.generation, b.arena, b.offset) for b in hit.blocks
+    ]
+    assert await kv.release(hit) == 6
+    assert sent[-1].packed_hashes == hit.hit_hashes and not sent[-1].hashes
+
+    miss = await kv.lookup(ns, [9] * 9, pin=True)
+    assert (miss.hit_blocks, miss.blocks, miss.hashes, miss.slots.size) == (0, (), [], 0)
+    assert len(miss.chain) == 2 and miss.miss_reason is MissReason.ABSENT
+    assert await kv.release(miss) == 0
+
+    by_hashes = await kv.lookup(ns, hashes=list(hit.chain))
+    assert sent[-1].packed_hashes == b"".join(hit.chain) and not sent[-1].hashes
+    assert by_hashes.hit_blocks == 6 and by_hashes.chain == ()
+
+
+def test_a_per_block_reply_still_makes_a_hit() -> None:
+    """A node that predates the packed fields answers with BlockLocation messages."""
+    h = [bytes([i]) * 32 for i in range(3)]
+    resp = pb.LookupResponse(
+        hit_blocks=2,
+        hit_tokens=8,
+        query_tokens=12,
+        pinned=True,
+        pool_epoch=7,
+        blocks=[
+            pb.BlockLocation(hash=h[0], slot=5, generation=2, arena=1, offset=768),
+            pb.BlockLocation(hash=h[1], slot=1, generation=4, arena=0, offset=256),
+        ],
+        chain=h,
+    )
+    hit = hit_from_proto(_namespace(), resp, 3, LeaseId(9))
+    assert hit.blocks == (
+        BlockLocation(BlockHash(h[0]), SlotId(5), 2, 1, 768),
+        BlockLocation(BlockHash(h[1]), SlotId(1), 4, 0, 256),
+    )
+    assert hit.slots.tolist() == [5, 1] and hit.generations.tolist() == [2, 4]
+    assert hit.hashes == h[:2] and hit.hit_hashes == h[0] + h[1] and hit.chain == tuple(h)
+    assert (hit.hit_blocks, hit.lease_id, hit.miss_reason) == (2, 9, MissReason.NONE)
+
+
+def test_a_packed_reply_builds_locations_on_first_access() -> None:
+    h = [bytes([i]) * 31 + b"\0" for i in range(3)]  # trailing NULs are kept
+    resp = pb.LookupResponse(
+        hit_blocks=3,
+        hit_hashes=b"".join(h),
+        slots=[0, 17, 33],
+        generations=[1, 2, 3],
+        slots_per_arena=16,
+        block_bytes=256,
+        packed_chain=b"".join(h),
+    )
+    hit = hit_from_proto(_namespace(), resp, 0, LeaseId(0))
+    assert hit._blocks is None and hit.lease_id is None
+    assert [(b.hash, b.slot, b.generation, b.arena, b.offset) for b in hit.blocks] == [
+        (h[0], 0, 1, 0, 0),
+        (h[1], 17, 2, 1, 256),
+        (h[2], 33, 3, 2, 256),
+    ]
+    assert hit.blocks is hit.blocks and hit.refs is hit.blocks  # built once
+    assert hit.chain == tuple(h) and hit.hashes == h
+
+
+def test_an_inconsistent_packed_reply_is_refused() -> None:
+    resp = pb.LookupResponse(hit_hashes=b"\x01" * 64, slots=[1], generations=[1])
+    with pytest.raises(InvalidArgument, match="inconsistent"):
+        hit_from_proto(_namespace(), resp, 0, LeaseId(0))
+
+
+def test_chain_fields_pack_and_check() -> None:
+    assert chain_fields([1, 2], None, None) == {"packed_tokens": wire.pack_tokens([1, 2])}
+    assert chain_fields(np.array([1, 2], np.int64), None, None) == {
+        "packed_tokens": b"\x01\0\0\0\x02\0\0\0"
+    }
+    assert chain_fields(None, [b"\x01" * 32], None) == {"packed_hashes": b"\x01" * 32}
+    with pytest.raises(InvalidArgument, match=r"hashes\[1\] is 31 bytes"):
+        chain_fields(None, [b"\x01" * 32, b"\x02" * 31], None)
+    with pytest.raises(InvalidArgument, match="token ids"):
+        chain_fields([1, -1], None, None)
+    with pytest.raises(InvalidArgument, match="token ids"):
+        chain_fields([2**32], None, None)
+
+
+def _namespace() -> Any:
+    from kvstore.client.handles import Namespace
+    from kvstore.layout import NamespaceSpec
+
+    return Namespace(
+        spec=NamespaceSpec("m", LAYOUT),
+        id="0123456789abcdef",  # type: ignore[arg-type]
+        block_bytes=256,
+        capacity=64,
+        chain_root=BlockHash(bytes(32)),
+        shared=False,
+    )
+
+
+def test_the_wire_benchmark_runs(capsys) -> None:
+    from benchmarks import bench_wire
+
+    bench_wire.main(["--quick", "--blocks", "8"])
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["blocks"] == 8 and doc["chain_tokens"] == 128
+    for mode in ("hashes", "tokens"):
+        assert doc[mode]["per_block_us"] > 0 and doc[mode]["packed_us"] > 0
+
+
+@given(st.lists(st.binary(min_size=32, max_size=32), max_size=40))
+def test_packed_hashes_round_trip(hashes: list[bytes]) -> None:
+    assert wire.unpack_hashes(wire.pack_hashes(hashes)) == hashes
+
+
+@given(st.lists(st.integers(0, 2**32 - 1), max_size=200))
+def test_packed_tokens_round_trip(tokens: list[int]) -> None:
+    packed = wire.pack_tokens(tokens)
+    assert packed == np.array(tokens, dtype="<u4").tobytes()
+    assert wire.unpack_tokens(packed).tolist() == tokens
+
+
+@given(st.binary(max_size=100).filter(lambda b: len(b) % 32 != 0))
+def test_packed_hashes_of_a_bad_length_are_refused(packed: bytes) -> None:
+    with pytest.raises(InvalidArgument, match="not a whole number"):
+        wire.unpack_hashes(packed)
