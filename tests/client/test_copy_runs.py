@@ -135,9 +135,9 @@ def _hit(mapping: HostMapping, slots: list[int], **kw: object) -> Hit:
         BlockLocation(BlockHash(bytes([i]) * 32), SlotId(s), 1, s // SPA, s % SPA * BB)
         for i, s in enumerate(slots)
     )
-    return Hit(
-        namespace=_Ns(mapping),  # type: ignore[arg-type]
-        blocks=locations,
+    return Hit.of_locations(
+        _Ns(mapping),  # type: ignore[arg-type]
+        locations,
         hit_tokens=0,
         query_tokens=0,
         pinned=True,
