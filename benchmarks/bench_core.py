@@ -25,10 +25,15 @@ def main() -> None:
     if args.quick:
         args.tokens, args.resident = 8192, 10_000
     sizes = Sizes(args.tokens, args.resident, 10_000 if args.quick else 100_000)
+    small, large = lookup(Sizes(args.tokens, 1000, 0)), lookup(sizes)
     result = {
         "benchmark": "core",
         "hashing": hashing(sizes),
-        "lookup": [lookup(Sizes(args.tokens, 1000, 0)), lookup(sizes)],
+        "lookup": [small, large],
+        "lookup_large_vs_1k": large["lookup_ns_per_block"] / small["lookup_ns_per_block"],
+        "pin_plus_release_large_vs_1k": (
+            large["pin_plus_release_ns_per_block"] / small["pin_plus_release_ns_per_block"]
+        ),
         "metadata": metadata(sizes),
     }
     print(json.dumps(result, indent=2))

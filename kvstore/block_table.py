@@ -7,8 +7,9 @@ every step of random interleavings):
   most one block (the counts, slots, LRU and quotas are kept by
   `kvstore.residency`). The WRITING slots of an expired lease are
   quarantined, never handed out again before their release time.
-- A block is in the LRU iff it is READY with no pins; WRITING blocks are never
-  returned by a lookup; pinned blocks are never evicted.
+- Every READY block with no pins is in the LRU; pinned blocks may stay in it
+  (a pin is a count, not an LRU operation) but are never evicted; WRITING
+  blocks are never returned by a lookup.
 - Recency order is consistent with the prefix tree: a block in the LRU is
   always more recently used than every descendant of it in the LRU, because
   each touch moves the touched blocks *and their ancestors* to the most
@@ -49,13 +50,13 @@ from kvstore.errors import (
 from kvstore.events import CacheEvent, EventKind, removed_events, stored_events
 from kvstore.layout import NamespaceSpec
 from kvstore.lease import Lease
+from kvstore.pins import lookup_result, pin_run, unpin_hashes, walk
 from kvstore.residency import Residency
 from kvstore.results import (
     BlockInfo,
     BlockRef,
     ClearReport,
     LookupResult,
-    MissReason,
     NamespaceStats,
     QuotaOf,
     ReserveEntry,
@@ -191,27 +192,10 @@ class BlockTable:
                 move (a peer node's read is not the tenant's use of its cache).
         """
         check_hashes(chain)
-        blocks = self._res.blocks(self.scope_of(tenant))
-        hits: list[Block] = []
-        prev: Block | None = None
-        reason = MissReason.NONE
-        for h in chain:
-            block = blocks.get(h)
-            if block is None or block.state is not BlockState.READY:
-                reason = MissReason.ABSENT if block is None else MissReason.IN_FLIGHT
-                break
-            if block.parent is not prev:
-                # The parent record was replaced (evicted, then stored again):
-                # the hash proves this is the chain's parent, so relink.
-                block.parent = prev
-            hits.append(block)
-            prev = block
+        hits, reason = walk(self._res.blocks(self.scope_of(tenant)), chain)
         if lease is not None and hits:
             self._check_pin_bound(lease, len(hits))
-            pins = lease.pins_in(self.namespace)
-            for block in hits:
-                self._res.pin(block)
-                pins[block] = pins.get(block, 0) + 1
+            pin_run(self._res, lease.pins_in(self.namespace), hits)
             lease.pin_total += len(hits)
         if not peek:
             for block in hits:
@@ -222,11 +206,7 @@ class BlockTable:
             self._counters.of(tenant).count_lookup(
                 len(chain), len(hits), reason, self.block_size, query_tokens
             )
-        return LookupResult(
-            blocks=tuple(BlockRef(b.hash, b.slot, b.generation) for b in hits),
-            pinned=lease is not None,
-            miss_reason=reason,
-        )
+        return lookup_result(chain, hits, lease is not None, reason)
 
     # --- write path --------------------------------------------------------
 
@@ -359,20 +339,12 @@ class BlockTable:
         check_hashes(hashes)
         blocks = self._res.blocks(self.scope_of(lease.tenant))
         pins = lease.pins.get(self.namespace, {})
-        released: list[Block] = []
-        for h in hashes:
-            block = blocks.get(h)
-            count = pins.get(block) if block is not None else None
-            if block is None or count is None:
-                continue
-            if count == 1:
-                del pins[block]
-            else:
-                pins[block] = count - 1
-            self._res.unpin(block)
-            released.append(block)
+        released, prefix = unpin_hashes(self._res, pins, blocks, hashes)
         lease.pin_total -= len(released)
-        self._res.touch(released, now)
+        if prefix:
+            self._res.touch_prefix(released, now)
+        else:
+            self._res.touch(released, now)
         return len(released)
 
     def drop_lease(self, lease: Lease, now: float, until: float | None = None) -> tuple[int, int]:
@@ -435,6 +407,7 @@ class BlockTable:
 
     def resize(self, delta: int, now: float) -> bool:
         """Add ``delta`` slots or retire the last ``-delta`` (`Residency.resize`)."""
+        self._res.release_due(now)  # a slot whose quarantine is over may go
         removed: list[Block] = []
         if not self._res.resize(delta, removed):
             return False

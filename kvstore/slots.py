@@ -122,6 +122,11 @@ class SlotAllocator:
         first = self.capacity - n
         return sum(1 for s in self._free if s >= first) == n
 
+    def tail_quarantined(self, n: int) -> bool:
+        """Whether one of the last ``n`` slots is quarantined (O(quarantined slots))."""
+        first = self.capacity - n
+        return any(s >= first for _, s in self._quarantine)
+
     def retire_tail(self, n: int) -> None:
         """Shrink by the last ``n`` slots, which must all be free (O(free slots))."""
         if not 0 < n < self.capacity or not self.tail_is_free(n):

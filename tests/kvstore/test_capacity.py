@@ -17,10 +17,10 @@ def store_of(capacity: int) -> Store:
 
 def test_slots_grow_at_the_end_and_retire_only_a_free_tail() -> None:
     slots = SlotAllocator(2)
-    assert [slots.take(), slots.take(), slots.take()] == [0, 1, None]
+    assert [slots.take(0.0), slots.take(0.0), slots.take(0.0)] == [0, 1, None]
     slots.add_slots(3)
     assert slots.capacity == 5 and slots.free == 3
-    assert sorted(s for s in iter(slots.take, None)) == [2, 3, 4]
+    assert sorted(s for s in iter(lambda: slots.take(0.0), None)) == [2, 3, 4]
     slots.give_back(4)
     slots.give_back(3)
     assert slots.tail_is_free(2) and not slots.tail_is_free(3)
@@ -35,9 +35,9 @@ def test_slots_grow_at_the_end_and_retire_only_a_free_tail() -> None:
 
 def test_new_slots_are_used_after_the_older_free_ones() -> None:
     slots = SlotAllocator(2)
-    assert slots.take() == 0
+    assert slots.take(0.0) == 0
     slots.add_slots(2)
-    assert [slots.take(), slots.take(), slots.take()] == [1, 2, 3]  # the tail fills last
+    assert [slots.take(0.0), slots.take(0.0), slots.take(0.0)] == [1, 2, 3]  # the tail fills last
 
 
 def test_grow_makes_room_without_eviction() -> None:
@@ -85,3 +85,21 @@ def test_writing_blocks_keep_their_arena() -> None:
     table.resize(2, 1.0)
     assert table.resize(-2, 1.0)  # the new arena is empty
     assert not table.resize(-1, 1.0)  # slot 1 is WRITING
+
+
+def test_a_quarantined_tail_slot_is_not_retired_before_its_release_time() -> None:
+    # An expired writer may still copy into its slot: giving the arena back
+    # before the quarantine ends must be refused, not crash the allocator.
+    store = Store(StoreLimits(write_quarantine=5.0))
+    store.register_namespace(SPEC, capacity=2)
+    table = store.table(NS)
+    runner = Runner(store, 1)
+    hashes = chain(prompt(2, 2))[:2]
+    store.reserve(NS, ALICE, runner.lease, hashes, 1.0)
+    store.expire(1e6)  # both slots quarantined until 1e6 + 5
+    assert table.stats().quarantined == 2
+    assert not table.resize(-1, 1e6 + 1)
+    assert table.capacity == 2
+    store.expire(1e6 + 5)
+    assert table.resize(-1, 1e6 + 5)
+    assert table.capacity == 1

@@ -29,7 +29,7 @@ class ResizingStoreMachine(StoreMachine):
         busy = any(
             i.slot >= first and (i.state is BlockState.WRITING or i.refcount)
             for i in before.values()
-        )
+        ) or any(s >= first and t > self.now for t, s in table.quarantine_snapshot())
         if grow:
             assert table.resize(ARENA, self.now) and table.capacity == first + 2 * ARENA
             return
@@ -49,7 +49,7 @@ class ResizingStoreMachine(StoreMachine):
         table = self.store.table(NS)
         stats = table.stats()
         assert stats.capacity == table.capacity >= 1
-        assert stats.free + stats.ready + stats.writing == table.capacity
+        assert stats.free + stats.quarantined + stats.ready + stats.writing == table.capacity
         infos = list(self.store.iter_blocks(NS))
         assert len(infos) == stats.ready + stats.writing
         assert len({i.slot for i in infos}) == len(infos), "a slot owned by two blocks"
@@ -64,7 +64,7 @@ class ResizingStoreMachine(StoreMachine):
         stats = self.store.stats()
         ns = stats.namespaces[0]
         assert ns.pinned == 0 and ns.writing == 0
-        assert ns.free + ns.ready == ns.capacity
+        assert ns.free + ns.quarantined + ns.ready == ns.capacity
 
 
 ResizingStoreMachine.TestCase.settings = settings(

@@ -202,6 +202,11 @@ class StoreMachine(RuleBasedStateMachine):
         evictable = sum(1 for i in infos if i.state is BlockState.READY and i.refcount == 0)
         assert stats.evictable == evictable
         assert stats.pinned == sum(1 for i in infos if i.refcount > 0)
+        # Every READY unpinned block is in the LRU (pinned ones may stay
+        # linked, but eviction never offers them).
+        unpinned = {i.hash for i in infos if i.state is BlockState.READY and i.refcount == 0}
+        order = self.store.table(NS).lru_order()
+        assert len(order) == len(set(order)) and set(order) == unpinned
 
     @invariant()
     def quarantined_slots_hold_nothing_until_their_time(self) -> None:

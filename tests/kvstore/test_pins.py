@@ -1,0 +1,77 @@
+"""Pins without LRU traffic (`kvstore.pins`, `kvstore.eviction`) and array results."""
+
+from __future__ import annotations
+
+from kvstore import Store
+from kvstore.results import BlockRef
+from tests.kvstore.conftest import ALICE, NS, SPEC, Runner, chain, prompt
+
+
+def small_store(capacity: int) -> Store:
+    store = Store()
+    store.register_namespace(SPEC, capacity=capacity)
+    return store
+
+
+def test_a_pin_leaves_the_block_in_place_and_eviction_skips_it() -> None:
+    store = small_store(6)
+    a = Runner(store, 1)
+    old = chain(prompt(1, 1, system_blocks=2, user_blocks=0))
+    new = chain(prompt(2, 2, system_blocks=2, user_blocks=0))
+    a.store_chain(old, now=1.0)
+    a.store_chain(new, now=2.0)
+    assert a.hits(old, pin=True, now=3.0) == 2
+    stats = store.stats().namespaces[0]
+    assert stats.pinned == 2 and stats.evictable == 2
+    assert store.table(NS).lru_order() == list(reversed(new))  # pinned ones not offered
+    # The pinned chain is at the eviction end, yet the unpinned one goes.
+    assert store.evict(NS, 4, 4.0) == 2
+    assert a.hits(old, now=5.0) == 2 and a.hits(new, now=5.0) == 0
+
+
+def test_a_pinned_block_dropped_by_eviction_comes_back_on_release() -> None:
+    store = small_store(6)
+    a = Runner(store, 1)
+    old = chain(prompt(1, 1, system_blocks=2, user_blocks=0))
+    new = chain(prompt(2, 2, system_blocks=2, user_blocks=0))
+    a.store_chain(old, now=1.0)
+    a.store_chain(new, now=2.0)
+    a.hits(old, pin=True, now=3.0)
+    assert store.evict(NS, 4, 4.0) == 2  # the pinned heads were unlinked on the way
+    assert store.table(NS).lru_order() == []
+    assert store.release(NS, ALICE, a.lease, old, 5.0) == 2  # a chain: one pass
+    assert store.table(NS).lru_order() == list(reversed(old))
+    assert store.stats().namespaces[0].evictable == 2
+    assert store.evict(NS, 1, 6.0) == 1  # leaves first
+    assert a.hits(old, now=7.0) == 1
+
+
+def test_releasing_part_of_a_chain_touches_its_ancestors() -> None:
+    store = small_store(8)
+    a = Runner(store, 1)
+    hashes = chain(prompt(1, 1, system_blocks=2, user_blocks=1))
+    other = chain(prompt(2, 2, system_blocks=2, user_blocks=0))
+    a.store_chain(hashes, now=1.0)
+    a.store_chain(other, now=2.0)
+    a.hits(hashes, pin=True, now=3.0)
+    # Not a run from the first block: the general touch walks the ancestors.
+    assert store.release(NS, ALICE, a.lease, [hashes[2]], 4.0) == 1
+    assert store.table(NS).lru_order() == [*reversed(other), hashes[2]]
+    store.release(NS, ALICE, a.lease, hashes[:2], 5.0)
+    assert store.table(NS).lru_order() == [*reversed(other), *reversed(hashes)]
+
+
+def test_a_lookup_result_is_arrays_and_blocks_match_them(store: Store) -> None:
+    a = Runner(store, 1)
+    hashes = chain(prompt(1, 1))
+    a.store_chain(hashes[:3], now=1.0)
+    result = store.lookup(NS, ALICE, hashes, 2.0, lease_id=a.lease)
+    assert result.hit_blocks == 3 and list(result.hashes) == hashes[:3]
+    assert result.slots.typecode == "q" and result.generations.typecode == "Q"
+    infos = {i.hash: i for i in store.iter_blocks(NS)}
+    assert result.blocks == tuple(
+        BlockRef(h, infos[h].slot, infos[h].generation) for h in hashes[:3]
+    )
+    assert result.blocks is result.blocks  # built once
+    empty = store.lookup(NS, ALICE, chain(prompt(9, 9)), 2.0)
+    assert empty.hit_blocks == 0 and empty.blocks == () and len(empty.slots) == 0
