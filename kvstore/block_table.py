@@ -191,18 +191,16 @@ class BlockTable:
             peek: leave no trace: no hit counters, no ``last_used``, no LRU
                 move (a peer node's read is not the tenant's use of its cache).
         """
-        check_hashes(chain)
         hits, reason = walk(self._res.blocks(self.scope_of(tenant)), chain)
         if lease is not None and hits:
             self._check_pin_bound(lease, len(hits))
-            pin_run(self._res, lease.pins_in(self.namespace), hits)
+            pin_run(self._res, lease.pins_in(self.namespace), hits, None if peek else now)
             lease.pin_total += len(hits)
         if not peek:
-            for block in hits:
-                block.hits += 1
-                block.last_used = now
             if lease is None:
-                self._res.touch_prefix(hits)
+                for block in hits:
+                    block.hits += 1
+                self._res.touch_prefix(hits, now)
             self._counters.of(tenant).count_lookup(
                 len(chain), len(hits), reason, self.block_size, query_tokens
             )
@@ -336,7 +334,6 @@ class BlockTable:
         is skipped: a release never touches another lease's pins and never
         drives a count below zero.
         """
-        check_hashes(hashes)
         blocks = self._res.blocks(self.scope_of(lease.tenant))
         pins = lease.pins.get(self.namespace, {})
         released, prefix = unpin_hashes(self._res, pins, blocks, hashes)

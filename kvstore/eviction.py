@@ -147,25 +147,20 @@ class ScopedLRU:
             else:
                 self.append(node)
 
-    def touch_prefix(self, prefix: list[Block], now: float | None = None) -> None:
+    def touch_prefix(self, prefix: list[Block], now: float) -> None:
         """`touch` for a run of READY blocks that starts at depth 0, each the parent of the next.
 
         A lookup's hits, or the release of a chain from its first block:
         every ancestor of a block of the run is in the run, none is an
         orphan, so no walk, no dict and no sort is needed; moving the run to
-        the most recent end deepest first is the whole job, in one pass
-        (`LRUList.move_run_to_end`). With ``now`` the run's ``last_used``
-        is brought up to it as well.
+        the most recent end deepest first (and bringing its ``last_used`` up
+        to ``now``) is the whole job, in one pass (`LRUList.move_run_to_end`).
         """
         if not prefix:
             return
-        if now is not None:
-            for node in prefix:
-                if node.last_used < now:
-                    node.last_used = now
         lst = self._list(prefix[0].scope)
         before = len(lst)
-        self._tick = lst.move_run_to_end(prefix, self._tick)
+        self._tick = lst.move_run_to_end(prefix, self._tick, now)
         self._len += len(lst) - before
         if not len(lst):
             del self._lists[prefix[0].scope]

@@ -18,15 +18,45 @@ block, no LRU operation for a pin.
 
 from __future__ import annotations
 
+import collections
 from array import array
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 from kvstore.block import Block, BlockState
 from kvstore.residency import Residency
 from kvstore.results import LookupResult, MissReason
-from kvstore.types import BlockHash
+from kvstore.types import BlockHash, check_hashes
 
 _READY = BlockState.READY
+
+
+def _count_in_python(counts: dict[Block, int], items: Iterable[Block]) -> None:
+    get = counts.get
+    for item in items:
+        counts[item] = get(item, 0) + 1
+
+
+_count: Callable[[dict[Block, int], Iterable[Block]], None] = getattr(
+    collections, "_count_elements", _count_in_python
+)
+"""``counts[x] += 1`` for each item, in C where CPython has it (`collections.Counter`'s own)."""
+
+
+def find_all(blocks: dict[BlockHash, Block], hashes: Sequence[BlockHash]) -> list[Block | None]:
+    """``blocks.get`` of every hash, in C; `InvalidArgument` if one is not a block hash.
+
+    The hashes are checked only when one is not found: the dict's keys are
+    all well-formed hashes, so a hash that is found is one. A malformed hash
+    raises as `check_hashes` would, wherever it sits in the list.
+    """
+    try:
+        found = list(map(blocks.get, hashes))
+    except TypeError:  # unhashable: not bytes
+        check_hashes(hashes)
+        raise
+    if None in found:
+        check_hashes(hashes)
+    return found
 
 
 def walk(blocks: dict[BlockHash, Block], chain: Sequence[BlockHash]) -> tuple[list[Block], MissReason]:
@@ -34,32 +64,42 @@ def walk(blocks: dict[BlockHash, Block], chain: Sequence[BlockHash]) -> tuple[li
 
     A hit whose parent record was replaced (evicted, then stored again) is
     relinked to the live one: the hash proves it is the chain's parent.
+    Raises `InvalidArgument` if an item of ``chain`` is not a block hash.
     """
-    hits: list[Block] = []
-    get = blocks.get
+    found = find_all(blocks, chain)
     prev: Block | None = None
-    for h in chain:
-        block = get(h)
-        if block is None:
-            return hits, MissReason.ABSENT
-        if block.state is not _READY:
-            return hits, MissReason.IN_FLIGHT
+    n = 0
+    for block in found:
+        if block is None or block.state is not _READY:
+            hits = found[:n]
+            return hits, MissReason.ABSENT if block is None else MissReason.IN_FLIGHT  # type: ignore[return-value]
         if block.parent is not prev:
             block.parent = prev
-        hits.append(block)
         prev = block
-    return hits, MissReason.NONE
+        n += 1
+    return found, MissReason.NONE  # type: ignore[return-value]
 
 
-def pin_run(res: Residency, pins: dict[Block, int], hits: list[Block]) -> None:
-    """One more pin on every block of ``hits``, counted in the lease's ``pins`` too."""
+def pin_run(res: Residency, pins: dict[Block, int], hits: list[Block], now: float | None) -> None:
+    """One more pin on every block of ``hits``, counted in the lease's ``pins`` too.
+
+    With ``now`` (not a peek) each hit also counts the lookup (``hits``,
+    ``last_used``) in the same pass.
+    """
     first = 0
-    get = pins.get
-    for block in hits:
-        if not block.refcount:
-            first += 1
-        block.refcount += 1
-        pins[block] = get(block, 0) + 1
+    if now is None:
+        for block in hits:
+            if not block.refcount:
+                first += 1
+            block.refcount += 1
+    else:
+        for block in hits:
+            if not block.refcount:
+                first += 1
+            block.refcount += 1
+            block.hits += 1
+            block.last_used = now
+    _count(pins, hits)
     res.pinned += first
 
 
@@ -75,15 +115,16 @@ def unpin_hashes(
     first block (each the parent of the next), so one `touch_prefix` pass
     is enough to mark them used. A block the lease does not pin is skipped:
     another lease's pins are never touched, no count goes below zero.
+    Raises `InvalidArgument` (nothing released) if an item of ``hashes`` is
+    not a block hash.
     """
-    released: list[Block] = []
+    found = find_all(blocks, hashes)
+    counts = list(map(pins.get, found))  # the lease's own counts (None: not pinned)
+    released = found if None not in counts else []
     last = 0
     prefix = True
     prev: Block | None = None
-    bget, pget = blocks.get, pins.get
-    for h in hashes:
-        block = bget(h)
-        count = pget(block) if block is not None else None
+    for block, count in zip(found, counts):
         if count is None:
             continue
         if count == 1:
@@ -97,9 +138,10 @@ def unpin_hashes(
         if block.parent is not prev:
             prefix = False
         prev = block
-        released.append(block)
+        if released is not found:
+            released.append(block)
     res.pinned -= last
-    return released, prefix
+    return released, prefix  # type: ignore[return-value]
 
 
 def lookup_result(
@@ -108,7 +150,7 @@ def lookup_result(
     """The result of a lookup that found ``hits`` (a prefix of ``chain``)."""
     return LookupResult(
         hashes=tuple(chain[: len(hits)]),
-        slots=array("q", [b.slot for b in hits]),
+        slots=array("q", [b.slot for b in hits]),  # a list first: faster than a map
         generations=array("Q", [b.generation for b in hits]),
         pinned=pinned,
         miss_reason=reason,

@@ -130,11 +130,10 @@ class Residency:
         if block.refcount == 0:
             self.pinned -= 1
 
-    def touch_prefix(self, run: list[Block], now: float | None = None) -> None:
-        """A run from depth 0 (each block the next one's parent): most recently used.
+    def touch_prefix(self, run: list[Block], now: float) -> None:
+        """A run from depth 0 (each block the next one's parent): most recently used at ``now``.
 
-        One pass, no ancestor walk (`ScopedLRU.touch_prefix`); ``now`` also
-        brings the run's ``last_used`` up to it.
+        One pass, no ancestor walk (`ScopedLRU.touch_prefix`).
         """
         self._lru.touch_prefix(run, now)
 

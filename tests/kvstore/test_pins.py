@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from kvstore import Store
+import pytest
+
+from kvstore import InvalidArgument, Store
 from kvstore.results import BlockRef
 from tests.kvstore.conftest import ALICE, NS, SPEC, Runner, chain, prompt
 
@@ -75,3 +77,21 @@ def test_a_lookup_result_is_arrays_and_blocks_match_them(store: Store) -> None:
     assert result.blocks is result.blocks  # built once
     empty = store.lookup(NS, ALICE, chain(prompt(9, 9)), 2.0)
     assert empty.hit_blocks == 0 and empty.blocks == () and len(empty.slots) == 0
+
+
+def test_malformed_hashes_are_refused_wherever_they_sit(store: Store) -> None:
+    # Hashes are checked only when one is not found (a found one is well
+    # formed): a bad one after the hits, or one that cannot be hashed, still
+    # raises InvalidArgument and changes nothing.
+    a = Runner(store, 1)
+    hashes = chain(prompt(1, 1))
+    a.store_chain(hashes, now=1.0)
+    for bad in (b"short", "not bytes", bytearray(32), None):
+        with pytest.raises(InvalidArgument):
+            store.lookup(NS, ALICE, [*hashes, bad], 2.0, lease_id=a.lease)  # type: ignore[list-item]
+    assert store.stats().namespaces[0].pinned == 0
+    a.hits(hashes, pin=True)
+    for bad in (b"short", "not bytes", bytearray(32), None):
+        with pytest.raises(InvalidArgument):
+            store.release(NS, ALICE, a.lease, [*hashes, bad], 3.0)  # type: ignore[list-item]
+    assert store.stats().namespaces[0].pinned == len(hashes)
