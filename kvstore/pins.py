@@ -21,6 +21,7 @@ from __future__ import annotations
 import collections
 from array import array
 from collections.abc import Callable, Iterable, Sequence
+from typing import cast
 
 from kvstore.block import Block, BlockState
 from kvstore.residency import Residency
@@ -59,7 +60,9 @@ def find_all(blocks: dict[BlockHash, Block], hashes: Sequence[BlockHash]) -> lis
     return found
 
 
-def walk(blocks: dict[BlockHash, Block], chain: Sequence[BlockHash]) -> tuple[list[Block], MissReason]:
+def walk(
+    blocks: dict[BlockHash, Block], chain: Sequence[BlockHash]
+) -> tuple[list[Block], MissReason]:
     """The longest run of READY blocks from the start of ``chain``, and why it ended.
 
     A hit whose parent record was replaced (evicted, then stored again) is
@@ -68,16 +71,14 @@ def walk(blocks: dict[BlockHash, Block], chain: Sequence[BlockHash]) -> tuple[li
     """
     found = find_all(blocks, chain)
     prev: Block | None = None
-    n = 0
-    for block in found:
+    for n, block in enumerate(found):
         if block is None or block.state is not _READY:
-            hits = found[:n]
-            return hits, MissReason.ABSENT if block is None else MissReason.IN_FLIGHT  # type: ignore[return-value]
+            reason = MissReason.ABSENT if block is None else MissReason.IN_FLIGHT
+            return cast("list[Block]", found[:n]), reason
         if block.parent is not prev:
             block.parent = prev
         prev = block
-        n += 1
-    return found, MissReason.NONE  # type: ignore[return-value]
+    return cast("list[Block]", found), MissReason.NONE
 
 
 def pin_run(res: Residency, pins: dict[Block, int], hits: list[Block], now: float | None) -> None:
@@ -118,13 +119,14 @@ def unpin_hashes(
     Raises `InvalidArgument` (nothing released) if an item of ``hashes`` is
     not a block hash.
     """
-    found = find_all(blocks, hashes)
+    # An absent hash (None) has no count below, so it is skipped like an unpinned block.
+    found = cast("list[Block]", find_all(blocks, hashes))
     counts = list(map(pins.get, found))  # the lease's own counts (None: not pinned)
     released = found if None not in counts else []
     last = 0
     prefix = True
     prev: Block | None = None
-    for block, count in zip(found, counts):
+    for block, count in zip(found, counts, strict=True):
         if count is None:
             continue
         if count == 1:
@@ -141,7 +143,7 @@ def unpin_hashes(
         if released is not found:
             released.append(block)
     res.pinned -= last
-    return released, prefix  # type: ignore[return-value]
+    return released, prefix
 
 
 def lookup_result(
