@@ -32,7 +32,9 @@ Over 400 lines on purpose: this file is one concept, the block life cycle
 as leases drive it (lookup/pin, reserve, commit, abort, release, lease
 expiry), whose transitions share the lease and chain bookkeeping and are
 checked together by the state-machine test. What sits below them (slots,
-LRU, counts, quotas) is in `kvstore.residency`.
+LRU, counts, quotas) is in `kvstore.residency`; the per-block loops of
+lookup, pin and release (one pass each, arrays for results) are in
+`kvstore.pins`.
 """
 
 from __future__ import annotations
@@ -179,7 +181,8 @@ class BlockTable:
         """Longest run of READY blocks from the start of ``chain``.
 
         With ``lease`` the hits are pinned under it in the same step, so no
-        eviction can slip between "found" and "pinned".
+        eviction can slip between "found" and "pinned". A pin moves nothing
+        in the LRU; the release that follows touches the chain once.
 
         Args:
             tenant: the caller's tenant.

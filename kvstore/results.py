@@ -1,7 +1,9 @@
 """Results the store returns: frozen value objects, no live references.
 
 The service turns these into protobuf messages; tests assert on them. They
-never expose `Block` records, so callers cannot mutate the table.
+never expose `Block` records, so callers cannot mutate the table. A lookup's
+hits come as arrays (`LookupResult.slots`, ``.generations``) and the hashes'
+tuple, not as one object per block.
 """
 
 from __future__ import annotations
