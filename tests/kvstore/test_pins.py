@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from kvstore import InvalidArgument, Store
+from kvstore.lru import LRUList
 from kvstore.results import BlockRef
 from tests.kvstore.conftest import ALICE, NS, SPEC, Runner, chain, prompt
 
@@ -95,3 +96,28 @@ def test_malformed_hashes_are_refused_wherever_they_sit(store: Store) -> None:
         with pytest.raises(InvalidArgument):
             store.release(NS, ALICE, a.lease, [*hashes, bad], 3.0)  # type: ignore[list-item]
     assert store.stats().namespaces[0].pinned == len(hashes)
+
+
+def test_pin_is_no_lru_work_and_a_chain_release_is_one_pass(
+    store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The cost structure #14 asked for: a pinned lookup does no LRU operation
+    # and the release of the chain it pinned moves the run in one pass, with
+    # no per-block unlink/append and no ancestor walk.
+    a = Runner(store, 1)
+    hashes = chain(prompt(1, 1, system_blocks=8, user_blocks=8))
+    a.store_chain(hashes, now=1.0)
+    calls: list[str] = []
+    for name in ("append", "appendleft", "remove", "move_run_to_end"):
+        original = getattr(LRUList, name)
+
+        def spy(self: LRUList, *args: object, _name: str = name, _f: object = original) -> object:
+            calls.append(_name)
+            return _f(self, *args)  # type: ignore[operator]
+
+        monkeypatch.setattr(LRUList, name, spy)
+    assert store.lookup(NS, ALICE, hashes, 2.0, lease_id=a.lease).hit_blocks == 16
+    assert calls == []
+    assert store.release(NS, ALICE, a.lease, hashes, 3.0) == 16
+    assert calls == ["move_run_to_end"]
+    assert store.table(NS).lru_order() == list(reversed(hashes))
