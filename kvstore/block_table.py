@@ -234,8 +234,8 @@ class BlockTable:
             for depth, h in enumerate(chain):
                 block = self._res.find(scope, h)
                 if block is not None:
-                    if block.parent is not prev:
-                        block.parent = prev
+                    if block.parent is not prev and block.depth == depth:
+                        block.parent = prev  # never to itself: see `kvstore.pins.walk`
                     if block.state is BlockState.READY:
                         self._res.pin(block)
                         protected.append(block)

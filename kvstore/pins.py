@@ -66,8 +66,8 @@ def walk(
     """The longest run of READY blocks from the start of ``chain``, and why it ended.
 
     A hit whose parent record was replaced (evicted, then stored again) is
-    relinked to the live one: the hash proves it is the chain's parent.
-    Raises `InvalidArgument` if an item of ``chain`` is not a block hash.
+    relinked to the live one: the hash proves it is the chain's parent. A
+    block found out of its place (depth) ends the run instead. Raises `InvalidArgument` if an item of ``chain`` is not a block hash.
     """
     found = find_all(blocks, chain)
     prev: Block | None = None
@@ -76,6 +76,11 @@ def walk(
             reason = MissReason.ABSENT if block is None else MissReason.IN_FLIGHT
             return cast("list[Block]", found[:n]), reason
         if block.parent is not prev:
+            if block.depth != n:
+                # Not this block's place: a hash repeated or out of order (a
+                # real chain has block i at depth i). Relinking would corrupt
+                # the tree (a block its own ancestor), so the run ends here.
+                return cast("list[Block]", found[:n]), MissReason.ABSENT
             block.parent = prev
         prev = block
     return cast("list[Block]", found), MissReason.NONE

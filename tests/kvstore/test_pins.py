@@ -121,3 +121,28 @@ def test_pin_is_no_lru_work_and_a_chain_release_is_one_pass(
     assert store.release(NS, ALICE, a.lease, hashes, 3.0) == 16
     assert calls == ["move_run_to_end"]
     assert store.table(NS).lru_order() == list(reversed(hashes))
+
+
+def test_a_repeated_hash_ends_the_run_and_links_no_block_to_itself(store: Store) -> None:
+    a = Runner(store, 1)
+    hashes = chain(prompt(1, 1))
+    a.store_chain(hashes, now=1.0)
+    for bad in ([hashes[0], hashes[0]], [hashes[0], hashes[1], hashes[0]], hashes[1:]):
+        assert a.hits(bad, pin=True) == (0 if bad[0] != hashes[0] else len(bad) - 1)
+    parents = {i.hash: i.parent for i in store.iter_blocks(NS)}
+    assert parents == {h: (hashes[i - 1] if i else None) for i, h in enumerate(hashes)}
+    # Two pins on block 0, one on block 1: one of each per release.
+    assert store.release(NS, ALICE, a.lease, hashes, 3.0) == 2
+    assert store.release(NS, ALICE, a.lease, hashes, 3.0) == 1
+    assert store.release(NS, ALICE, a.lease, hashes, 3.0) == 0
+    assert store.stats().namespaces[0].pinned == 0
+
+
+def test_a_repeated_hash_in_a_reservation_links_no_block_to_itself(store: Store) -> None:
+    a = Runner(store, 1)
+    hashes = chain(prompt(1, 1))
+    a.store_chain(hashes[:2], now=1.0)
+    store.reserve(NS, ALICE, a.lease, [hashes[0], hashes[1], hashes[0], hashes[1]], 2.0)
+    parents = {i.hash: i.parent for i in store.iter_blocks(NS)}
+    assert parents == {hashes[0]: None, hashes[1]: hashes[0]}
+    assert a.hits(hashes, now=3.0) == 2
