@@ -67,7 +67,8 @@ def walk(
 
     A hit whose parent record was replaced (evicted, then stored again) is
     relinked to the live one: the hash proves it is the chain's parent. A
-    block found out of its place (depth) ends the run instead. Raises `InvalidArgument` if an item of ``chain`` is not a block hash.
+    block found out of its place (depth) ends the run instead. Raises
+    `InvalidArgument` if an item of ``chain`` is not a block hash.
     """
     found = find_all(blocks, chain)
     prev: Block | None = None
