@@ -144,7 +144,7 @@ class BlockTable:
             FailedPrecondition: the block is not pinned under this lease.
         """
         block = self.check_slot(lease.tenant, ref)
-        if block.state is not BlockState.READY or block not in lease.pins.get(self.namespace, {}):
+        if block.state is not BlockState.READY or block not in lease.pins.get(self.namespace, ()):
             raise FailedPrecondition(
                 f"block {ref.hash.hex()[:16]} is not pinned under lease {lease.lease_id}; "
                 "pin it with a lookup first"
@@ -197,7 +197,7 @@ class BlockTable:
         hits, reason = walk(self._res.blocks(self.scope_of(tenant)), chain)
         if lease is not None and hits:
             self._check_pin_bound(lease, len(hits))
-            pin_run(self._res, lease.pins_in(self.namespace), hits, None if peek else now)
+            pin_run(self._res, lease, self.namespace, hits, None if peek else now)
             lease.pin_total += len(hits)
         if not peek:
             if lease is None:
@@ -338,8 +338,7 @@ class BlockTable:
         drives a count below zero.
         """
         blocks = self._res.blocks(self.scope_of(lease.tenant))
-        pins = lease.pins.get(self.namespace, {})
-        released, prefix = unpin_hashes(self._res, pins, blocks, hashes)
+        released, prefix = unpin_hashes(self._res, lease, self.namespace, blocks, hashes)
         lease.pin_total -= len(released)
         if prefix:
             self._res.touch_prefix(released, now)
@@ -356,10 +355,12 @@ class BlockTable:
         Returns:
             (pins dropped, writes aborted). Cost: O(what the lease holds here).
         """
-        pins = lease.pins.pop(self.namespace, {})
+        pins = lease.pins.pop(self.namespace, set())
+        extra = lease.extra_pins.pop(self.namespace, {})
         released: list[Block] = []
         dropped = 0
-        for block, count in pins.items():
+        for block in pins:
+            count = 1 + extra.get(block, 0)
             for _ in range(count):
                 self._res.unpin(block)
             dropped += count

@@ -5,11 +5,14 @@ that run once per block of a chain live here, written so that a block
 costs a small multiple of a dict lookup: no call per block, no object per
 block, no LRU operation for a pin.
 
-- A lookup walks the chain through the scope's dict (`walk`) and, with a
-  lease, adds one pin per hit (`pin_run`): the block's ``refcount`` and the
-  lease's own count. Pinned blocks stay where they are in the LRU
-  (`kvstore.eviction` skips them).
-- A release drops the lease's pins (`unpin_hashes`) and then touches the
+- A lookup walks the chain through the scope's dict (`walk`, the look-ups
+  in C; the hashes are validated only when one is not found) and, with a
+  lease, adds one pin per hit (`pin_run`): the block's ``refcount``, and
+  the lease's set of pinned blocks in one bulk update (a second pin of a
+  block by the same lease is counted in ``Lease.extra_pins``). Pinned
+  blocks stay where they are in the LRU (`kvstore.eviction` skips them).
+- A release drops the lease's pins (`unpin_hashes`: one bulk set operation
+  when every named block is pinned once) and then touches the
   released blocks once: when they are a chain from its first block (the
   usual release of what a lookup pinned) that touch is a single pass over
   the run (`Residency.touch_prefix`), not an ancestor walk.
@@ -18,29 +21,17 @@ block, no LRU operation for a pin.
 
 from __future__ import annotations
 
-import collections
 from array import array
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Sequence
 from typing import cast
 
 from kvstore.block import Block, BlockState
+from kvstore.lease import Lease
 from kvstore.residency import Residency
 from kvstore.results import LookupResult, MissReason
-from kvstore.types import BlockHash, check_hashes
+from kvstore.types import BlockHash, NamespaceId, check_hashes
 
 _READY = BlockState.READY
-
-
-def _count_in_python(counts: dict[Block, int], items: Iterable[Block]) -> None:
-    get = counts.get
-    for item in items:
-        counts[item] = get(item, 0) + 1
-
-
-_count: Callable[[dict[Block, int], Iterable[Block]], None] = getattr(
-    collections, "_count_elements", _count_in_python
-)
-"""``counts[x] += 1`` for each item, in C where CPython has it (`collections.Counter`'s own)."""
 
 
 def find_all(blocks: dict[BlockHash, Block], hashes: Sequence[BlockHash]) -> list[Block | None]:
@@ -87,11 +78,15 @@ def walk(
     return cast("list[Block]", found), MissReason.NONE
 
 
-def pin_run(res: Residency, pins: dict[Block, int], hits: list[Block], now: float | None) -> None:
-    """One more pin on every block of ``hits``, counted in the lease's ``pins`` too.
+def pin_run(
+    res: Residency, lease: Lease, namespace: NamespaceId, hits: list[Block], now: float | None
+) -> None:
+    """One more pin on every block of ``hits`` under ``lease``.
 
-    With ``now`` (not a peek) each hit also counts the lookup (``hits``,
-    ``last_used``) in the same pass.
+    The block's ``refcount`` takes it; the lease records it in its set in
+    one bulk update (a block it already pins goes to its extra counts
+    instead). With ``now`` (not a peek) each hit also counts the lookup
+    (``hits``, ``last_used``) in the same pass.
     """
     first = 0
     if now is None:
@@ -106,13 +101,28 @@ def pin_run(res: Residency, pins: dict[Block, int], hits: list[Block], now: floa
             block.refcount += 1
             block.hits += 1
             block.last_used = now
-    _count(pins, hits)
     res.pinned += first
+    pinned = lease.pins_in(namespace)
+    if pinned.isdisjoint(hits):
+        before = len(pinned)
+        pinned.update(hits)
+        if len(pinned) - before == len(hits):
+            return
+        pinned.difference_update(hits)  # a block twice in hits: undo, count one by one
+    extra = lease.extra_pins.setdefault(namespace, {})
+    for block in hits:
+        if block in pinned:
+            extra[block] = extra.get(block, 0) + 1
+        else:
+            pinned.add(block)
+    if not extra:
+        del lease.extra_pins[namespace]
 
 
 def unpin_hashes(
     res: Residency,
-    pins: dict[Block, int],
+    lease: Lease,
+    namespace: NamespaceId,
     blocks: dict[BlockHash, Block],
     hashes: Sequence[BlockHash],
 ) -> tuple[list[Block], bool]:
@@ -124,21 +134,46 @@ def unpin_hashes(
     another lease's pins are never touched, no count goes below zero.
     Raises `InvalidArgument` (nothing released) if an item of ``hashes`` is
     not a block hash.
+
+    The usual release (every named block pinned once by this lease, none
+    named twice) drops the lease's pins in one bulk set operation; any
+    other falls back to one block at a time.
     """
-    # An absent hash (None) has no count below, so it is skipped like an unpinned block.
+    # An absent hash (None) is in no set below, so it is skipped like an unpinned block.
     found = cast("list[Block]", find_all(blocks, hashes))
-    counts = list(map(pins.get, found))  # the lease's own counts (None: not pinned)
-    released = found if None not in counts else []
+    pinned = lease.pins.get(namespace)
+    if pinned is None:
+        return [], True
+    extra = lease.extra_pins.get(namespace)
+    if extra is None and pinned.issuperset(found):
+        before = len(pinned)
+        pinned.difference_update(found)
+        if before - len(pinned) == len(found):
+            return found, _unpin_run(res, found)
+        pinned.update(found)  # a block named twice: undo (all were pinned), go one by one
+    released: list[Block] = []
+    for block in found:
+        if block not in pinned:
+            continue
+        more = extra.get(block) if extra is not None else None
+        if more is None:
+            pinned.discard(block)
+        elif more == 1:
+            del extra[block]  # type: ignore[union-attr]
+        else:
+            extra[block] = more - 1  # type: ignore[index]
+        released.append(block)
+    if extra is not None and not extra:
+        del lease.extra_pins[namespace]
+    return released, _unpin_run(res, released)
+
+
+def _unpin_run(res: Residency, released: list[Block]) -> bool:
+    """Drop one pin from each block's refcount; True when they are a chain from its start."""
     last = 0
     prefix = True
     prev: Block | None = None
-    for block, count in zip(found, counts, strict=True):
-        if count is None:
-            continue
-        if count == 1:
-            del pins[block]
-        else:
-            pins[block] = count - 1
+    for block in released:
         # The lease's own pin is part of the refcount: it stays >= 0.
         block.refcount -= 1
         if not block.refcount:
@@ -146,10 +181,8 @@ def unpin_hashes(
         if block.parent is not prev:
             prefix = False
         prev = block
-        if released is not found:
-            released.append(block)
     res.pinned -= last
-    return released, prefix
+    return prefix
 
 
 def lookup_result(
