@@ -228,14 +228,15 @@ class BlockTable:
         writes = lease.writes_in(self.namespace)
         entries: list[ReserveEntry] = []
         protected: list[Block] = []
+        seen: set[Block] = set()
         prev: Block | None = None
         removed: list[Block] = []
         try:
             for depth, h in enumerate(chain):
                 block = self._res.find(scope, h)
                 if block is not None:
-                    if block.parent is not prev and block.depth == depth:
-                        block.parent = prev  # never to itself: see `kvstore.pins.walk`
+                    if block.parent is not prev and block not in seen:
+                        block.parent = prev  # a repeated hash: never its own ancestor
                     if block.state is BlockState.READY:
                         self._res.pin(block)
                         protected.append(block)
@@ -248,6 +249,7 @@ class BlockTable:
                         )
                     else:
                         entries.append(ReserveEntry(h, ReserveStatus.IN_FLIGHT))
+                    seen.add(block)
                     prev = block
                     continue
                 slot = self._res.allocate(scope, removed, now)
@@ -270,6 +272,7 @@ class BlockTable:
                 self._res.add_writing(block)
                 writes.add(block)
                 entries.append(ReserveEntry(h, ReserveStatus.RESERVED, slot, block.generation))
+                seen.add(block)
                 prev = block
         finally:
             for block in protected:

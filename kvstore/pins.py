@@ -56,10 +56,10 @@ def walk(
 ) -> tuple[list[Block], MissReason]:
     """The longest run of READY blocks from the start of ``chain``, and why it ended.
 
-    A hit whose parent record was replaced (evicted, then stored again) is
-    relinked to the live one: the hash proves it is the chain's parent. A
-    block found out of its place (depth) ends the run instead. Raises
-    `InvalidArgument` if an item of ``chain`` is not a block hash.
+    A hit whose parent record is not the previous hit (the parent was
+    evicted and stored again, or the blocks were reserved as separate
+    pieces) is relinked to it: the hash proves it is the chain's parent.
+    Raises `InvalidArgument` if an item of ``chain`` is not a block hash.
     """
     found = find_all(blocks, chain)
     prev: Block | None = None
@@ -68,12 +68,32 @@ def walk(
             reason = MissReason.ABSENT if block is None else MissReason.IN_FLIGHT
             return cast("list[Block]", found[:n]), reason
         if block.parent is not prev:
-            if block.depth != n:
-                # Not this block's place: a hash repeated or out of order (a
-                # real chain has block i at depth i). Relinking would corrupt
-                # the tree (a block its own ancestor), so the run ends here.
-                return cast("list[Block]", found[:n]), MissReason.ABSENT
+            return _walk_relinking(found, n)
+        prev = block
+    return cast("list[Block]", found), MissReason.NONE
+
+
+def _walk_relinking(found: list[Block | None], start: int) -> tuple[list[Block], MissReason]:
+    """`walk` from ``start`` on, where parent links need repair (rare: a slower loop).
+
+    A block met twice in one chain (a hash repeated: no real chain does
+    that) ends the run instead of being relinked, which would make it its
+    own ancestor.
+    """
+    seen = set(found[:start])
+    prev = found[start - 1] if start else None
+    for n in range(start, len(found)):
+        block = found[n]
+        if block is None or block.state is not _READY or block in seen:
+            reason = (
+                MissReason.IN_FLIGHT
+                if block is not None and block not in seen
+                else MissReason.ABSENT
+            )
+            return cast("list[Block]", found[:n]), reason
+        if block.parent is not prev:
             block.parent = prev
+        seen.add(block)
         prev = block
     return cast("list[Block]", found), MissReason.NONE
 
