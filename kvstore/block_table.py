@@ -7,8 +7,9 @@ every step of random interleavings):
   most one block (the counts, slots, LRU and quotas are kept by
   `kvstore.residency`). The WRITING slots of an expired lease are
   quarantined, never handed out again before their release time.
-- A block is in the LRU iff it is READY with no pins; WRITING blocks are never
-  returned by a lookup; pinned blocks are never evicted.
+- Every READY block with no pins is in the LRU; pinned blocks may stay in it
+  (a pin is a count, not an LRU operation) but are never evicted; WRITING
+  blocks are never returned by a lookup.
 - Recency order is consistent with the prefix tree: a block in the LRU is
   always more recently used than every descendant of it in the LRU, because
   each touch moves the touched blocks *and their ancestors* to the most
@@ -31,7 +32,9 @@ Over 400 lines on purpose: this file is one concept, the block life cycle
 as leases drive it (lookup/pin, reserve, commit, abort, release, lease
 expiry), whose transitions share the lease and chain bookkeeping and are
 checked together by the state-machine test. What sits below them (slots,
-LRU, counts, quotas) is in `kvstore.residency`.
+LRU, counts, quotas) is in `kvstore.residency`; the per-block loops of
+lookup, pin and release (one pass each, arrays for results) are in
+`kvstore.pins`.
 """
 
 from __future__ import annotations
@@ -49,13 +52,13 @@ from kvstore.errors import (
 from kvstore.events import CacheEvent, EventKind, removed_events, stored_events
 from kvstore.layout import NamespaceSpec
 from kvstore.lease import Lease
+from kvstore.pins import lookup_result, pin_run, unpin_hashes, walk
 from kvstore.residency import Residency
 from kvstore.results import (
     BlockInfo,
     BlockRef,
     ClearReport,
     LookupResult,
-    MissReason,
     NamespaceStats,
     QuotaOf,
     ReserveEntry,
@@ -141,7 +144,7 @@ class BlockTable:
             FailedPrecondition: the block is not pinned under this lease.
         """
         block = self.check_slot(lease.tenant, ref)
-        if block.state is not BlockState.READY or block not in lease.pins.get(self.namespace, {}):
+        if block.state is not BlockState.READY or block not in lease.pins.get(self.namespace, ()):
             raise FailedPrecondition(
                 f"block {ref.hash.hex()[:16]} is not pinned under lease {lease.lease_id}; "
                 "pin it with a lookup first"
@@ -178,7 +181,8 @@ class BlockTable:
         """Longest run of READY blocks from the start of ``chain``.
 
         With ``lease`` the hits are pinned under it in the same step, so no
-        eviction can slip between "found" and "pinned".
+        eviction can slip between "found" and "pinned". A pin moves nothing
+        in the LRU; the release that follows touches the chain once.
 
         Args:
             tenant: the caller's tenant.
@@ -190,43 +194,20 @@ class BlockTable:
             peek: leave no trace: no hit counters, no ``last_used``, no LRU
                 move (a peer node's read is not the tenant's use of its cache).
         """
-        check_hashes(chain)
-        blocks = self._res.blocks(self.scope_of(tenant))
-        hits: list[Block] = []
-        prev: Block | None = None
-        reason = MissReason.NONE
-        for h in chain:
-            block = blocks.get(h)
-            if block is None or block.state is not BlockState.READY:
-                reason = MissReason.ABSENT if block is None else MissReason.IN_FLIGHT
-                break
-            if block.parent is not prev:
-                # The parent record was replaced (evicted, then stored again):
-                # the hash proves this is the chain's parent, so relink.
-                block.parent = prev
-            hits.append(block)
-            prev = block
+        hits, reason = walk(self._res.blocks(self.scope_of(tenant)), chain)
         if lease is not None and hits:
             self._check_pin_bound(lease, len(hits))
-            pins = lease.pins_in(self.namespace)
-            for block in hits:
-                self._res.pin(block)
-                pins[block] = pins.get(block, 0) + 1
+            pin_run(self._res, lease, self.namespace, hits, None if peek else now)
             lease.pin_total += len(hits)
         if not peek:
-            for block in hits:
-                block.hits += 1
-                block.last_used = now
             if lease is None:
-                self._res.touch_prefix(hits)
+                for block in hits:
+                    block.hits += 1
+                self._res.touch_prefix(hits, now)
             self._counters.of(tenant).count_lookup(
                 len(chain), len(hits), reason, self.block_size, query_tokens
             )
-        return LookupResult(
-            blocks=tuple(BlockRef(b.hash, b.slot, b.generation) for b in hits),
-            pinned=lease is not None,
-            miss_reason=reason,
-        )
+        return lookup_result(chain, hits, lease is not None, reason)
 
     # --- write path --------------------------------------------------------
 
@@ -247,14 +228,15 @@ class BlockTable:
         writes = lease.writes_in(self.namespace)
         entries: list[ReserveEntry] = []
         protected: list[Block] = []
+        seen: set[Block] = set()
         prev: Block | None = None
         removed: list[Block] = []
         try:
             for depth, h in enumerate(chain):
                 block = self._res.find(scope, h)
                 if block is not None:
-                    if block.parent is not prev:
-                        block.parent = prev
+                    if block.parent is not prev and block not in seen:
+                        block.parent = prev  # a repeated hash: never its own ancestor
                     if block.state is BlockState.READY:
                         self._res.pin(block)
                         protected.append(block)
@@ -267,6 +249,7 @@ class BlockTable:
                         )
                     else:
                         entries.append(ReserveEntry(h, ReserveStatus.IN_FLIGHT))
+                    seen.add(block)
                     prev = block
                     continue
                 slot = self._res.allocate(scope, removed, now)
@@ -289,6 +272,7 @@ class BlockTable:
                 self._res.add_writing(block)
                 writes.add(block)
                 entries.append(ReserveEntry(h, ReserveStatus.RESERVED, slot, block.generation))
+                seen.add(block)
                 prev = block
         finally:
             for block in protected:
@@ -356,23 +340,13 @@ class BlockTable:
         is skipped: a release never touches another lease's pins and never
         drives a count below zero.
         """
-        check_hashes(hashes)
         blocks = self._res.blocks(self.scope_of(lease.tenant))
-        pins = lease.pins.get(self.namespace, {})
-        released: list[Block] = []
-        for h in hashes:
-            block = blocks.get(h)
-            count = pins.get(block) if block is not None else None
-            if block is None or count is None:
-                continue
-            if count == 1:
-                del pins[block]
-            else:
-                pins[block] = count - 1
-            self._res.unpin(block)
-            released.append(block)
+        released, prefix = unpin_hashes(self._res, lease, self.namespace, blocks, hashes)
         lease.pin_total -= len(released)
-        self._res.touch(released, now)
+        if prefix:
+            self._res.touch_prefix(released, now)
+        else:
+            self._res.touch(released, now)
         return len(released)
 
     def drop_lease(self, lease: Lease, now: float, until: float | None = None) -> tuple[int, int]:
@@ -384,10 +358,12 @@ class BlockTable:
         Returns:
             (pins dropped, writes aborted). Cost: O(what the lease holds here).
         """
-        pins = lease.pins.pop(self.namespace, {})
+        pins = lease.pins.pop(self.namespace, set())
+        extra = lease.extra_pins.pop(self.namespace, {})
         released: list[Block] = []
         dropped = 0
-        for block, count in pins.items():
+        for block in pins:
+            count = 1 + extra.get(block, 0)
             for _ in range(count):
                 self._res.unpin(block)
             dropped += count
@@ -435,6 +411,7 @@ class BlockTable:
 
     def resize(self, delta: int, now: float) -> bool:
         """Add ``delta`` slots or retire the last ``-delta`` (`Residency.resize`)."""
+        self._res.release_due(now)  # a slot whose quarantine is over may go
         removed: list[Block] = []
         if not self._res.resize(delta, removed, now):
             return False

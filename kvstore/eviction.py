@@ -15,6 +15,16 @@ then least recently used. Finding it costs O(number of scopes with
 evictable blocks) per eviction: a few hundred tenants is cheap next to the
 gRPC call around it; thousands of tenants per namespace would want a heap
 of heads instead.
+
+Pinned blocks need not leave the lists: a pin changes only the block's
+``refcount``, so pinning a 512-block chain costs no list operation. The
+lists hold every READY unpinned block, and may hold pinned ones too;
+`first` and `first_in` unlink the pinned blocks they find at a head (each
+at most once per time it was linked, so eviction stays O(1) amortised) and
+never return one. A pinned block that was unlinked that way is linked
+again by the touch that follows its last unpin (`kvstore.block_table`
+touches every block it unpins). A touch moves a linked pinned block like
+any other, so the order of the lists stays the order of use.
 """
 
 from __future__ import annotations
@@ -52,27 +62,36 @@ class ScopedLRU:
         return block.prev is not None
 
     def __iter__(self) -> Iterator[Block]:
-        """Every evictable block, next victim first (merged over scopes)."""
+        """Every linked block (pinned ones too), next victim first (merged over scopes)."""
         return heapq.merge(*(iter(lst) for lst in self._lists.values()), key=_key)
 
-    def in_scope(self, scope: TenantId) -> int:
-        """Evictable blocks of one scope."""
-        lst = self._lists.get(scope)
-        return len(lst) if lst is not None else 0
+    def evictable(self) -> list[Block]:
+        """Every linked unpinned block, next victim first."""
+        return [b for b in self if not b.refcount]
 
     def first(self) -> Block | None:
-        """The node-wide next victim: the smallest key over the scopes' heads."""
+        """The node-wide next victim: the smallest key over the scopes' unpinned heads."""
         best: Block | None = None
-        for lst in self._lists.values():
-            head = lst.first()
+        for scope in list(self._lists):
+            head = self.first_in(scope)
             if head is not None and (best is None or head.lru_key < best.lru_key):
                 best = head
         return best
 
     def first_in(self, scope: TenantId) -> Block | None:
-        """The next victim of one scope (quota enforcement), or None."""
+        """The next victim of one scope (quota enforcement), or None.
+
+        Pinned blocks found at the head are unlinked on the way (they are
+        linked again when their last pin goes): O(1) amortised.
+        """
         lst = self._lists.get(scope)
-        return lst.first() if lst is not None else None
+        if lst is None:
+            return None
+        head = lst.first()
+        while head is not None and head.refcount:
+            self.remove(head)
+            head = lst.first()
+        return head
 
     def append(self, block: Block) -> None:
         """Insert at the most recently used end of its scope's list."""
@@ -89,7 +108,7 @@ class ScopedLRU:
         self._len += 1
 
     def remove(self, block: Block) -> None:
-        """Unlink a block from its scope's list in O(1)."""
+        """Unlink a block from its scope's list in O(1) (an emptied list is dropped)."""
         lst = self._lists[block.scope]
         lst.remove(block)
         self._len -= 1
@@ -99,12 +118,13 @@ class ScopedLRU:
     def touch(self, touched: Iterable[Block], now: float, relink: Callable[[Block], None]) -> None:
         """Mark blocks and their ancestors most recently used, deepest first.
 
-        Blocks that are READY and unpinned end up in the LRU; orphans (parent
-        removed) go to its eviction end instead. ``relink`` is called on every
-        block walked before its parent is followed, so a parent link to a
-        removed record that was stored again since is repaired first (the
-        block is then reachable, not an orphan). Cost: O(blocks + ancestors
-        not already visited).
+        READY blocks end up in the LRU: linked ones move, unlinked unpinned
+        ones are linked (a pinned one unlinked by `first_in` stays out);
+        orphans (parent removed) go to the eviction end instead. ``relink``
+        is called on every block walked before its parent is followed, so a
+        parent link to a removed record that was stored again since is
+        repaired first (the block is then reachable, not an orphan). Cost:
+        O(blocks + ancestors not already visited).
         """
         visited: dict[Block, None] = {}
         for block in touched:
@@ -116,27 +136,34 @@ class ScopedLRU:
         for node in sorted(visited, key=_depth, reverse=True):
             if node.last_used < now:
                 node.last_used = now
-            if node.state is not BlockState.READY or node.refcount:
+            if node.state is not BlockState.READY:
                 continue
-            if node in self:
+            if node.prev is not None:
                 self.remove(node)
+            elif node.refcount:
+                continue
             if node.orphaned:
                 self.appendleft(node)
             else:
                 self.append(node)
 
-    def touch_prefix(self, prefix: list[Block]) -> None:
-        """`touch` for a run of blocks that starts at depth 0 (a lookup's hits).
+    def touch_prefix(self, prefix: list[Block], now: float) -> None:
+        """`touch` for a run of READY blocks that starts at depth 0, each the parent of the next.
 
-        Every ancestor of a block of the run is in the run, so no walk is
-        needed: moving the run to the most recent end deepest first is the
-        whole job. This is the hot path of every unpinned lookup.
+        A lookup's hits, or the release of a chain from its first block:
+        every ancestor of a block of the run is in the run, none is an
+        orphan, so no walk, no dict and no sort is needed; moving the run to
+        the most recent end deepest first (and bringing its ``last_used`` up
+        to ``now``) is the whole job, in one pass (`LRUList.move_run_to_end`).
         """
-        for node in reversed(prefix):
-            if node.refcount:
-                continue
-            self.remove(node)
-            self.append(node)
+        if not prefix:
+            return
+        lst = self._list(prefix[0].scope)
+        before = len(lst)
+        self._tick = lst.move_run_to_end(prefix, self._tick, now)
+        self._len += len(lst) - before
+        if not len(lst):
+            del self._lists[prefix[0].scope]
 
     def _list(self, scope: TenantId) -> LRUList:
         lst = self._lists.get(scope)

@@ -44,8 +44,12 @@ class Lease:
     """Seconds a renewal extends the lease by."""
     deadline: float
     """`now` at or after which the lease is expired."""
-    pins: dict[NamespaceId, dict[Block, int]] = field(default_factory=dict)
-    """Per namespace: pinned blocks and how many times this lease pinned each."""
+    pins: dict[NamespaceId, set[Block]] = field(default_factory=dict)
+    """Per namespace: the blocks this lease pins (once or more; a set, so a
+    chain's pins are added and dropped in bulk, `kvstore.pins`)."""
+    extra_pins: dict[NamespaceId, dict[Block, int]] = field(default_factory=dict)
+    """Per namespace: pins beyond the first on a block (the same block pinned
+    again by this lease), only while there are some."""
     writes: dict[NamespaceId, set[Block]] = field(default_factory=dict)
     """Per namespace: blocks reserved and not yet committed or aborted."""
     pin_total: int = 0
@@ -53,12 +57,18 @@ class Lease:
     internal: bool = False
     """Opened by the node itself (peer fetch): not counted against the tenant's lease limit."""
 
-    def pins_in(self, namespace: NamespaceId) -> dict[Block, int]:
-        """This lease's pin counts in one namespace (created on first use)."""
+    def pins_in(self, namespace: NamespaceId) -> set[Block]:
+        """The blocks this lease pins in one namespace (created on first use)."""
         pins = self.pins.get(namespace)
         if pins is None:
-            pins = self.pins[namespace] = {}
+            pins = self.pins[namespace] = set()
         return pins
+
+    def pin_count(self, namespace: NamespaceId, block: Block) -> int:
+        """How many pins this lease holds on ``block`` (0 when none)."""
+        if block not in self.pins.get(namespace, ()):
+            return 0
+        return 1 + self.extra_pins.get(namespace, {}).get(block, 0)
 
     def writes_in(self, namespace: NamespaceId) -> set[Block]:
         """This lease's WRITING blocks in one namespace (created on first use)."""

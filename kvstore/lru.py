@@ -97,3 +97,39 @@ class LRUList:
         """Mark a linked block most recently used."""
         self.remove(block)
         self.append(block)
+
+    def move_run_to_end(self, run: list[Block], tick: int, now: float) -> int:
+        """Move a run of blocks to the most recently used end, last block first.
+
+        A linked block moves (pinned or not); an unlinked one is appended
+        unless it is pinned (a pinned block the eviction end dropped stays
+        out until its last pin goes). Each block placed gets the next key
+        from ``tick``; returns the last key used. Every block's ``last_used``
+        is brought up to ``now``. The hot path of every
+        lookup and release: one loop, no call per block.
+        """
+        tail = self._tail
+        added = 0
+        # Linked blocks and the sentinels always have both neighbours: the
+        # ignores below stand for asserts this loop cannot afford per block.
+        for node in reversed(run):
+            if node.last_used < now:
+                node.last_used = now
+            prev = node.prev
+            if prev is not None:
+                nxt: Block = node.next  # type: ignore[assignment]
+                prev.next = nxt
+                nxt.prev = prev
+            elif node.refcount:
+                continue
+            else:
+                added += 1
+            last: Block = tail.prev  # type: ignore[assignment]
+            node.prev = last
+            node.next = tail
+            last.next = node
+            tail.prev = node
+            tick += 1
+            node.lru_key = tick
+        self._len += added
+        return tick

@@ -11,7 +11,9 @@ true:
   most one block. A quarantined slot (taken from a writer whose lease
   expired) is never allocated before its release time, and only once no
   ordinary free slot is left (`kvstore.slots`).
-- A block is in the LRU iff it is READY with no pins.
+- Every READY block with no pins is in the LRU; a pinned block may be in it
+  too (a pin does not unlink it), but eviction never picks one
+  (`kvstore.eviction`).
 - With a quota, a scope never holds more than its ``max_blocks`` resident
   blocks: at its quota an allocation evicts the scope's own least recently
   used block, or fails, so a tenant at quota never evicts another's blocks.
@@ -60,8 +62,8 @@ class Residency:
 
     @property
     def evictable(self) -> int:
-        """READY blocks without pins (the LRU's length)."""
-        return len(self._lru)
+        """READY blocks without pins (every one of them is in the LRU)."""
+        return self.resident() - self.writing - self.pinned
 
     def generation(self, slot: SlotId) -> int:
         """Current generation of a slot."""
@@ -110,15 +112,13 @@ class Residency:
 
     def lru_order(self) -> list[BlockHash]:
         """Hashes of evictable blocks, next victim first."""
-        return [b.hash for b in self._lru]
+        return [b.hash for b in self._lru.evictable()]
 
     # --- pins and recency ----------------------------------------------------------
 
     def pin(self, block: Block) -> None:
-        """Add a pin; the first one takes the block out of the LRU."""
+        """Add a pin (the block stays where it is in the LRU; eviction skips it)."""
         if block.refcount == 0:
-            if block in self._lru:
-                self._lru.remove(block)
             self.pinned += 1
         block.refcount += 1
 
@@ -130,9 +130,12 @@ class Residency:
         if block.refcount == 0:
             self.pinned -= 1
 
-    def touch_prefix(self, hits: list[Block]) -> None:
-        """Unpinned lookup hits: most recently used, ancestors included (`ScopedLRU`)."""
-        self._lru.touch_prefix(hits)
+    def touch_prefix(self, run: list[Block], now: float) -> None:
+        """A run from depth 0 (each block the next one's parent): most recently used at ``now``.
+
+        One pass, no ancestor walk (`ScopedLRU.touch_prefix`).
+        """
+        self._lru.touch_prefix(run, now)
 
     def touch(self, touched: Iterable[Block], now: float) -> None:
         """Move blocks and their ancestors to the recently used end (`ScopedLRU.touch`)."""
@@ -216,7 +219,7 @@ class Residency:
 
     def clear(self) -> list[Block]:
         """Remove every READY unpinned block (not counted as evictions); returns them."""
-        removed = list(self._lru)
+        removed = self._lru.evictable()
         for block in removed:
             self._remove(block)
         return removed
@@ -231,8 +234,13 @@ class Residency:
     def tail_blocks(self, n: int) -> list[Block] | None:
         """The resident blocks in the last ``n`` slots, or None when one is pinned or WRITING.
 
-        O(resident blocks): an arena-level operation, never per request.
+        None too when one of those slots is quarantined: a late writer may
+        still copy into it, so its memory cannot be given back before its
+        release time. O(resident blocks): an arena-level operation, never
+        per request.
         """
+        if self._slots.tail_quarantined(n):
+            return None
         first = self.capacity - n
         tail = [b for blocks in self._scopes.values() for b in blocks.values() if b.slot >= first]
         if any(b.state is not BlockState.READY or b.refcount for b in tail):
@@ -250,9 +258,9 @@ class Residency:
         if delta > 0:
             self._slots.add_slots(delta)
         else:
-            tail = self.tail_blocks(-delta) if 0 < -delta < self.capacity else None
             self._slots.release_due(now)
-            if tail is None or self._slots.quarantined_from(self.capacity + delta):
+            tail = self.tail_blocks(-delta) if 0 < -delta < self.capacity else None
+            if tail is None:
                 return False
             for block in tail:
                 self._evict_one(removed, block)

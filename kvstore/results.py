@@ -1,13 +1,16 @@
 """Results the store returns: frozen value objects, no live references.
 
 The service turns these into protobuf messages; tests assert on them. They
-never expose `Block` records, so callers cannot mutate the table.
+never expose `Block` records, so callers cannot mutate the table. A lookup's
+hits come as arrays (`LookupResult.slots`, ``.generations``) and the hashes'
+tuple, not as one object per block.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
+from array import array
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from enum import IntEnum
 
 from kvstore.block import BlockState
@@ -42,19 +45,40 @@ class MissReason(IntEnum):
 
 @dataclass(frozen=True, slots=True)
 class LookupResult:
-    """The longest READY prefix of a chain."""
+    """The longest READY prefix of a chain, as arrays (no object per block).
 
-    blocks: tuple[BlockRef, ...]
-    """Hit blocks, from the first block of the chain on."""
+    ``hashes[i]``, ``slots[i]`` and ``generations[i]`` describe the i-th hit;
+    `blocks` builds the same as `BlockRef` objects on first use, for callers
+    that want them (a 512-block lookup need not pay 512 objects).
+    """
+
+    hashes: Sequence[BlockHash]
+    """Hashes of the hit blocks, from the first block of the chain on."""
+    slots: array[int]
+    """Their slots (``array('q')``)."""
+    generations: array[int]
+    """Their slot generations (``array('Q')``)."""
     pinned: bool
     """True when the hits are pinned under the caller's lease."""
     miss_reason: MissReason
     """Why the run of hits ended."""
+    _refs: list[tuple[BlockRef, ...]] = field(
+        default_factory=list, init=False, repr=False, compare=False
+    )
 
     @property
     def hit_blocks(self) -> int:
         """Number of leading blocks found READY."""
-        return len(self.blocks)
+        return len(self.slots)
+
+    @property
+    def blocks(self) -> tuple[BlockRef, ...]:
+        """The hits as `BlockRef` objects (built once, on first use)."""
+        if not self._refs:
+            self._refs.append(
+                tuple(map(BlockRef, self.hashes, self.slots, self.generations))  # type: ignore[arg-type]
+            )
+        return self._refs[0]
 
 
 class ReserveStatus(IntEnum):

@@ -122,9 +122,10 @@ class SlotAllocator:
         first = self.capacity - n
         return sum(1 for s in self._free if s >= first) == n
 
-    def quarantined_from(self, first: int) -> bool:
-        """Whether a slot numbered ``first`` or above is quarantined (O(quarantined slots))."""
-        return any(slot >= first for _, slot in self._quarantine)
+    def tail_quarantined(self, n: int) -> bool:
+        """Whether one of the last ``n`` slots is quarantined (O(quarantined slots))."""
+        first = self.capacity - n
+        return any(s >= first for _, s in self._quarantine)
 
     def retire_tail(self, n: int) -> None:
         """Shrink by the last ``n`` slots, which must all be free (O(free slots))."""

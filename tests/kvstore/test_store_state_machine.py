@@ -144,6 +144,14 @@ class StoreMachine(RuleBasedStateMachine):
     def evict(self, n: int) -> None:
         self.store.evict(NS, n, self.now)
 
+    @rule()
+    def evict_everything_evictable(self) -> None:
+        # Walks past every pinned block at an LRU head (they stay resident and
+        # come back to the LRU when their last pin goes).
+        pinned = {i.hash for i in self.store.iter_blocks(NS) if i.refcount}
+        self.store.evict(NS, CAPACITY, self.now)
+        assert {i.hash for i in self.store.iter_blocks(NS) if i.state is BlockState.READY} == pinned
+
     @rule(dt=st.floats(0.0, 4.0))
     def advance(self, dt: float) -> None:
         self.now += dt
@@ -202,6 +210,11 @@ class StoreMachine(RuleBasedStateMachine):
         evictable = sum(1 for i in infos if i.state is BlockState.READY and i.refcount == 0)
         assert stats.evictable == evictable
         assert stats.pinned == sum(1 for i in infos if i.refcount > 0)
+        # Every READY unpinned block is in the LRU (pinned ones may stay
+        # linked, but eviction never offers them).
+        unpinned = {i.hash for i in infos if i.state is BlockState.READY and i.refcount == 0}
+        order = self.store.table(NS).lru_order()
+        assert len(order) == len(set(order)) and set(order) == unpinned
 
     @invariant()
     def quarantined_slots_hold_nothing_until_their_time(self) -> None:
