@@ -19,6 +19,7 @@ import json
 import os
 import statistics
 import time
+from array import array
 from collections.abc import Callable
 from typing import Any
 
@@ -28,7 +29,7 @@ from kvstore.api import wire
 from kvstore.client.convert import chain_fields, hit_from_proto, location_from_proto
 from kvstore.client.handles import Namespace
 from kvstore.layout import KVLayout, NamespaceSpec
-from kvstore.results import BlockRef
+from kvstore.results import BlockRef, LookupResult, MissReason
 from kvstore.types import BlockHash, LeaseId, NamespaceId, SlotId
 from kvstore.v1 import kvstore_pb2 as pb
 from service.api import chains, convert, validate
@@ -73,6 +74,14 @@ def _per_block(mode: str, hashes: list[bytes], tokens: list[int], refs: Any) -> 
 
 def _packed(mode: str, hashes: list[bytes], tokens: list[int], refs: Any) -> Callable[[], None]:
     pool: Any = _Pool()
+    # What the core's lookup hands the servicer: arrays, no object per block.
+    result = LookupResult(
+        hashes=[r.hash for r in refs],
+        slots=array("q", [r.slot for r in refs]),
+        generations=array("Q", [r.generation for r in refs]),
+        pinned=True,
+        miss_reason=MissReason.NONE,
+    )
     ns = Namespace(
         NamespaceSpec("m", KVLayout(4, 8, 128, 16, "float16")),
         NamespaceId("0" * 16),
@@ -97,7 +106,7 @@ def _packed(mode: str, hashes: list[bytes], tokens: list[int], refs: Any) -> Cal
             validate.block_hashes(sent_hashes, MAX_BLOCKS)
         else:
             chains.token_array(sent_tokens)
-        reply_fields = convert.packed_locations(pool, refs)
+        reply_fields = convert.packed_locations(pool, result)
         if mode == "tokens":
             reply_fields["packed_chain"] = b"".join(hashes)
         reply = pb.LookupResponse(**reply_fields).SerializeToString()

@@ -61,7 +61,7 @@ class BlockRpcs(ServicerBase):
             and node.peers is not None
             and result.miss_reason is MissReason.ABSENT
         ):
-            first = [b.hash for b in result.blocks] if result.pinned and lease_id else []
+            first = list(result.hashes) if result.pinned and lease_id else []
             try:
                 fetched = await node.peers.fetch(namespace, tenant, chain, result.hit_blocks)
             except BaseException:
@@ -99,9 +99,7 @@ class BlockRpcs(ServicerBase):
         )
         try:
             if request.packed_reply:
-                reply = await off_loop(
-                    len(result.blocks), convert.packed_locations, pool, result.blocks
-                )
+                reply = await off_loop(result.hit_blocks, convert.packed_locations, pool, result)
                 if from_tokens:
                     reply["packed_chain"] = b"".join(chain)
             else:
@@ -110,15 +108,15 @@ class BlockRpcs(ServicerBase):
         except BaseException:
             # Cancelled while the reply was built: the caller never learns of
             # these pins, so drop them (one per block, as the lookup took).
-            if result.pinned and result.blocks and lease_id is not None:
-                hashes = [b.hash for b in result.blocks]
+            if result.pinned and result.hit_blocks and lease_id is not None:
+                hashes = list(result.hashes)
                 with contextlib.suppress(KVStoreError):
                     node.store.release(namespace, tenant, lease_id, hashes, node.now())
             raise
         return pb.LookupResponse(
             hit_blocks=result.hit_blocks,
             hit_tokens=hit_tokens,
-            pinned=result.pinned and bool(result.blocks),
+            pinned=result.pinned and bool(result.hit_blocks),
             miss_reason=int(result.miss_reason),  # type: ignore[arg-type]
             pool_epoch=node.epoch,
             query_tokens=query_tokens,

@@ -12,7 +12,14 @@ from kvstore.events import CacheEvent, EventKind
 from kvstore.hashing import HashScheme
 from kvstore.layout import KVLayout
 from kvstore.pool.base import BlockPool, PoolDescriptor
-from kvstore.results import BlockInfo, BlockRef, NamespaceStats, ReserveEntry, ReserveStatus
+from kvstore.results import (
+    BlockInfo,
+    BlockRef,
+    LookupResult,
+    NamespaceStats,
+    ReserveEntry,
+    ReserveStatus,
+)
 from kvstore.v1 import kvstore_pb2 as pb
 from service.api.errors import FieldError
 
@@ -82,18 +89,18 @@ def locations(pool: BlockPool, refs: Iterable[BlockRef]) -> list[pb.BlockLocatio
     return out
 
 
-def packed_locations(pool: BlockPool, refs: Sequence[BlockRef]) -> dict[str, Any]:
-    """The packed reply fields of a Lookup (``hit_hashes``, ``slots``, ...) for ``refs``.
+def packed_locations(pool: BlockPool, result: LookupResult) -> dict[str, Any]:
+    """The packed reply fields of a Lookup (``hit_hashes``, ``slots``, ...) of its hits.
 
-    Three flat lists instead of one message per block: ~40 µs for 512 blocks
-    where the messages took ~0.8 ms. Arena and offset are left to the client
-    (``slots_per_arena``, ``block_bytes``).
+    Three flat lists, straight from the core's arrays, instead of one message
+    per block: ~40 µs for 512 blocks where the messages took ~0.8 ms. Arena
+    and offset are left to the client (``slots_per_arena``, ``block_bytes``).
     """
     descriptor = pool.descriptor
     return {
-        "hit_hashes": b"".join([ref.hash for ref in refs]),
-        "slots": [ref.slot for ref in refs],
-        "generations": [ref.generation for ref in refs],
+        "hit_hashes": b"".join(result.hashes),
+        "slots": result.slots.tolist(),
+        "generations": result.generations.tolist(),
         "slots_per_arena": descriptor.slots_per_arena,
         "block_bytes": descriptor.block_bytes,
     }
