@@ -42,6 +42,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import grpc
 import numpy as np
 import numpy.typing as npt
 import redis.asyncio as aioredis
@@ -53,6 +54,7 @@ from kvstore.client import Client, Namespace
 from kvstore.layout import KVLayout
 from kvstore.types import BlockHash
 from kvstore.v1 import kvstore_pb2 as pb
+from kvstore.v1 import kvstore_pb2_grpc
 
 MiB = 1 << 20
 TENANT = "bench"
@@ -92,9 +94,6 @@ def lmcache_python_problem(python: str | None) -> str | None:
 
 async def _clear(client: Client, ns: Namespace) -> None:
     # The SDK has no Clear; the raw stub under the client's tenant, as bench_service does.
-    from kvstore.v1 import kvstore_pb2_grpc  # noqa: PLC0415 (only here)
-    import grpc  # noqa: PLC0415
-
     async with grpc.aio.insecure_channel(client.target) as channel:
         stub = kvstore_pb2_grpc.KVStoreStub(channel)
         await stub.Clear(
@@ -121,7 +120,9 @@ async def bench_kvstore(
         for rep in range(repeats + 1):  # rep 0 warms up
             await _clear(client, ns)
             t0 = time.perf_counter()
-            result = await client.store(ns, hashes=chain, blocks=src if mapped else list(src))
+            # Mapped: one (n, block_bytes) array (one copy per run of slots); streamed: rows.
+            blocks: Any = src if mapped else list(src)
+            result = await client.store(ns, hashes=chain, blocks=blocks)
             t1 = time.perf_counter()
             if result.committed != n:
                 raise RuntimeError(f"kvstore committed {result.committed} of {n}")
@@ -165,7 +166,7 @@ async def bench_redis(src: npt.NDArray[np.uint8], repeats: int) -> list[dict[str
                         pipe.set(keys[i], data[i])
                     await pipe.execute()
                 t1 = time.perf_counter()
-                loaded: list[bytes] = []
+                loaded: list[Any] = []
                 for start in range(0, n, 64):
                     loaded.extend(await client.mget(keys[start : start + 64]))
                 t2 = time.perf_counter()
