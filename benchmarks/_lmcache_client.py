@@ -137,6 +137,7 @@ async def run(args: dict[str, Any]) -> dict[str, Any]:
 
 def main() -> None:
     args = json.loads(sys.argv[1])
+    torch.set_num_threads(1)  # see bench_lmcache: a pool of torch threads per copy only contends
     wait_listening(args["host"], args["port"], time.monotonic() + args.get("ready_timeout", 60))
     result = asyncio.run(run(args))
     import lmcache

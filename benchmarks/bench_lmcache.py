@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import os
 import socket
 import statistics
@@ -59,6 +60,9 @@ from kvstore.v1 import kvstore_pb2_grpc
 MiB = 1 << 20
 TENANT = "bench"
 CLIENT_SCRIPT = Path(__file__).with_name("_lmcache_client.py")
+MP_CLIENT_SCRIPT = Path(__file__).with_name("_lmcache_mp_client.py")
+MP_READY_LINE = "LMCache cache server is running"
+"""What ``lmcache server`` logs once its ZMQ request server serves."""
 ENV_PYTHON = "KVSTORE_LMCACHE_PYTHON"
 
 
@@ -200,13 +204,13 @@ def bench_numpy(src: npt.NDArray[np.uint8], repeats: int) -> list[dict[str, floa
 def bench_lmcache(
     python: str, data_path: Path, layout: KVLayout, n: int, repeats: int, workdir: Path
 ) -> dict[str, Any]:
+    """LMCache's legacy CPU server and its remote connector, see `_lmcache_client`."""
     port = _free_port()
-    env = {**os.environ, "LMCACHE_DISABLE_BANNER": "1", "PYTHONPATH": ""}
     log_path = workdir / "lmcache_server.log"
     with open(log_path, "w") as log:
         server = subprocess.Popen(
             [python, "-m", "lmcache.v1.server", "127.0.0.1", str(port), "cpu"],
-            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
+            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=_lmcache_env(),
         )  # fmt: skip
     try:
         args = {
@@ -220,25 +224,87 @@ def bench_lmcache(
             "heads": layout.num_kv_heads,
             "head_dim": layout.head_dim,
         }
-        proc = subprocess.run(
-            [python, str(CLIENT_SCRIPT), json.dumps(args)],
-            capture_output=True, text=True, timeout=600, env=env,
-        )  # fmt: skip
-        for line in proc.stdout.splitlines():
-            if line.startswith("LMCACHE_RESULT "):
-                result: dict[str, Any] = json.loads(line.split(" ", 1)[1])
-                return result
-        raise RuntimeError(
-            f"LMCache client failed (rc {proc.returncode}):\n{proc.stderr[-3000:]}\n"
-            f"server log:\n{log_path.read_text(errors='replace')[-2000:]}"
-        )
+        return _run_client(python, CLIENT_SCRIPT, args, log_path)
     finally:
-        server.terminate()
-        try:
-            server.wait(15)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            server.wait(10)
+        _stop(server)
+
+
+def _lmcache_env() -> dict[str, str]:
+    return {
+        **os.environ,
+        "LMCACHE_DISABLE_BANNER": "1",
+        "LMCACHE_TRACK_USAGE": "false",
+        "PYTHONPATH": "",
+    }
+
+
+def _run_client(python: str, script: Path, args: dict[str, Any], log_path: Path) -> dict[str, Any]:
+    proc = subprocess.run(
+        [python, str(script), json.dumps(args)],
+        capture_output=True, text=True, timeout=600, env=_lmcache_env(),
+    )  # fmt: skip
+    for line in proc.stdout.splitlines():
+        if line.startswith("LMCACHE_RESULT "):
+            result: dict[str, Any] = json.loads(line.split(" ", 1)[1])
+            return result
+    raise RuntimeError(
+        f"LMCache client {script.name} failed (rc {proc.returncode}):\n{proc.stderr[-3000:]}\n"
+        f"server log:\n{log_path.read_text(errors='replace')[-2000:]}"
+    )
+
+
+def _stop(server: subprocess.Popen[bytes]) -> None:
+    server.terminate()
+    try:
+        server.wait(30)
+    except subprocess.TimeoutExpired:
+        server.kill()
+        server.wait(10)
+
+
+def bench_lmcache_mp(
+    python: str, data_path: Path, layout: KVLayout, n: int, repeats: int, workdir: Path
+) -> dict[str, dict[str, Any]]:
+    """Both CPU transfer modes of ``lmcache server`` (one server), see `_lmcache_mp_client`."""
+    port, http_port = _free_port(), _free_port()
+    l1_gb = max(1, math.ceil(2 * (repeats + 1) * n * layout.block_bytes * 1.25 / 2**30))
+    log_path = workdir / "lmcache_mp_server.log"
+    with open(log_path, "w") as log:
+        server = subprocess.Popen(
+            [python, "-c", "from lmcache.cli.main import main; main()", "server",
+             "--host", "127.0.0.1", "--port", str(port), "--http-host", "127.0.0.1",
+             "--http-port", str(http_port), "--l1-size-gb", str(l1_gb),
+             "--eviction-policy", "LRU", "--supported-transfer-mode", "auto",
+             "--disable-observability"],
+            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=_lmcache_env(),
+        )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 120
+        while MP_READY_LINE not in log_path.read_text(errors="replace"):
+            if server.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(
+                    f"lmcache server not ready (exit {server.poll()}):\n"
+                    + log_path.read_text(errors="replace")[-3000:]
+                )
+            time.sleep(0.2)
+        out = {}
+        for mode in ("lmcache_driven", "engine_driven"):
+            args = {
+                "port": port,
+                "http_port": http_port,
+                "transfer_mode": mode,
+                "data": str(data_path),
+                "blocks": n,
+                "repeats": repeats,
+                "layers": layout.num_layers,
+                "tokens": layout.block_size,
+                "heads": layout.num_kv_heads,
+                "head_dim": layout.head_dim,
+            }
+            out[mode] = _run_client(python, MP_CLIENT_SCRIPT, args, log_path)
+        return out
+    finally:
+        _stop(server)
 
 
 # --- summary ------------------------------------------------------------------------
@@ -302,7 +368,10 @@ def main(argv: list[str] | None = None) -> None:
             server_status = server.stop()
         runs["redis"] = asyncio.run(bench_redis(src, args.repeats))
         lmc = bench_lmcache(args.lmcache_python, data_path, layout, n, args.repeats, workdir)
-        runs["lmcache"] = lmc.pop("runs")
+        runs["lmcache_legacy_server"] = lmc.pop("runs")
+        mp = bench_lmcache_mp(args.lmcache_python, data_path, layout, n, args.repeats, workdir)
+        for mode, result in mp.items():
+            runs[f"lmcache_mp_{mode}"] = result["runs"]
     report: dict[str, Any] = {
         "benchmark": "bench_lmcache",
         "blocks": n,
@@ -311,6 +380,7 @@ def main(argv: list[str] | None = None) -> None:
         "repeats": args.repeats,
         "lmcache_version": lmc.get("lmcache_version"),
         "lmcache_torch": lmc.get("torch_version"),
+        "lmcache_mp_chunk_tokens": mp["lmcache_driven"].get("chunk_tokens"),
         "python": sys.version.split()[0],
     }
     for name, path_runs in runs.items():
