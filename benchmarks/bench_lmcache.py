@@ -34,7 +34,6 @@ import asyncio
 import json
 import math
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -50,7 +49,7 @@ import redis.asyncio as aioredis
 
 from benchmarks._server import ServerProcess
 from benchmarks._stats import gbps
-from benchmarks.bench_redis import _start_redis
+from benchmarks.bench_redis import _free_port, _start_redis
 from kvstore.client import Client, Namespace
 from kvstore.layout import KVLayout
 from kvstore.types import BlockHash
@@ -61,15 +60,11 @@ MiB = 1 << 20
 TENANT = "bench"
 CLIENT_SCRIPT = Path(__file__).with_name("_lmcache_client.py")
 MP_CLIENT_SCRIPT = Path(__file__).with_name("_lmcache_mp_client.py")
+MP_CHUNK_TOKENS = 256
+"""``lmcache server``'s default chunk: the MP runs store whole chunks only."""
 MP_READY_LINE = "LMCache cache server is running"
 """What ``lmcache server`` logs once its ZMQ request server serves."""
 ENV_PYTHON = "KVSTORE_LMCACHE_PYTHON"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def lmcache_python_problem(python: str | None) -> str | None:
@@ -342,6 +337,8 @@ def main(argv: list[str] | None = None) -> None:
         return
     if args.quick:
         args.blocks, args.repeats = 32, 1
+    if args.blocks * args.block_size % MP_CHUNK_TOKENS:
+        build_parser().error(f"blocks x block size must fill {MP_CHUNK_TOKENS}-token chunks")
     layout = KVLayout(
         num_layers=args.layers, num_kv_heads=args.kv_heads, head_dim=args.head_dim,
         block_size=args.block_size, dtype="float16",
