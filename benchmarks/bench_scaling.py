@@ -63,6 +63,16 @@ def cpu_seconds(pid: int) -> float:
         return stat_cpu(f.read())
 
 
+def schedstat(pid: int) -> tuple[float, float]:
+    """(seconds on a CPU, seconds runnable but waiting for one) of a process's main thread."""
+    try:
+        with open(f"/proc/{pid}/task/{pid}/schedstat") as f:
+            running, waiting, _ = f.read().split()
+    except (OSError, ValueError):
+        return 0.0, 0.0  # no schedstat in this kernel
+    return int(running) / 1e9, int(waiting) / 1e9
+
+
 def thread_cpu(pid: int) -> dict[int, tuple[str, float]]:
     """Each thread of a process: (name, utime+stime seconds), from ``/proc/<pid>/task``."""
     threads: dict[int, tuple[str, float]] = {}
@@ -218,10 +228,12 @@ def measure(
     time.sleep(max(0.0, start - time.time()))
     node_cpu = cpu_seconds(node_pid) if node_pid else 0.0
     threads = thread_cpu(node_pid) if node_pid else {}
+    sched = schedstat(node_pid) if node_pid else (0.0, 0.0)
     wall = time.time()
     time.sleep(max(0.0, end - time.time()))
     node_cpu = cpu_seconds(node_pid) - node_cpu if node_pid else 0.0
     threads_after = thread_cpu(node_pid) if node_pid else {}
+    sched_after = schedstat(node_pid) if node_pid else (0.0, 0.0)
     wall = time.time() - wall
     results = [receive(conn, proc, 60.0) for conn, proc in zip(pipes, procs[:n], strict=False)]
     calls = sum(r["calls"] for r in results)
@@ -231,6 +243,12 @@ def measure(
         "per_s": round(calls / args.seconds, 1),
         "node_cores": round(node_cpu / wall, 2) if node_pid else None,
         "node_threads": busy_threads(threads, threads_after, wall),
+        # The event loop's thread: share of the window it ran, and it ran or waited
+        # for a CPU (1.0 = saturated: it would use a whole core if one were free).
+        "loop_running": round((sched_after[0] - sched[0]) / wall, 2),
+        "loop_running_or_runnable": round(
+            (sched_after[0] + sched_after[1] - sched[0] - sched[1]) / wall, 2
+        ),
         "client_cores": round(sum(r["cpu_s"] for r in results) / args.seconds, 2),
     }
 

@@ -53,3 +53,11 @@ def test_ping_payload_is_as_large_as_the_sdk_s_lookup_request() -> None:
         packed_hashes=wire.pack_hashes(chain),
     )
     assert bench_scaling.lookup_request_bytes("ns-1", chain) == request.ByteSize()
+
+
+def test_schedstat_counts_this_thread_s_time_on_a_cpu() -> None:
+    running, waiting = bench_scaling.schedstat(os.getpid())
+    if running == 0.0 and waiting == 0.0:
+        pytest.skip("this kernel has no schedstat")
+    assert running > 0.0
+    assert waiting >= 0.0
