@@ -1,0 +1,365 @@
+"""Scaling benchmark: one node, 1-8 client processes, Lookup+Release pairs/s and node cores.
+
+Starts one real node (``python -m service``, as bench_service does), registers
+a namespace and stores one chain (512 blocks by default) once. Then, for each
+number of client processes N (1, 2, 4, 8), the first N of a set of worker
+processes (each with its own `kvstore.client.Client`, channel and lease, the
+chain's hashes precomputed) run for a fixed time:
+
+* ``lookup``: a pinned Lookup of the whole chain (always a full hit), then its
+  Release, in a loop (``--tasks`` of them in flight per process);
+* ``ping``: the baseline, the same processes echoing a ``Ping`` whose payload
+  is as large as the Lookup request.
+
+For each, it reports the calls per second of all processes together, the
+node process's CPU use over the window (utime+stime from ``/proc/<pid>/stat``
+before and after, so every thread of the node counts) in cores, and the
+client processes' CPU in cores. Prints one JSON object.
+
+    python -m benchmarks.bench_scaling [--blocks 512] [--clients 1,2,4,8] [--seconds 3]
+        [--tasks 1] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import multiprocessing as mp
+import os
+import platform
+import sys
+import tempfile
+import time
+from multiprocessing.connection import Connection
+from typing import Any
+
+import grpc
+import numpy as np
+
+from benchmarks._server import ServerProcess
+from kvstore.client import Client
+from kvstore.layout import KVLayout
+from kvstore.types import BlockHash
+from kvstore.v1 import kvstore_pb2 as pb
+
+MiB = 1 << 20
+TENANT = "bench"
+MODEL = "bench-scaling"
+CLK_TCK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def stat_cpu(stat: str) -> float:
+    """utime + stime, in seconds, of a ``/proc/<pid>/stat`` line (fields 14 and 15)."""
+    # The command name (field 2) may hold spaces and parentheses: split after the last ")".
+    fields = stat[stat.rindex(")") + 2 :].split()
+    return (int(fields[11]) + int(fields[12])) / CLK_TCK
+
+
+def cpu_seconds(pid: int) -> float:
+    """CPU seconds a process has used, all its threads together."""
+    with open(f"/proc/{pid}/stat") as f:
+        return stat_cpu(f.read())
+
+
+def schedstat(pid: int) -> tuple[float, float]:
+    """(seconds on a CPU, seconds runnable but waiting for one) of a process's main thread."""
+    try:
+        with open(f"/proc/{pid}/task/{pid}/schedstat") as f:
+            running, waiting, _ = f.read().split()
+    except (OSError, ValueError):
+        return 0.0, 0.0  # no schedstat in this kernel
+    return int(running) / 1e9, int(waiting) / 1e9
+
+
+def thread_cpu(pid: int) -> dict[int, tuple[str, float]]:
+    """Each thread of a process: (name, utime+stime seconds), from ``/proc/<pid>/task``."""
+    threads: dict[int, tuple[str, float]] = {}
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/comm") as f:
+                name = f.read().strip()
+            with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue  # the thread ended
+        threads[int(tid)] = (name, stat_cpu(stat))
+    return threads
+
+
+def busy_threads(
+    before: dict[int, tuple[str, float]], after: dict[int, tuple[str, float]], wall: float
+) -> dict[str, float]:
+    """Cores used per thread name over ``wall`` seconds (threads under 0.01 core left out)."""
+    by_name: dict[str, float] = {}
+    for tid, (name, cpu) in after.items():
+        used = cpu - before.get(tid, (name, 0.0))[1]
+        key = "main (event loop)" if tid == min(after) else name
+        by_name[key] = by_name.get(key, 0.0) + used / wall
+    return {k: round(v, 2) for k, v in sorted(by_name.items(), key=lambda kv: -kv[1]) if v >= 0.01}
+
+
+def layout_of(args: argparse.Namespace) -> KVLayout:
+    return KVLayout(
+        num_layers=args.layers,
+        num_kv_heads=args.kv_heads,
+        head_dim=args.head_dim,
+        block_size=args.block_size,
+        dtype=args.dtype,
+    )
+
+
+def lookup_request_bytes(namespace_id: str, chain: list[bytes]) -> int:
+    """Size of the pinned Lookup request the SDK sends (packed hashes where the proto has them)."""
+    request = pb.LookupRequest(namespace_id=namespace_id, lease_id=1, pin=True)
+    if "packed_hashes" in pb.LookupRequest.DESCRIPTOR.fields_by_name:
+        request.packed_hashes = b"".join(chain)
+        request.packed_reply = True
+    else:  # a tree from before the packed wire forms (to measure it with this benchmark)
+        request.hashes.extend(chain)
+    return request.ByteSize()
+
+
+def receive(conn: Connection, proc: Any, timeout: float) -> Any:
+    """The next message of a worker; RuntimeError if it died or stayed silent too long."""
+    deadline = time.monotonic() + timeout
+    while not conn.poll(0.2):
+        if not proc.is_alive() or time.monotonic() > deadline:
+            raise RuntimeError(f"{proc.name} exited ({proc.exitcode}) or is silent")
+    return conn.recv()
+
+
+# --- worker processes ------------------------------------------------------------------
+
+
+def worker(target: str, layout: KVLayout, chain: list[bytes], conn: Connection) -> None:
+    """One client process: connects, then runs the rounds the parent sends until ``None``."""
+    asyncio.run(_worker(target, layout, chain, conn))
+
+
+async def _worker(target: str, layout: KVLayout, chain: list[bytes], conn: Connection) -> None:
+    async with Client(target, tenant=TENANT, timeout=60.0, lease_ttl=300.0) as client:
+        ns = await client.register_namespace(MODEL, layout)
+        hashes = [BlockHash(h) for h in chain]
+        size = lookup_request_bytes(ns.id, chain)
+        payload = os.urandom(size)
+
+        async def lookup() -> None:
+            hit = await client.lookup(ns, hashes=hashes, pin=True)
+            if hit.hit_blocks != len(hashes):
+                raise RuntimeError(f"expected a full hit, got {hit.hit_blocks}/{len(hashes)}")
+            await client.release(hit)
+
+        async def ping() -> None:
+            if len(await client.ping(payload)) != len(payload):
+                raise RuntimeError("Ping echoed another payload")
+
+        ops = {"lookup": lookup, "ping": ping}
+        for op in ops.values():  # warm up both paths (and the channel)
+            for _ in range(3):
+                await op()
+        conn.send({"ready": True, "ping_payload_bytes": size})
+        while True:
+            command = await asyncio.to_thread(conn.recv)
+            if command is None:
+                return
+            conn.send(await _round(ops[command["op"]], command))
+
+
+async def _round(op: Any, command: dict[str, Any]) -> dict[str, Any]:
+    """Run ``op`` in ``tasks`` loops until ``end``; count the calls done in [start, end)."""
+    start, end = command["start"], command["end"]
+    counted = 0
+    cpu = 0.0
+
+    async def loop() -> None:
+        nonlocal counted
+        while True:
+            now = time.time()
+            if now >= end:
+                return
+            await op()
+            if now >= start and time.time() < end:
+                counted += 1
+
+    delay = start - time.time()
+    if delay > 0:
+        await asyncio.sleep(delay)
+    cpu = time.process_time()
+    await asyncio.gather(*(loop() for _ in range(command["tasks"])))
+    return {"calls": counted, "cpu_s": time.process_time() - cpu}
+
+
+# --- the parent ------------------------------------------------------------------------
+
+
+async def setup(target: str, layout: KVLayout, blocks: int) -> list[bytes]:
+    """Register the namespace and store one chain of ``blocks`` blocks; its hashes."""
+    async with Client(target, tenant=TENANT, timeout=60.0) as client:
+        ns = await client.register_namespace(
+            MODEL, layout, capacity_bytes=layout.block_bytes * blocks
+        )
+        if ns.capacity < blocks:
+            raise RuntimeError(f"the pool holds {ns.capacity} blocks, {blocks} needed")
+        rng = np.random.default_rng(1)
+        tokens = rng.integers(1, 128_000, size=blocks * layout.block_size).tolist()
+        chain = ns.hash(tokens)
+        data = rng.integers(0, 256, size=(blocks, layout.block_bytes), dtype=np.uint8)
+        stored = await client.store(ns, hashes=chain, blocks=list(data))
+        if stored.committed != blocks:
+            raise RuntimeError(f"stored {stored.committed} of {blocks} blocks")
+        return [bytes(h) for h in chain]
+
+
+def measure(
+    pipes: list[Connection],
+    procs: list[Any],
+    node_pid: int | None,
+    op: str,
+    n: int,
+    args: argparse.Namespace,
+) -> dict[str, Any]:
+    """One round: ``op`` on the first ``n`` workers for ``args.seconds``."""
+    start = time.time() + 0.3  # every worker has its command by then
+    end = start + args.seconds
+    for conn in pipes[:n]:
+        conn.send({"op": op, "start": start, "end": end, "tasks": args.tasks})
+    time.sleep(max(0.0, start - time.time()))
+    node_cpu = cpu_seconds(node_pid) if node_pid else 0.0
+    threads = thread_cpu(node_pid) if node_pid else {}
+    sched = schedstat(node_pid) if node_pid else (0.0, 0.0)
+    wall = time.time()
+    time.sleep(max(0.0, end - time.time()))
+    node_cpu = cpu_seconds(node_pid) - node_cpu if node_pid else 0.0
+    threads_after = thread_cpu(node_pid) if node_pid else {}
+    sched_after = schedstat(node_pid) if node_pid else (0.0, 0.0)
+    wall = time.time() - wall
+    results = [receive(conn, proc, 60.0) for conn, proc in zip(pipes, procs[:n], strict=False)]
+    calls = sum(r["calls"] for r in results)
+    return {
+        "clients": n,
+        "calls": calls,
+        "per_s": round(calls / args.seconds, 1),
+        "node_cores": round(node_cpu / wall, 2) if node_pid else None,
+        "node_threads": busy_threads(threads, threads_after, wall),
+        # The event loop's thread: share of the window it ran, and it ran or waited
+        # for a CPU (1.0 = saturated: it would use a whole core if one were free).
+        "loop_running": round((sched_after[0] - sched[0]) / wall, 2),
+        "loop_running_or_runnable": round(
+            (sched_after[0] + sched_after[1] - sched[0] - sched[1]) / wall, 2
+        ),
+        "client_cores": round(sum(r["cpu_s"] for r in results) / args.seconds, 2),
+    }
+
+
+def run(args: argparse.Namespace, target: str, node_pid: int | None) -> dict[str, Any]:
+    layout = layout_of(args)
+    chain = asyncio.run(setup(target, layout, args.blocks))
+    ctx = mp.get_context("spawn")  # no fork of a process that has used grpc
+    pipes: list[Connection] = []
+    procs: list[Any] = []
+    for i in range(max(args.clients)):
+        parent, child = ctx.Pipe()
+        proc = ctx.Process(target=worker, args=(target, layout, chain, child), name=f"client-{i}")
+        proc.start()
+        child.close()
+        pipes.append(parent)
+        procs.append(proc)
+    try:
+        ready = [receive(conn, proc, 120.0) for conn, proc in zip(pipes, procs, strict=True)]
+        curves: dict[str, list[dict[str, Any]]] = {"lookup": [], "ping": []}
+        for n in args.clients:
+            for op in args.ops:
+                curves[op].append(measure(pipes, procs, node_pid, op, n, args))
+    finally:
+        for conn in pipes:
+            with contextlib.suppress(OSError):
+                conn.send(None)
+        for proc in procs:
+            proc.join(30)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(5)
+    return {
+        "blocks": args.blocks,
+        "block_bytes": layout.block_bytes,
+        "seconds_per_point": args.seconds,
+        "tasks_per_client": args.tasks,
+        "ping_payload_bytes": ready[0]["ping_payload_bytes"],
+        "lookup_release_pairs": curves["lookup"],
+        "ping": curves["ping"],
+        "lookup_over_ping": [
+            round(lk["per_s"] / pg["per_s"], 3) if pg["per_s"] else None
+            for lk, pg in zip(curves["lookup"], curves["ping"], strict=False)
+        ],
+    }
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.bench_scaling")
+    parser.add_argument("--blocks", type=int, default=512, help="blocks of the chain")
+    parser.add_argument(
+        "--clients", type=lambda s: [int(c) for c in s.split(",")], default=[1, 2, 4, 8]
+    )
+    parser.add_argument("--seconds", type=float, default=3.0, help="measured time per point")
+    parser.add_argument(
+        "--ops",
+        type=lambda s: s.split(","),
+        default=["lookup", "ping"],
+        help="what to measure: lookup, ping or both (to profile one of them)",
+    )
+    parser.add_argument("--tasks", type=int, default=1, help="calls in flight per process")
+    # A small block: lookups never touch the bytes, and the pool stays small.
+    parser.add_argument("--layers", type=int, default=1)
+    parser.add_argument("--kv-heads", type=int, default=1)
+    parser.add_argument("--head-dim", type=int, default=64)
+    parser.add_argument("--block-size", type=int, default=16, help="tokens per block")
+    parser.add_argument("--dtype", default="float16")
+    parser.add_argument("--quick", action="store_true", help="1 s per point, clients 1,2,4")
+    parser.add_argument(
+        "--target",
+        help="measure this running node (host:port) instead of starting one (e.g. a node"
+        " under a profiler); its registered namespace needs room for the chain",
+    )
+    parser.add_argument("--node-pid", type=int, help="with --target: the node's pid (for its CPU)")
+    parser.add_argument("--shm-dir", default="/dev/shm" if os.path.isdir("/dev/shm") else None)
+    return parser
+
+
+def start_and_run(args: argparse.Namespace) -> dict[str, Any]:
+    """Start a node (one arena as big as its budget), run, stop it."""
+    layout = layout_of(args)
+    capacity = f"{max(64 * MiB, 2 * layout.block_bytes * args.blocks) // MiB}MiB"
+    with tempfile.TemporaryDirectory(prefix="kvstore-bench-", dir=args.shm_dir) as shm:
+        server = ServerProcess.start(
+            shm, capacity=capacity, prefix_stem="kvscale", extra_args=("--arena-bytes", capacity)
+        )
+        try:
+            report = run(args, server.target, server.process.pid)
+        finally:
+            status = server.stop()
+        report["server_exit_status"] = status
+    return report
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    if args.quick:
+        args.seconds = 1.0
+        args.clients = [n for n in args.clients if n <= 4]
+    started = time.perf_counter()
+    report = run(args, args.target, args.node_pid) if args.target else start_and_run(args)
+    report["machine"] = {
+        "cpu_count": os.cpu_count(),
+        "affinity_cpus": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+        "platform": platform.platform(),
+        "python": sys.version.split()[0],
+        "grpc": grpc.__version__,
+    }
+    report["wall_seconds"] = round(time.perf_counter() - started, 1)
+    print(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()
