@@ -17,12 +17,11 @@ from __future__ import annotations
 import argparse
 import json
 import tempfile
-import time
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
+from kvstore.cli.microbench import best_of
 from kvstore.client.handles import BlockLocation, Hit
 from kvstore.client.transfer import _copy_in
 from kvstore.layout import KVLayout
@@ -30,15 +29,6 @@ from kvstore.pool import HostMapping, HostPool, host_pages
 from kvstore.results import MissReason
 from kvstore.types import BlockHash, NamespaceId, SlotId
 from kvstore.v1 import kvstore_pb2 as pb
-
-
-def best_of(fn: Callable[[], object], repeat: int) -> float:
-    best = float("inf")
-    for _ in range(repeat):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return best
 
 
 class _Ns:
@@ -69,9 +59,9 @@ def run(blocks: int, block_kib: int, shm_dir: str, repeat: int) -> dict[str, Any
                 (i, pb.ReserveEntry(location=pb.BlockLocation(slot=i, arena=0, offset=i * bb)))
                 for i in range(blocks)
             ]
-            hit = Hit(
-                namespace=ns,  # type: ignore[arg-type]
-                blocks=tuple(
+            hit = Hit.of_locations(
+                ns,  # type: ignore[arg-type]
+                tuple(
                     BlockLocation(BlockHash(bytes(32)), SlotId(i), 1, 0, i * bb)
                     for i in range(blocks)
                 ),
