@@ -4,41 +4,29 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
 
-import grpc
 import pytest
 
 from kvstore.v1 import kvstore_pb2 as pb
-from kvstore.v1 import kvstore_pb2_grpc
-from service.config import Config
-from service.server import Server
-from tests.service.conftest import LAYOUT, ManualClock, server_config  # noqa: F401
+
+# The node and stub fixtures of the service tests (a Server on port 0, a manual clock).
+from tests.service.conftest import (  # noqa: F401
+    LAYOUT,
+    channel,
+    clock,
+    kv_server,
+    server_config,
+    stub,
+)
 
 
-@pytest.fixture
-async def node(server_config: Config) -> AsyncIterator[Server]:  # noqa: F811
-    server = Server(server_config, clock=ManualClock(), expiry_tick=0.02)
-    await server.start()
-    try:
-        yield server
-    finally:
-        await server.stop(0.1)
-
-
-@pytest.fixture
-async def stub(node: Server) -> AsyncIterator[kvstore_pb2_grpc.KVStoreStub]:
-    async with grpc.aio.insecure_channel(node.address) as channel:
-        yield kvstore_pb2_grpc.KVStoreStub(channel)
-
-
-async def test_rpc_buckets_resolve_sub_millisecond_lookups(node, stub):
+async def test_rpc_buckets_resolve_sub_millisecond_lookups(kv_server, stub):  # noqa: F811
     ns = (
         await stub.RegisterNamespace(pb.RegisterNamespaceRequest(model_id="m", layout=LAYOUT))
     ).namespace_id
     for _ in range(20):
         await stub.Lookup(pb.LookupRequest(namespace_id=ns, tokens=list(range(8))))
-    registry = node.node.metrics.registry
+    registry = kv_server.node.metrics.registry
 
     def bucket(le: str) -> float:
         value = registry.get_sample_value(
@@ -59,11 +47,11 @@ async def test_rpc_buckets_resolve_sub_millisecond_lookups(node, stub):
     assert bucket("5e-05") < 20 and bucket("0.1") == 20
 
 
-async def test_namespace_info_names_the_model(node, stub):
+async def test_namespace_info_names_the_model(kv_server, stub):  # noqa: F811
     resp = await stub.RegisterNamespace(
         pb.RegisterNamespaceRequest(model_id="meta-llama/Llama-3.1-8B", layout=LAYOUT)
     )
-    text = node.node.metrics.render().decode()
+    text = kv_server.node.metrics.render().decode()
     lines = [x for x in text.splitlines() if x.startswith("kvstore_namespace_info{")]
     assert len(lines) == 1, text
     line = lines[0]
@@ -71,10 +59,10 @@ async def test_namespace_info_names_the_model(node, stub):
     assert 'model="meta-llama/Llama-3.1-8B"' in line and line.endswith(" 1.0")
 
 
-async def test_a_cancelled_watch_is_not_an_error(node, stub, caplog):
+async def test_a_cancelled_watch_is_not_an_error(kv_server, stub, caplog):  # noqa: F811
     caplog.set_level(logging.DEBUG)
-    registry = node.node.metrics.registry
-    hub = node.node.events
+    registry = kv_server.node.metrics.registry
+    hub = kv_server.node.events
     for _ in range(3):
         call = stub.WatchEvents(pb.WatchEventsRequest())
         await call.initial_metadata()  # subscribed
