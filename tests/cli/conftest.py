@@ -104,6 +104,34 @@ def stop_node(node: LiveNode) -> None:
     node.loop.close()
 
 
+def store_prompt(
+    node: LiveNode, model: str, tokens: list[int], metadata: tuple[tuple[str, str], ...] = ()
+) -> str:
+    """Register ``model`` and cache ``tokens`` under a fresh lease as the caller of ``metadata``.
+
+    Returns the namespace id.
+    """
+    channel, stub = node.stub()
+    with channel:
+        ns = stub.RegisterNamespace(
+            pb.RegisterNamespaceRequest(model_id=model, layout=LAYOUT), metadata=metadata, timeout=5
+        ).namespace_id
+        lid = stub.OpenLease(
+            pb.OpenLeaseRequest(ttl_seconds=600), metadata=metadata, timeout=5
+        ).lease_id
+        res = stub.Reserve(
+            pb.ReserveRequest(namespace_id=ns, lease_id=lid, tokens=tokens),
+            metadata=metadata,
+            timeout=5,
+        )
+        stub.Commit(
+            pb.CommitRequest(namespace_id=ns, lease_id=lid, hashes=[e.hash for e in res.entries]),
+            metadata=metadata,
+            timeout=5,
+        )
+    return ns
+
+
 def populate(node: LiveNode) -> str:
     """Cache `REQUESTS`, then look each up again (hits) plus one miss; returns the namespace."""
     channel, stub = node.stub()

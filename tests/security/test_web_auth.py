@@ -18,7 +18,7 @@ import pytest
 
 from kvstore.v1 import kvstore_pb2 as pb
 from service.ops.web_auth import COOKIE
-from tests.cli.conftest import ADMIN_TOKEN, LAYOUT, start_node, stop_node
+from tests.cli.conftest import ADMIN_TOKEN, start_node, stop_node, store_prompt
 
 TENANT_TOKEN = "alice-web-token-0123456789"
 
@@ -29,25 +29,10 @@ def bearer(token: str) -> tuple[tuple[str, str], ...]:
 
 def populate(node) -> str:
     """Alice caches a 2-block prompt; returns the namespace."""
-    channel, stub = node.stub()
     md = bearer(TENANT_TOKEN)
+    ns = store_prompt(node, "secret-model", list(range(8)), md)
+    channel, stub = node.stub()
     with channel:
-        ns = stub.RegisterNamespace(
-            pb.RegisterNamespaceRequest(model_id="secret-model", layout=LAYOUT),
-            metadata=md,
-            timeout=5,
-        ).namespace_id
-        lid = stub.OpenLease(pb.OpenLeaseRequest(ttl_seconds=600), metadata=md, timeout=5).lease_id
-        res = stub.Reserve(
-            pb.ReserveRequest(namespace_id=ns, lease_id=lid, tokens=list(range(8))),
-            metadata=md,
-            timeout=5,
-        )
-        stub.Commit(
-            pb.CommitRequest(namespace_id=ns, lease_id=lid, hashes=[e.hash for e in res.entries]),
-            metadata=md,
-            timeout=5,
-        )
         stub.Lookup(pb.LookupRequest(namespace_id=ns, tokens=list(range(8))), metadata=md)
     node.namespace = ns
     return ns

@@ -15,32 +15,14 @@ from pathlib import Path
 
 import pytest
 
-from kvstore.v1 import kvstore_pb2 as pb
-from tests.cli.conftest import LAYOUT, populate, start_node, stop_node
+from tests.cli.conftest import populate, start_node, stop_node, store_prompt
 
 QUIET_MODEL = "quiet-model"
 """A namespace registered before the busy one, with one block and no lookups."""
 
 
 def add_quiet_namespace(node) -> str:
-    channel, stub = node.stub()
-    md = (("x-kvstore-tenant", "bob"),)
-    with channel:
-        ns = stub.RegisterNamespace(
-            pb.RegisterNamespaceRequest(model_id=QUIET_MODEL, layout=LAYOUT), metadata=md, timeout=5
-        ).namespace_id
-        lid = stub.OpenLease(pb.OpenLeaseRequest(ttl_seconds=600), metadata=md, timeout=5).lease_id
-        res = stub.Reserve(
-            pb.ReserveRequest(namespace_id=ns, lease_id=lid, tokens=list(range(4))),
-            metadata=md,
-            timeout=5,
-        )
-        stub.Commit(
-            pb.CommitRequest(namespace_id=ns, lease_id=lid, hashes=[e.hash for e in res.entries]),
-            metadata=md,
-            timeout=5,
-        )
-    return ns
+    return store_prompt(node, QUIET_MODEL, list(range(4)), (("x-kvstore-tenant", "bob"),))
 
 
 @pytest.fixture(scope="module")
