@@ -41,7 +41,8 @@ FORBIDDEN = {
 BAD_UTF8 = [b"\xff", b"\xc3\x28", b"\xed\xa0\x80", b"ok\xf8\x88\x80\x80\x80", b"\xe2\x82"]
 
 
-def _varint(value: int) -> bytes:
+def varint(value: int) -> bytes:
+    """A protobuf base-128 varint (hand-built wire bytes, no message class)."""
     out = bytearray()
     while True:
         byte, value = value & 0x7F, value >> 7
@@ -51,7 +52,7 @@ def _varint(value: int) -> bytes:
 
 
 def _length_delimited(number: int, payload: bytes) -> bytes:
-    return _varint(number << 3 | 2) + _varint(len(payload)) + payload
+    return varint(number << 3 | 2) + varint(len(payload)) + payload
 
 
 def valid_request(descriptor: Descriptor, real: dict[str, Any]) -> Any:

@@ -30,6 +30,7 @@ import grpc
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc
 from service.config import Config
+from tests.fuzz.test_fuzz_raw_bytes import varint
 
 BOUND_SECONDS = 0.25
 """Slowest Ping allowed while a hostile request runs."""
@@ -42,19 +43,10 @@ LAYOUT = pb.KVLayout(
 )
 
 
-def _varint(value: int) -> bytes:
-    out = bytearray()
-    while True:
-        byte, value = value & 0x7F, value >> 7
-        out.append(byte | (0x80 if value else 0))
-        if not value:
-            return bytes(out)
-
-
 def oversized_lookup(namespace_id: str, size: int) -> bytes:
     """A LookupRequest of ``size`` bytes: ``size`` one-byte tokens, built without protobuf."""
     head = pb.LookupRequest(namespace_id=namespace_id).SerializeToString()
-    return head + b"\x22" + _varint(size) + b"\x01" * size  # field 4 (tokens), packed
+    return head + b"\x22" + varint(size) + b"\x01" * size  # field 4 (tokens), packed
 
 
 async def start_node(tmp_path):
