@@ -10,6 +10,8 @@ scripted) named by a fake directory.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import AsyncIterator
 from dataclasses import replace
 
 import grpc
@@ -90,8 +92,12 @@ async def test_cancelled_remote_lookup_releases_its_local_pins(stub, namespace, 
     assert stats.leases == 1
 
 
-async def test_remote_lookup_near_the_pin_bound_does_not_count_its_first_pins(server_config, clock):
-    server = Server(replace(server_config, max_pins_per_lease=3), clock=clock, expiry_tick=0.02)
+@contextlib.asynccontextmanager
+async def node_with(
+    server_config, clock, **changes: object
+) -> AsyncIterator[tuple[Server, kvstore_pb2_grpc.KVStoreStub, str]]:
+    """A node with ``changes`` to the test config, a stub to it and a namespace "m"."""
+    server = Server(replace(server_config, **changes), clock=clock, expiry_tick=0.02)
     await server.start()
     try:
         async with grpc.aio.insecure_channel(server.address) as channel:
@@ -99,26 +105,30 @@ async def test_remote_lookup_near_the_pin_bound_does_not_count_its_first_pins(se
             reg = await stub.RegisterNamespace(
                 pb.RegisterNamespaceRequest(model_id="m", layout=LAYOUT)
             )
-            ns = reg.namespace_id
-            tokens = list(range(3 * BLOCK_SIZE))
-            await _store_prefix(stub, ns, tokens, 2)
-            server.node.peers = StoringPeers(server.node)  # type: ignore[assignment]
-            lid = (await stub.OpenLease(pb.OpenLeaseRequest())).lease_id
-            resp = await stub.Lookup(
-                pb.LookupRequest(
-                    namespace_id=ns, lease_id=lid, pin=True, tokens=tokens, allow_remote=True
-                )
-            )
-            assert resp.hit_blocks == 3 and resp.pinned
-            stats = await stub.Stats(pb.StatsRequest())
-            assert stats.pinned == 3
-            released = await stub.Release(
-                pb.ReleaseRequest(namespace_id=ns, lease_id=lid, hashes=resp.chain)
-            )
-            assert released.released == 3
-            assert (await stub.Stats(pb.StatsRequest())).pinned == 0
+            yield server, stub, reg.namespace_id
     finally:
         await server.stop(0.1)
+
+
+async def test_remote_lookup_near_the_pin_bound_does_not_count_its_first_pins(server_config, clock):
+    async with node_with(server_config, clock, max_pins_per_lease=3) as (server, stub, ns):
+        tokens = list(range(3 * BLOCK_SIZE))
+        await _store_prefix(stub, ns, tokens, 2)
+        server.node.peers = StoringPeers(server.node)  # type: ignore[assignment]
+        lid = (await stub.OpenLease(pb.OpenLeaseRequest())).lease_id
+        resp = await stub.Lookup(
+            pb.LookupRequest(
+                namespace_id=ns, lease_id=lid, pin=True, tokens=tokens, allow_remote=True
+            )
+        )
+        assert resp.hit_blocks == 3 and resp.pinned
+        stats = await stub.Stats(pb.StatsRequest())
+        assert stats.pinned == 3
+        released = await stub.Release(
+            pb.ReleaseRequest(namespace_id=ns, lease_id=lid, hashes=resp.chain)
+        )
+        assert released.released == 3
+        assert (await stub.Stats(pb.StatsRequest())).pinned == 0
 
 
 class FakePeer(kvstore_pb2_grpc.KVStoreServicer):
@@ -194,46 +204,28 @@ async def test_a_dead_holder_evicts_nothing(stub, namespace, kv_server):
 
 
 async def test_peer_fetch_works_with_the_tenant_at_its_lease_limit(server_config, clock, fake_peer):
-    server = Server(replace(server_config, max_leases_per_tenant=1), clock=clock)
-    await server.start()
-    try:
-        async with grpc.aio.insecure_channel(server.address) as channel:
-            stub = kvstore_pb2_grpc.KVStoreStub(channel)
-            reg = await stub.RegisterNamespace(
-                pb.RegisterNamespaceRequest(model_id="m", layout=LAYOUT)
-            )
-            await stub.OpenLease(pb.OpenLeaseRequest())  # the tenant's one lease
-            fetcher = use_peer(server, fake_peer.address, 4)
-            resp = await _lookup(stub, reg.namespace_id, list(range(4 * BLOCK_SIZE)))
-            assert resp.hit_blocks == 4
-            assert fetcher.fetched_blocks == 4
-            # The internal lease is gone and the tenant is still at exactly its limit.
-            assert (await stub.Stats(pb.StatsRequest())).leases == 1
-            with pytest.raises(grpc.aio.AioRpcError) as err:
-                await stub.OpenLease(pb.OpenLeaseRequest())
-            assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-    finally:
-        await server.stop(0.1)
+    async with node_with(server_config, clock, max_leases_per_tenant=1) as (server, stub, ns):
+        await stub.OpenLease(pb.OpenLeaseRequest())  # the tenant's one lease
+        fetcher = use_peer(server, fake_peer.address, 4)
+        resp = await _lookup(stub, ns, list(range(4 * BLOCK_SIZE)))
+        assert resp.hit_blocks == 4
+        assert fetcher.fetched_blocks == 4
+        # The internal lease is gone and the tenant is still at exactly its limit.
+        assert (await stub.Stats(pb.StatsRequest())).leases == 1
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await stub.OpenLease(pb.OpenLeaseRequest())
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
 
 
 async def test_a_wrong_sized_block_cancels_the_peers_stream(server_config, clock, fake_peer):
     # A long timeout: the peer's stream must end because we cancel it, not by deadline.
-    server = Server(replace(server_config, peer_fetch_timeout=120.0), clock=clock)
-    await server.start()
-    try:
-        async with grpc.aio.insecure_channel(server.address) as channel:
-            stub = kvstore_pb2_grpc.KVStoreStub(channel)
-            reg = await stub.RegisterNamespace(
-                pb.RegisterNamespaceRequest(model_id="m", layout=LAYOUT)
-            )
-            fake_peer.block_bytes = BLOCK_BYTES - 1
-            fake_peer.hang = True
-            fetcher = use_peer(server, fake_peer.address, 4)
-            resp = await _lookup(stub, reg.namespace_id, list(range(4 * BLOCK_SIZE)))
-            assert resp.hit_blocks == 0
-            assert fetcher.failed_fetches == 1
-            await asyncio.wait_for(fake_peer.ended.wait(), 10)
-            # Nothing was reserved for the bad stream, so nothing is left WRITING.
-            assert (await stub.Stats(pb.StatsRequest())).writing == 0
-    finally:
-        await server.stop(0.1)
+    async with node_with(server_config, clock, peer_fetch_timeout=120.0) as (server, stub, ns):
+        fake_peer.block_bytes = BLOCK_BYTES - 1
+        fake_peer.hang = True
+        fetcher = use_peer(server, fake_peer.address, 4)
+        resp = await _lookup(stub, ns, list(range(4 * BLOCK_SIZE)))
+        assert resp.hit_blocks == 0
+        assert fetcher.failed_fetches == 1
+        await asyncio.wait_for(fake_peer.ended.wait(), 10)
+        # Nothing was reserved for the bad stream, so nothing is left WRITING.
+        assert (await stub.Stats(pb.StatsRequest())).writing == 0
