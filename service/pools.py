@@ -26,7 +26,7 @@ from __future__ import annotations
 import grp
 import logging
 import secrets
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from kvstore.errors import InvalidArgument
 from kvstore.pool import host_pages
@@ -166,8 +166,8 @@ class PoolManager:
                 + (f" ({requested_bytes} were asked for)" if requested_bytes else "")
             )
         granule = IPC_GRANULARITY if self.cuda_device is not None else 1
-        cost = -(-(slots_per_arena * block_bytes) // granule) * granule
-        return PoolPlan(block_bytes, slots_per_arena, max(1, ceiling // cost), granule)
+        one = PoolPlan(block_bytes, slots_per_arena, 1, granule)
+        return replace(one, max_arenas=max(1, ceiling // one.arena_cost))
 
     def plan_of(self, namespace: NamespaceId) -> PoolPlan:
         """The geometry of a registered namespace's pool."""
