@@ -9,7 +9,7 @@ from typing import Any
 from kvstore.block_table import BlockTable
 from kvstore.errors import KVStoreError
 from kvstore.pool.base import BlockPool
-from kvstore.results import BlockRef, MissReason, ReserveEntry
+from kvstore.results import BlockRef, LookupResult, MissReason, ReserveEntry
 from kvstore.types import BlockHash, LeaseId, NamespaceId, TenantId
 from kvstore.v1 import kvstore_pb2 as pb
 from service.api import chains, convert, validate
@@ -35,6 +35,15 @@ def _reserve_entries(pool: BlockPool, entries: Sequence[ReserveEntry]) -> list[p
             )
         out.append(msg)
     return out
+
+
+def _hit_locations(pool: BlockPool, result: LookupResult) -> list[pb.BlockLocation]:
+    """The per-block wire form of a lookup's hits (pure: may run off the loop).
+
+    ``result.blocks`` is built here, not by the caller: its objects cost as much
+    as the messages, and both belong off the loop.
+    """
+    return convert.locations(pool, result.blocks)
 
 
 class BlockRpcs(ServicerBase):
@@ -103,7 +112,7 @@ class BlockRpcs(ServicerBase):
                 if from_tokens:
                     reply["packed_chain"] = b"".join(chain)
             else:
-                blocks = await off_loop(len(result.blocks), convert.locations, pool, result.blocks)
+                blocks = await off_loop(result.hit_blocks, _hit_locations, pool, result)
                 reply = {"blocks": blocks, "chain": chain if from_tokens else []}
         except BaseException:
             # Cancelled while the reply was built: the caller never learns of
