@@ -231,6 +231,7 @@ class BlockTable:
         seen: set[Block] = set()
         prev: Block | None = None
         removed: list[Block] = []
+        fresh: list[tuple[int, Block]] = []  # (entry index, block) of each new block
         try:
             for depth, h in enumerate(chain):
                 block = self._res.find(scope, h)
@@ -271,9 +272,15 @@ class BlockTable:
                 )
                 self._res.add_writing(block)
                 writes.add(block)
+                fresh.append((len(entries), block))
                 entries.append(ReserveEntry(h, ReserveStatus.RESERVED, slot, block.generation))
                 seen.add(block)
                 prev = block
+            if self._res.ascending_slots([block for _, block in fresh]):
+                for index, block in fresh:
+                    entries[index] = ReserveEntry(
+                        block.hash, ReserveStatus.RESERVED, block.slot, block.generation
+                    )
         finally:
             for block in protected:
                 self._res.unpin(block)

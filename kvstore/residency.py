@@ -21,6 +21,7 @@ true:
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterable, Iterator
 
 from kvstore.block import Block, BlockState
@@ -175,6 +176,27 @@ class Residency:
         slot = self._slots.take(now)
         assert slot is not None, "bug: no free slot after an eviction"
         return slot
+
+    def ascending_slots(self, blocks: list[Block]) -> bool:
+        """Give new WRITING blocks (in chain order) their slots in ascending order.
+
+        Freed slots come back in the order they were freed, and eviction goes
+        leaves first, so a chain's slots often return last block first: a
+        writer and a reader would then copy one block at a time, backwards,
+        where ascending adjacent slots make one copy per run (`Client.store`,
+        `Hit.copy_into`), about twice as fast on a host pool. Only for blocks
+        whose slots nobody has been told yet (one Reserve's new blocks).
+        Returns whether any slot moved.
+        """
+        slots = [block.slot for block in blocks]
+        if all(a < b for a, b in itertools.pairwise(slots)):
+            return False
+        slots.sort()
+        for block, slot in zip(blocks, slots, strict=True):
+            assert block.state is BlockState.WRITING, "bug: moving a published block"
+            block.slot = slot
+            block.generation = self._slots.generation(slot)
+        return True
 
     def add_writing(self, block: Block) -> None:
         """Record a new WRITING block in the slot `allocate` gave it."""

@@ -103,3 +103,24 @@ def test_quarantined_slots_keep_their_arena_until_their_time() -> None:
     assert table.capacity == 2 and table.stats().quarantined == 2
     assert table.resize(-1, 12.5)  # the quarantine is over
     assert table.capacity == 1 and table.stats().free == 1
+
+
+def test_a_new_chain_gets_ascending_slots_whatever_order_they_were_freed_in() -> None:
+    # Eviction goes leaves first, so a chain's slots come back last block
+    # first; a reader copies one run of adjacent slots at a time, so the next
+    # chain must get them in ascending order, not backwards.
+    store = store_of(5)
+    runner = Runner(store, 1)
+    first = chain(prompt(1, 1))  # 5 blocks: the pool is full
+    assert runner.store_chain(first) == 5
+    second = chain(prompt(2, 1))
+    result = store.reserve(NS, ALICE, runner.lease, second, 2.0)  # evicts all of `first`
+    slots = [e.slot for e in result.entries]
+    assert [e.status for e in result.entries] == [ReserveStatus.RESERVED] * 5
+    assert slots == [0, 1, 2, 3, 4]
+    generations = [e.generation for e in result.entries]
+    table = store.table(NS)
+    assert generations == [table.generation(s) for s in slots]
+    assert store.commit(NS, ALICE, runner.lease, second, 3.0) == 5
+    hit = store.lookup(NS, ALICE, second, 4.0)
+    assert list(hit.slots) == [0, 1, 2, 3, 4]
