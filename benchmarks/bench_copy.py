@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from kvstore.cli.microbench import best_of
+from kvstore.client.convert import reservation_from_proto
 from kvstore.client.handles import BlockLocation, Hit
 from kvstore.client.transfer import _copy_in
 from kvstore.layout import KVLayout
@@ -55,10 +56,16 @@ def run(blocks: int, block_kib: int, shm_dir: str, repeat: int) -> dict[str, Any
             dst_all = np.ones((blocks, bb), dtype=np.uint8)  # faulted in
             src, dst = list(src_all), list(dst_all)
             ns = _Ns(mapping, layout)
-            reserved = [
-                (i, pb.ReserveEntry(location=pb.BlockLocation(slot=i, arena=0, offset=i * bb)))
-                for i in range(blocks)
-            ]
+            reserved = reservation_from_proto(
+                pb.ReserveResponse(
+                    hashes=bytes(32 * blocks),
+                    statuses=[pb.RESERVE_STATUS_RESERVED] * blocks,
+                    slots=range(blocks),
+                    generations=[1] * blocks,
+                    slots_per_arena=pool.descriptor.slots_per_arena,
+                    block_bytes=bb,
+                )
+            )
             hit = Hit.of_locations(
                 ns,  # type: ignore[arg-type]
                 tuple(

@@ -41,8 +41,9 @@ from benchmarks._server import ServerProcess
 from benchmarks._stats import best_and_median, gbps, summary_us
 from kvstore.client import Client, Namespace
 from kvstore.client.blocks import copy_block
+from kvstore.client.convert import reservation_from_proto
 from kvstore.layout import KVLayout
-from kvstore.types import BlockHash, SlotId
+from kvstore.types import BlockHash
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc
 
@@ -151,30 +152,33 @@ async def store_phases(
 ) -> dict[str, float]:
     """What `Client.store` does, phase by phase: Reserve RPC, copy into the slots, Commit RPC.
 
-    Same RPCs under the client's lease and the same `copy_block` the SDK uses,
-    timed separately so the copy can be compared with numpy.
+    The same packed wire forms, the same lease and the same `copy_block` the
+    SDK uses, timed separately so the copy can be compared with numpy (block
+    by block here; `Client.store` copies one run of adjacent slots at a time).
     """
     lease_id, _ = await client.lease.current()
     t0 = time.perf_counter()
     resp = await stub.Reserve(
-        pb.ReserveRequest(namespace_id=ns.id, lease_id=lease_id, hashes=chain),
+        pb.ReserveRequest(
+            namespace_id=ns.id, lease_id=lease_id, packed_hashes=b"".join(chain), packed_reply=True
+        ),
         timeout=30,
         metadata=META,
     )
     t1 = time.perf_counter()
     mapping = ns.mapping
     assert mapping is not None
-    reserved = [
-        (i, e) for i, e in enumerate(resp.entries) if e.status == pb.RESERVE_STATUS_RESERVED
-    ]
-    if len(reserved) != len(chain):
-        raise RuntimeError(f"reserved {len(reserved)} of {len(chain)} blocks; is the pool full?")
-    for i, entry in reserved:
-        copy_block(blocks[i], mapping.buffer(SlotId(entry.location.slot)))
+    res = reservation_from_proto(resp)
+    if len(res.reserved) != len(chain):
+        raise RuntimeError(f"reserved {len(res.reserved)} of {len(chain)}; is the pool full?")
+    for i in res.reserved:
+        copy_block(blocks[i], mapping.buffer(res.slots[i]))
     t2 = time.perf_counter()
     commit = await stub.Commit(
         pb.CommitRequest(
-            namespace_id=ns.id, lease_id=lease_id, hashes=[e.hash for _, e in reserved]
+            namespace_id=ns.id,
+            lease_id=lease_id,
+            packed_hashes=b"".join([res.hashes[i] for i in res.reserved]),
         ),
         timeout=30,
         metadata=META,

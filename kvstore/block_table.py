@@ -61,7 +61,6 @@ from kvstore.results import (
     LookupResult,
     NamespaceStats,
     QuotaOf,
-    ReserveEntry,
     ReserveResult,
     ReserveStatus,
 )
@@ -224,69 +223,81 @@ class BlockTable:
         call, so reserving a tail never evicts its own prefix.
         """
         check_hashes(chain)
+        res = self._res
         scope = self.scope_of(lease.tenant)
         writes = lease.writes_in(self.namespace)
-        entries: list[ReserveEntry] = []
+        writer = lease.lease_id
+        statuses: list[ReserveStatus] = []
+        slots: list[int] = []
+        generations: list[int] = []
         protected: list[Block] = []
         seen: set[Block] = set()
         prev: Block | None = None
         removed: list[Block] = []
-        fresh: list[tuple[int, Block]] = []  # (entry index, block) of each new block
+        fresh: list[Block] = []  # the new blocks, in chain order
+        fresh_at: list[int] = []  # their indexes in the chain
+        taken: list[SlotId] = []  # slots taken ahead for the next new blocks, last first
         try:
             for depth, h in enumerate(chain):
-                block = self._res.find(scope, h)
+                block = res.find(scope, h)
                 if block is not None:
                     if block.parent is not prev and block not in seen:
                         block.parent = prev  # a repeated hash: never its own ancestor
                     if block.state is BlockState.READY:
-                        self._res.pin(block)
+                        res.pin(block)
                         protected.append(block)
-                        entries.append(
-                            ReserveEntry(h, ReserveStatus.HIT, block.slot, block.generation)
-                        )
-                    elif block.writer == lease.lease_id:
-                        entries.append(
-                            ReserveEntry(h, ReserveStatus.RESERVED, block.slot, block.generation)
-                        )
+                        statuses.append(ReserveStatus.HIT)
+                    elif block.writer == writer:
+                        statuses.append(ReserveStatus.RESERVED)
                     else:
-                        entries.append(ReserveEntry(h, ReserveStatus.IN_FLIGHT))
+                        statuses.append(ReserveStatus.IN_FLIGHT)
+                        slots.append(0)
+                        generations.append(0)
+                        seen.add(block)
+                        prev = block
+                        continue
+                    slots.append(block.slot)
+                    generations.append(block.generation)
                     seen.add(block)
                     prev = block
                     continue
-                slot = self._res.allocate(scope, removed, now)
-                if slot is None:
-                    entries.extend(
-                        ReserveEntry(rest, ReserveStatus.NO_ROOM) for rest in chain[depth:]
-                    )
-                    break
+                if not taken:
+                    taken = res.allocate_run(scope, chain, depth, removed, now)
+                    if not taken:
+                        n = len(chain) - depth
+                        statuses.extend([ReserveStatus.NO_ROOM] * n)
+                        slots.extend([0] * n)
+                        generations.extend([0] * n)
+                        break
+                    taken.reverse()
+                slot = taken.pop()
+                # hash, scope, slot, generation, parent, depth, state, writer,
+                # refcount, hits, last_used, created (positional: the hot loop)
                 block = Block(
-                    hash=h,
-                    scope=scope,
-                    slot=slot,
-                    generation=self._res.generation(slot),
-                    parent=prev,
-                    depth=depth,
-                    writer=lease.lease_id,
-                    created=now,
-                    last_used=now,
-                )
-                self._res.add_writing(block)
+                    h, scope, slot, res.generation(slot), prev, depth,
+                    BlockState.WRITING, writer, 0, 0, now, now,
+                )  # fmt: skip
+                res.add_writing(block)
                 writes.add(block)
-                fresh.append((len(entries), block))
-                entries.append(ReserveEntry(h, ReserveStatus.RESERVED, slot, block.generation))
+                fresh.append(block)
+                fresh_at.append(depth)
+                statuses.append(ReserveStatus.RESERVED)
+                slots.append(slot)
+                generations.append(block.generation)
                 seen.add(block)
                 prev = block
-            if self._res.ascending_slots([block for _, block in fresh]):
-                for index, block in fresh:
-                    entries[index] = ReserveEntry(
-                        block.hash, ReserveStatus.RESERVED, block.slot, block.generation
-                    )
+            if taken:  # taken ahead for hashes that were repeats after all
+                res.untake(taken)
+            if res.ascending_slots(fresh):
+                for index, block in zip(fresh_at, fresh, strict=True):
+                    slots[index] = block.slot
+                    generations[index] = block.generation
         finally:
             for block in protected:
-                self._res.unpin(block)
-            self._res.touch(protected, now)
+                res.unpin(block)
+            res.touch(protected, now)
             self._emit_removed(removed, now)
-        return ReserveResult(tuple(entries))
+        return ReserveResult(chain, statuses, slots, generations)
 
     def commit(self, lease: Lease, hashes: Sequence[BlockHash], now: float) -> int:
         """Make blocks this lease wrote READY; returns how many changed state.

@@ -22,7 +22,7 @@ true:
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 
 from kvstore.block import Block, BlockState
 from kvstore.eviction import ScopedLRU
@@ -139,8 +139,18 @@ class Residency:
         self._lru.touch_prefix(run, now)
 
     def touch(self, touched: Iterable[Block], now: float) -> None:
-        """Move blocks and their ancestors to the recently used end (`ScopedLRU.touch`)."""
-        self._lru.touch(touched, now, self._relink)
+        """Move blocks and their ancestors to the recently used end (`ScopedLRU.touch`).
+
+        A chain's run of READY blocks whose ancestors are all READY (a
+        commit, a reservation's hits) is the prefix case: one
+        `touch_prefix` pass over the ancestors and the run, no dict, no sort.
+        """
+        run = touched if isinstance(touched, list) else list(touched)
+        prefix = _with_ancestors(run)
+        if prefix is not None:
+            self._lru.touch_prefix(prefix, now)
+        else:
+            self._lru.touch(run, now, self._relink)
 
     def _relink(self, block: Block) -> None:
         """Point ``block`` at the live record of its parent's hash, if one exists.
@@ -176,6 +186,42 @@ class Residency:
         slot = self._slots.take(now)
         assert slot is not None, "bug: no free slot after an eviction"
         return slot
+
+    def allocate_run(
+        self,
+        scope: TenantId,
+        chain: Sequence[BlockHash],
+        depth: int,
+        removed: list[Block],
+        now: float,
+    ) -> list[SlotId]:
+        """Slots for the new blocks of ``chain[depth:]`` (``chain[depth]`` is absent), in one go.
+
+        Without a quota on ``scope``: as many free slots as the rest of the
+        chain may need, evicting (into ``removed``) exactly as many blocks as
+        `allocate` one block at a time would; fewer when nothing more may be
+        evicted, none when not even one slot is to be had. With a quota: one
+        slot, by `allocate`. Slots the caller ends up not using go back with
+        `untake`.
+        """
+        if self.quota_of(scope):
+            slot = self.allocate(scope, removed, now)
+            return [] if slot is None else [slot]
+        slots = self._slots
+        want = len(chain) - depth
+        if slots.available(now) < want:
+            # Short of free slots: count what the rest really needs (repeated
+            # and present hashes need none) before evicting anything for it.
+            present = self._scopes.get(scope, {})
+            want = sum(1 for h in dict.fromkeys(chain[depth:]) if h not in present)
+            for _ in range(want - slots.free):
+                if not self._evict_one(removed, self._lru.first()):
+                    break
+        return slots.take_many(want)
+
+    def untake(self, slots: list[SlotId]) -> None:
+        """Put back slots `allocate_run` gave that no block took (never handed out)."""
+        self._slots.untake(slots)
 
     def ascending_slots(self, blocks: list[Block]) -> bool:
         """Give new WRITING blocks (in chain order) their slots in ascending order.
@@ -322,3 +368,27 @@ class Residency:
         self._resident[block.scope] -= 1
         if not self._resident[block.scope]:
             del self._resident[block.scope]
+
+
+def _with_ancestors(run: list[Block]) -> list[Block] | None:
+    """``run`` preceded by its ancestors, root first, when all of it is one READY chain.
+
+    None when a block of ``run`` is not the parent of the next, or when one
+    of them or of their ancestors is not READY (an orphan or a parent link
+    to repair: `ScopedLRU.touch` handles those).
+    """
+    ready = BlockState.READY
+    prev: Block | None = None
+    for block in run:
+        if block.state is not ready or (prev is not None and block.parent is not prev):
+            return None
+        prev = block
+    ancestors: list[Block] = []
+    node = run[0].parent if run else None
+    while node is not None:
+        if node.state is not ready:
+            return None
+        ancestors.append(node)
+        node = node.parent
+    ancestors.reverse()
+    return ancestors + run

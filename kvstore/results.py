@@ -108,22 +108,59 @@ class ReserveEntry:
     """The slot's generation for RESERVED and HIT."""
 
 
-@dataclass(frozen=True, slots=True)
 class ReserveResult:
-    """Per-block outcome of a reservation, in chain order."""
+    """Per-block outcome of a reservation, in chain order, as parallel lists.
 
-    entries: tuple[ReserveEntry, ...]
-    """One entry per block of the chain."""
+    Block i is ``hashes[i]`` with ``statuses[i]``; ``slots[i]`` and
+    ``generations[i]`` are its slot and the slot's generation for RESERVED
+    and HIT (0 otherwise). `entries` builds one `ReserveEntry` per block,
+    on demand: a long chain's reply is built from the lists.
+    """
+
+    __slots__ = ("_entries", "generations", "hashes", "slots", "statuses")
+
+    def __init__(
+        self,
+        hashes: Sequence[BlockHash],
+        statuses: list[ReserveStatus],
+        slots: list[int],
+        generations: list[int],
+    ) -> None:
+        if not len(hashes) == len(statuses) == len(slots) == len(generations):
+            raise ValueError("bug: reservation lists of different lengths")
+        self.hashes = hashes
+        self.statuses = statuses
+        self.slots = slots
+        self.generations = generations
+        self._entries: tuple[ReserveEntry, ...] | None = None
+
+    @property
+    def entries(self) -> tuple[ReserveEntry, ...]:
+        """One entry per block of the chain (built once, on first use)."""
+        if self._entries is None:
+            placed = (ReserveStatus.RESERVED, ReserveStatus.HIT)
+            self._entries = tuple(
+                ReserveEntry(h, st, SlotId(sl), g) if st in placed else ReserveEntry(h, st)
+                for h, st, sl, g in zip(
+                    self.hashes, self.statuses, self.slots, self.generations, strict=True
+                )
+            )
+        return self._entries
 
     @property
     def reserved(self) -> tuple[ReserveEntry, ...]:
         """The entries whose slots the caller must write and commit."""
         return tuple(e for e in self.entries if e.status is ReserveStatus.RESERVED)
 
+    def reserved_hashes(self) -> list[BlockHash]:
+        """The hashes of the RESERVED blocks, in chain order."""
+        reserved = ReserveStatus.RESERVED
+        return [h for h, st in zip(self.hashes, self.statuses, strict=True) if st is reserved]
+
     @property
     def complete(self) -> bool:
         """True when no block came back NO_ROOM."""
-        return all(e.status is not ReserveStatus.NO_ROOM for e in self.entries)
+        return ReserveStatus.NO_ROOM not in self.statuses
 
 
 @dataclass(frozen=True, slots=True)

@@ -86,6 +86,22 @@ class SlotAllocator:
         self.release_due(now)
         return self._free.popleft() if self._free else None
 
+    def take_many(self, n: int) -> list[SlotId]:
+        """Up to ``n`` free slots, least recently freed first (call `available` first).
+
+        Quarantined slots that have come due are not moved here: `available`
+        (or `release_due`) does that.
+        """
+        free = self._free
+        return [free.popleft() for _ in range(min(n, len(free)))]
+
+    def untake(self, slots: list[SlotId]) -> None:
+        """Put slots `take_many` gave, unused, back at the front of the free list.
+
+        Nobody was told of them, so their generations stay.
+        """
+        self._free.extendleft(reversed(slots))
+
     def give_back(self, slot: SlotId) -> None:
         """Return a slot; its generation moves on so old handles go stale."""
         self._generation[slot] += 1

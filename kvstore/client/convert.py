@@ -7,11 +7,12 @@ keeps its own so that the SDK depends on nothing in ``service``.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from kvstore.api.wire import pack_hashes, pack_tokens
+from kvstore.api.wire import pack_hashes, pack_tokens, unpack_hashes
 from kvstore.client.handles import BlockLocation, Hit, Namespace
 from kvstore.errors import InvalidArgument
 from kvstore.hashing import Extra, Tokens
@@ -123,4 +124,63 @@ def hit_from_proto(
         slots_per_arena=resp.slots_per_arena,
         block_bytes=resp.block_bytes,
         **fields,
+    )
+
+
+@dataclass(frozen=True)
+class Reservation:
+    """A Reserve reply, packed or per-block: entry i's hash, status and slot.
+
+    ``slots[i]`` is meaningful for RESERVED and HIT entries only.
+    ``reserved`` lists the indexes of the RESERVED entries, in chain order.
+    """
+
+    hashes: list[BlockHash]
+    statuses: Sequence[int]
+    slots: list[SlotId]
+    epoch: int
+    version: int
+    reserved: list[int]
+    slots_per_arena: int = 0
+    """Of the node's pool (packed reply); 0 when the reply was per-block."""
+    block_bytes: int = 0
+    """Of the node's pool (packed reply); 0 when the reply was per-block."""
+    places: list[tuple[int, int]] | None = None
+    """(arena, offset) of every entry (per-block reply only)."""
+
+
+def reservation_from_proto(resp: pb.ReserveResponse) -> Reservation:
+    """The entries of a Reserve reply (packed, or per-block from a node that predates it).
+
+    Raises:
+        InvalidArgument: the packed fields do not agree in length.
+    """
+    if resp.entries:
+        entries = resp.entries
+        statuses = [e.status for e in entries]
+        return Reservation(
+            hashes=[BlockHash(e.hash) for e in entries],
+            statuses=statuses,
+            slots=[SlotId(e.location.slot) for e in entries],
+            epoch=resp.pool_epoch,
+            version=resp.pool_version,
+            reserved=[i for i, s in enumerate(statuses) if s == pb.RESERVE_STATUS_RESERVED],
+            places=[(e.location.arena, e.location.offset) for e in entries],
+        )
+    statuses = list(resp.statuses)
+    n = len(statuses)
+    if len(resp.hashes) != HASH_BYTES * n or len(resp.slots) != n:
+        raise InvalidArgument(
+            f"the node's packed Reserve reply is inconsistent: {len(resp.hashes)} bytes of "
+            f"hashes, {n} statuses, {len(resp.slots)} slots"
+        )
+    return Reservation(
+        hashes=unpack_hashes(resp.hashes, "hashes"),
+        statuses=statuses,
+        slots=list(resp.slots),  # type: ignore[arg-type]
+        epoch=resp.pool_epoch,
+        version=resp.pool_version,
+        reserved=[i for i, s in enumerate(statuses) if s == pb.RESERVE_STATUS_RESERVED],
+        slots_per_arena=resp.slots_per_arena,
+        block_bytes=resp.block_bytes,
     )

@@ -36,10 +36,12 @@ from kvstore.client.blocks import (
     copy_block_to_tensor,
     slot_runs,
 )
+from kvstore.client.convert import Reservation, reservation_from_proto
 from kvstore.client.errors import PoolEpochChanged
 from kvstore.client.handles import Hit, Namespace, StoreResult
 from kvstore.client.session import NodeSession
 from kvstore.errors import FailedPrecondition, InvalidArgument, NotFound
+from kvstore.pool import PoolDescriptor
 from kvstore.pool.host import HostMapping
 from kvstore.types import SlotId
 from kvstore.v1 import kvstore_pb2 as pb
@@ -70,43 +72,54 @@ async def store_chain(
                 continue
             raise
         break
-    reserved = [(i, e) for i, e in enumerate(resp.entries) if e.status == _RESERVED]
-    hashes = [e.hash for _, e in reserved]
     committed = 0
+    packed = b""
     try:
-        if session.observe_epoch(resp.pool_epoch) or (
-            session.map_pool and resp.pool_epoch != ns.epoch
-        ):
+        res = reservation_from_proto(resp)
+        packed = b"".join([res.hashes[i] for i in res.reserved])
+        if session.observe_epoch(res.epoch) or (session.map_pool and res.epoch != ns.epoch):
             raise PoolEpochChanged("the node restarted during a store; store again")
-        if hashes:
+        if packed:
             if session.map_pool:
-                await session.refresh_arenas(ns, resp.pool_version, timeout)
+                await session.refresh_arenas(ns, res.version, timeout)
                 await session.refresh_lease(lease_id)
-                _copy_in(ns, reserved, blocks, lambda: session.lease_alive(lease_id))
-                req_c = pb.CommitRequest(namespace_id=ns.id, lease_id=lease_id, hashes=hashes)
+                _copy_in(ns, res, blocks, lambda: session.lease_alive(lease_id))
+                req_c = pb.CommitRequest(
+                    namespace_id=ns.id, lease_id=lease_id, packed_hashes=packed
+                )
                 committed = (
                     await session.rpc.call("Commit", req_c, timeout, idempotent=False)
                 ).committed
             else:
-                committed = await _stream_in(session, ns, lease_id, reserved, blocks, timeout)
+                committed = await _stream_in(session, ns, lease_id, res, blocks, timeout)
     except BaseException:
-        if hashes:
-            abort = pb.AbortRequest(namespace_id=ns.id, lease_id=lease_id, hashes=hashes)
+        packed = packed or _reserved_hashes(resp)
+        if packed:
+            abort = pb.AbortRequest(namespace_id=ns.id, lease_id=lease_id, packed_hashes=packed)
             await session.background.cleanup(
                 quietly("abort", session.rpc.call("Abort", abort, None, idempotent=False))
             )
         raise
     counts = [0, 0, 0, 0]
-    for entry in resp.entries:
-        counts[entry.status] += 1
+    for status in res.statuses:
+        counts[status] += 1
     return StoreResult(
         reserved=counts[_RESERVED],
         hit=counts[pb.RESERVE_STATUS_HIT],
         in_flight=counts[pb.RESERVE_STATUS_IN_FLIGHT],
         no_room=counts[pb.RESERVE_STATUS_NO_ROOM],
         committed=committed,
-        chain=tuple(e.hash for e in resp.entries),  # type: ignore[misc]
+        chain=tuple(res.hashes),
     )
+
+
+def _reserved_hashes(resp: pb.ReserveResponse) -> bytes:
+    """The RESERVED entries' hashes of a Reserve reply, packed; b"" if it cannot be read."""
+    try:
+        res = reservation_from_proto(resp)
+    except InvalidArgument:
+        return b""
+    return b"".join([res.hashes[i] for i in res.reserved])
 
 
 async def _reserve(
@@ -116,7 +129,7 @@ async def _reserve(
     fields: dict[str, Any],
     timeout: float | None,
 ) -> pb.ReserveResponse:
-    req = pb.ReserveRequest(namespace_id=ns.id, lease_id=lease_id, **fields)
+    req = pb.ReserveRequest(namespace_id=ns.id, lease_id=lease_id, packed_reply=True, **fields)
     call = asyncio.ensure_future(session.rpc.call("Reserve", req, timeout, idempotent=False))
     try:
         resp: pb.ReserveResponse = await asyncio.shield(call)
@@ -129,30 +142,22 @@ async def _reserve(
 
 def _copy_in(
     ns: Namespace,
-    reserved: list[tuple[int, pb.ReserveEntry]],
+    res: Reservation,
     blocks: BlockSupplier,
     lease_alive: Callable[[], None],
 ) -> None:
     mapping = ns.mapping
     if mapping is None or mapping.closed:
         raise PoolEpochChanged("the pool mapping was dropped during a store; store again")
-    slots: list[SlotId] = []
-    for _, entry in reserved:
-        slot = SlotId(entry.location.slot)
-        where = mapping.descriptor.locate(slot)
-        if where != (entry.location.arena, entry.location.offset):
-            raise FailedPrecondition(
-                f"the node placed slot {slot} at {entry.location.arena}/"
-                f"{entry.location.offset}, the mapping says {where[0]}/{where[1]}: "
-                "the pool changed; store again"
-            )
-        slots.append(slot)
+    _check_placement(mapping.descriptor, res)
+    indexes = res.reserved
+    slots = [res.slots[i] for i in indexes]
     try:
         if isinstance(mapping, HostMapping):
-            _copy_runs(mapping, reserved, slots, blocks, lease_alive)
+            _copy_runs(mapping, indexes, slots, blocks, lease_alive)
         else:
             cuda = mapping.descriptor.kind == "cuda"
-            for (index, _), slot in zip(reserved, slots, strict=True):
+            for index, slot in zip(indexes, slots, strict=True):
                 block = block_at(blocks, index)  # may take long: a GPU gather, a slow callable
                 lease_alive()  # raises LeaseExpired: then this slot may be someone else's
                 if cuda:
@@ -169,16 +174,42 @@ def _copy_in(
     mapping.synchronize()
 
 
+def _check_placement(descriptor: PoolDescriptor, res: Reservation) -> None:
+    """Refuse to copy when the node places slots where the mapping does not.
+
+    Raises:
+        FailedPrecondition: the pool changed between the mapping and the Reserve.
+    """
+    if res.places is None:  # the packed reply: where slots lie follows from two numbers
+        if (res.slots_per_arena, res.block_bytes) != (
+            descriptor.slots_per_arena,
+            descriptor.block_bytes,
+        ):
+            raise FailedPrecondition(
+                f"the node's pool has {res.slots_per_arena} slots of {res.block_bytes} bytes "
+                f"an arena, the mapping {descriptor.slots_per_arena} of "
+                f"{descriptor.block_bytes}: the pool changed; store again"
+            )
+        return
+    for i in res.reserved:
+        slot, place = res.slots[i], res.places[i]
+        where = descriptor.locate(slot)
+        if where != place:
+            raise FailedPrecondition(
+                f"the node placed slot {slot} at {place[0]}/{place[1]}, the mapping says "
+                f"{where[0]}/{where[1]}: the pool changed; store again"
+            )
+
+
 def _copy_runs(
     mapping: HostMapping,
-    reserved: list[tuple[int, pb.ReserveEntry]],
+    indexes: list[int],
     slots: list[SlotId],
     blocks: BlockSupplier,
     lease_alive: Callable[[], None],
 ) -> None:
     """Host pools: one copy per run of adjacent slots when ``blocks`` is one array."""
     spa, block_bytes = mapping.descriptor.slots_per_arena, mapping.descriptor.block_bytes
-    indexes = [index for index, _ in reserved]
     rows = chain_array(blocks, block_bytes)
     if rows is not None and indexes and max(indexes) >= len(rows):
         rows = None  # too few blocks: the per-block path says which one is missing
@@ -204,12 +235,12 @@ async def _stream_in(
     session: NodeSession,
     ns: Namespace,
     lease_id: int,
-    reserved: list[tuple[int, pb.ReserveEntry]],
+    res: Reservation,
     blocks: BlockSupplier,
     timeout: float | None,
 ) -> int:
     # Materialise first: a failing block callable must fail before anything is sent.
-    payloads = [(e.hash, block_bytes_of(block_at(blocks, i))) for i, e in reserved]
+    payloads = [(res.hashes[i], block_bytes_of(block_at(blocks, i))) for i in res.reserved]
     for _, data in payloads:
         if len(data) != ns.block_bytes:
             raise InvalidArgument(f"a block is {ns.block_bytes} bytes, got {len(data)}")
@@ -231,9 +262,9 @@ async def _abort_when_done(
         resp = await call
     except Exception:
         return
-    hashes = [e.hash for e in resp.entries if e.status == _RESERVED]
-    if hashes:
-        req = pb.AbortRequest(namespace_id=namespace, lease_id=lease_id, hashes=hashes)
+    packed = _reserved_hashes(resp)
+    if packed:
+        req = pb.AbortRequest(namespace_id=namespace, lease_id=lease_id, packed_hashes=packed)
         await quietly("abort", session.rpc.call("Abort", req, None, idempotent=False))
 
 

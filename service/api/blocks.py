@@ -9,7 +9,7 @@ from typing import Any
 from kvstore.block_table import BlockTable
 from kvstore.errors import KVStoreError
 from kvstore.pool.base import BlockPool
-from kvstore.results import BlockRef, LookupResult, MissReason, ReserveEntry
+from kvstore.results import BlockRef, LookupResult, MissReason, ReserveResult
 from kvstore.types import BlockHash, LeaseId, NamespaceId, TenantId
 from kvstore.v1 import kvstore_pb2 as pb
 from service.api import chains, convert, validate
@@ -24,10 +24,10 @@ _StoreVerb = Callable[[NamespaceId, TenantId, LeaseId, Sequence[BlockHash], floa
 """`Store.commit`, `Store.abort` or `Store.release`."""
 
 
-def _reserve_entries(pool: BlockPool, entries: Sequence[ReserveEntry]) -> list[pb.ReserveEntry]:
+def _reserve_entries(pool: BlockPool, result: ReserveResult) -> list[pb.ReserveEntry]:
     """The wire form of a reservation (pure: may run off the loop)."""
     out = []
-    for entry in entries:
+    for entry in result.entries:
         msg = pb.ReserveEntry(hash=entry.hash, status=convert.RESERVE_STATUS[entry.status])
         if entry.slot is not None:
             msg.location.CopyFrom(
@@ -150,17 +150,13 @@ class BlockRpcs(ServicerBase):
         pool = node.pool(namespace)
         try:
             if request.packed_reply:
-                reply = await off_loop(
-                    len(result.entries), convert.packed_reserve, pool, result.entries
-                )
+                reply = await off_loop(len(result.hashes), convert.packed_reserve, pool, result)
             else:
-                entries = await off_loop(
-                    len(result.entries), _reserve_entries, pool, result.entries
-                )
+                entries = await off_loop(len(result.hashes), _reserve_entries, pool, result)
                 reply = {"entries": entries}
         except BaseException:
             # Cancelled while the reply was built: give back what was reserved.
-            reserved = [e.hash for e in result.reserved]
+            reserved = result.reserved_hashes()
             if reserved:
                 with contextlib.suppress(KVStoreError):
                     node.store.abort(namespace, tenant, lease_id, reserved, node.now())

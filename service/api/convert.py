@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from kvstore.api import wire
@@ -17,7 +17,7 @@ from kvstore.results import (
     BlockRef,
     LookupResult,
     NamespaceStats,
-    ReserveEntry,
+    ReserveResult,
     ReserveStatus,
 )
 from kvstore.v1 import kvstore_pb2 as pb
@@ -106,17 +106,17 @@ def packed_locations(pool: BlockPool, result: LookupResult) -> dict[str, Any]:
     }
 
 
-def packed_reserve(pool: BlockPool, entries: Sequence[ReserveEntry]) -> dict[str, Any]:
+def packed_reserve(pool: BlockPool, result: ReserveResult) -> dict[str, Any]:
     """The packed reply fields of a Reserve: hashes, statuses, slots, generations.
 
     Entries without a slot (IN_FLIGHT, NO_ROOM) carry slot and generation 0.
     """
     descriptor = pool.descriptor
     return {
-        "hashes": b"".join([e.hash for e in entries]),
-        "statuses": [RESERVE_STATUS[e.status] for e in entries],
-        "slots": [e.slot or 0 for e in entries],
-        "generations": [e.generation if e.slot is not None else 0 for e in entries],
+        "hashes": b"".join(result.hashes),
+        "statuses": [RESERVE_STATUS[s] for s in result.statuses],
+        "slots": result.slots,
+        "generations": result.generations,
         "slots_per_arena": descriptor.slots_per_arena,
         "block_bytes": descriptor.block_bytes,
     }

@@ -37,7 +37,6 @@ from typing import Any
 import grpc
 
 from kvstore.errors import KVStoreError
-from kvstore.results import ReserveStatus
 from kvstore.types import BlockHash, LeaseId, NamespaceId, TenantId
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc
@@ -234,7 +233,7 @@ class PeerFetcher:
         node = self.node
         result = node.store.reserve(namespace, tenant, lease_id, target, node.now())
         node.publish_events()  # the reservation may have evicted blocks
-        return {e.hash for e in result.entries if e.status is ReserveStatus.RESERVED}
+        return set(result.reserved_hashes())
 
     def _stub(self, address: str) -> Any:
         channel = self._channels.get(address)

@@ -20,6 +20,7 @@ import types
 import pytest
 
 from kvstore.client import Client, SyncClient
+from kvstore.client.convert import Reservation, reservation_from_proto
 from kvstore.client.transfer import _copy_in
 from kvstore.errors import FailedPrecondition, LeaseExpired
 from kvstore.v1 import kvstore_pb2 as pb
@@ -131,11 +132,20 @@ class _FakeMapping:
         self.synchronized += 1
 
 
-def _entries(n: int, size: int) -> list[tuple[int, pb.ReserveEntry]]:
-    return [
-        (i, pb.ReserveEntry(location=pb.BlockLocation(slot=i, arena=0, offset=i * size)))
-        for i in range(n)
-    ]
+def _entries(n: int, size: int) -> Reservation:
+    """A per-block Reserve reply: block i RESERVED in slot i of arena 0."""
+    return reservation_from_proto(
+        pb.ReserveResponse(
+            entries=[
+                pb.ReserveEntry(
+                    hash=bytes([i]) * 32,
+                    status=pb.RESERVE_STATUS_RESERVED,
+                    location=pb.BlockLocation(slot=i, arena=0, offset=i * size),
+                )
+                for i in range(n)
+            ]
+        )
+    )
 
 
 def test_the_lease_is_checked_between_blocks_and_queued_copies_finish_before_the_abort() -> None:

@@ -124,3 +124,23 @@ def test_a_new_chain_gets_ascending_slots_whatever_order_they_were_freed_in() ->
     assert store.commit(NS, ALICE, runner.lease, second, 3.0) == 5
     hit = store.lookup(NS, ALICE, second, 4.0)
     assert list(hit.slots) == [0, 1, 2, 3, 4]
+
+
+def test_repeated_hashes_take_and_evict_only_the_slots_they_need() -> None:
+    # Reserve takes the slots of a chain's new blocks in one go: repeats (and
+    # blocks already present) must neither hold on to extra slots nor evict
+    # more than one block per new block.
+    store = store_of(5)
+    table = store.table(NS)
+    runner = Runner(store, 1)
+    x, y = chain(prompt(7, 1))[:2]
+    result = store.reserve(NS, ALICE, runner.lease, [x, y, x, y], 1.0)
+    assert [e.status for e in result.entries] == [ReserveStatus.RESERVED] * 4
+    assert table.stats().free == 3  # two new blocks, two slots
+    store.abort(NS, ALICE, runner.lease, [x, y], 1.5)
+    assert table.stats().free == 5
+    assert runner.store_chain(chain(prompt(1, 1))) == 5  # the pool is full
+    result = store.reserve(NS, ALICE, runner.lease, [x, y, x, y], 2.0)
+    assert [e.status for e in result.entries] == [ReserveStatus.RESERVED] * 4
+    stats = table.stats()
+    assert stats.evictions == 2 and stats.ready == 3 and stats.writing == 2 and stats.free == 0
