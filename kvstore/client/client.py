@@ -37,6 +37,7 @@ from kvstore.client.convert import chain_fields, hit_from_proto
 from kvstore.client.errors import PoolEpochChanged
 from kvstore.client.handles import Hit, Namespace, StoreResult
 from kvstore.client.lease import LeaseKeeper
+from kvstore.client.releases import Releases
 from kvstore.client.retry import RetryPolicy
 from kvstore.client.rpc import Rpc
 from kvstore.client.session import NodeSession
@@ -108,6 +109,7 @@ class Client:
             self._rpc, lease_ttl=lease_ttl, client_name=client_name, map_pool=map_pool
         )
         self._background = self._session.background
+        self._releases = Releases(self._rpc, self._background)
         self._lease = self._session.lease
 
     # --- life cycle ----------------------------------------------------------------
@@ -362,11 +364,7 @@ class Client:
     ) -> int:
         if hit.lease_id is None:  # the pins' lease, never a replacement's
             return 0
-        req = pb.ReleaseRequest(
-            namespace_id=hit.namespace.id, lease_id=hit.lease_id, packed_hashes=hit.hit_hashes
-        )
-        resp = await self._rpc.call("Release", req, timeout, idempotent=False)
-        return int(resp.released)
+        return await self._releases.release(hit.namespace.id, hit.lease_id, hit.hit_hashes, timeout)
 
     # --- writes and data ----------------------------------------------------------------
 

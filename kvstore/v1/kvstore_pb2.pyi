@@ -898,12 +898,21 @@ class ReleaseRequest(_message.Message):
     LEASE_ID_FIELD_NUMBER: _builtins.int
     HASHES_FIELD_NUMBER: _builtins.int
     PACKED_HASHES_FIELD_NUMBER: _builtins.int
+    RUNS_FIELD_NUMBER: _builtins.int
     namespace_id: _builtins.str
     lease_id: _builtins.int
     packed_hashes: _builtins.bytes
     """or the hashes concatenated (32 bytes each); not both"""
     @_builtins.property
     def hashes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bytes]: ...
+    @_builtins.property
+    def runs(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Several hits' releases in one call: the hashes are runs back to back, run i
+        has runs[i] hashes (they must add up to all of them), and each run is
+        released as one Release of it would be (at most max_chain_blocks each).
+        Empty: the hashes are one run.
+        """
+
     def __init__(
         self,
         *,
@@ -911,10 +920,11 @@ class ReleaseRequest(_message.Message):
         lease_id: _builtins.int = ...,
         hashes: _abc.Iterable[_builtins.bytes] | None = ...,
         packed_hashes: _builtins.bytes = ...,
+        runs: _abc.Iterable[_builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["hashes", b"hashes", "lease_id", b"lease_id", "namespace_id", b"namespace_id", "packed_hashes", b"packed_hashes"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["hashes", b"hashes", "lease_id", b"lease_id", "namespace_id", b"namespace_id", "packed_hashes", b"packed_hashes", "runs", b"runs"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -925,15 +935,22 @@ class ReleaseResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     RELEASED_FIELD_NUMBER: _builtins.int
+    RUN_RELEASED_FIELD_NUMBER: _builtins.int
     released: _builtins.int
+    """pins released, all runs together"""
+    @_builtins.property
+    def run_released(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """per run, when runs were sent"""
+
     def __init__(
         self,
         *,
         released: _builtins.int = ...,
+        run_released: _abc.Iterable[_builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["released", b"released"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["released", b"released", "run_released", b"run_released"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

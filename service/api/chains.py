@@ -88,6 +88,20 @@ def packed_hashes(request: Any, max_blocks: int) -> list[BlockHash]:
     return hashes
 
 
+def release_runs(request: Any, max_blocks: int) -> list[int]:
+    """A Release's ``runs``: how many hashes each hit released in the call has.
+
+    Raises:
+        FieldError: a run over ``max_blocks`` (``max_chain_blocks``).
+    """
+    runs: list[int] = list(request.runs)
+    if max(runs, default=0) > max_blocks:
+        raise FieldError(
+            "runs", f"a run of {max(runs)} blocks, at most {max_blocks} per run (max_chain_blocks)"
+        )
+    return runs
+
+
 def _unpack(fn: Any, packed: bytes, field: str) -> Any:
     try:
         return fn(packed, field)

@@ -1,0 +1,75 @@
+"""`Release` with ``runs``: several hits' pins dropped in one call, each run
+exactly as its own `Release` would drop it (docs/api.md, "Release")."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+
+from kvstore.api import wire
+from kvstore.v1 import kvstore_pb2 as pb
+from tests.service.conftest import BLOCK_SIZE
+from tests.service.test_wire_forms import INVALID, field_of, store
+
+
+@pytest.fixture
+async def lease(stub) -> int:
+    return (await stub.OpenLease(pb.OpenLeaseRequest(ttl_seconds=60))).lease_id
+
+
+async def pin(stub, ns: str, lease: int, hashes: list[bytes]) -> bytes:
+    hit = await stub.Lookup(
+        pb.LookupRequest(
+            namespace_id=ns,
+            lease_id=lease,
+            pin=True,
+            packed_hashes=b"".join(hashes),
+            packed_reply=True,
+        )
+    )
+    assert hit.pinned
+    return hit.hit_hashes
+
+
+async def pinned(stub) -> int:
+    return (await stub.Stats(pb.StatsRequest())).namespaces[0].pinned
+
+
+async def test_runs_release_each_hit_and_count_each(stub, namespace, lease):
+    ns = namespace.id
+    chain = await store(stub, ns, lease, list(range(1, 1 + 4 * BLOCK_SIZE)))
+    other = await store(stub, ns, lease, list(range(500, 500 + 3 * BLOCK_SIZE)))
+    first = await pin(stub, ns, lease, chain)  # 4 blocks
+    second = await pin(stub, ns, lease, chain[:2])  # the same first 2 blocks, pinned again
+    third = await pin(stub, ns, lease, other)  # 3 blocks
+    assert await pinned(stub) == 7  # distinct blocks pinned
+    resp = await stub.Release(
+        pb.ReleaseRequest(
+            namespace_id=ns,
+            lease_id=lease,
+            packed_hashes=first + second + third + second,  # the last run: pins already gone
+            runs=[4, 2, 3, 2],
+        )
+    )
+    assert list(resp.run_released) == [4, 2, 3, 0]
+    assert resp.released == 9
+    assert await pinned(stub) == 0
+
+
+async def test_runs_that_do_not_add_up_or_are_too_long_are_refused(stub, namespace, lease):
+    ns = namespace.id
+    chain = await store(stub, ns, lease, list(range(1, 1 + 4 * BLOCK_SIZE)))
+    hit = await pin(stub, ns, lease, chain)
+    for runs, field in (([4, 1], "runs"), ([3], "runs"), ([16_385, 0], "runs")):
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await stub.Release(
+                pb.ReleaseRequest(namespace_id=ns, lease_id=lease, packed_hashes=hit, runs=runs)
+            )
+        assert err.value.code() == INVALID and field_of(err.value) == field
+    assert await pinned(stub) == 4  # nothing was released by a refused call
+    resp = await stub.Release(  # the per-block hashes form takes runs too
+        pb.ReleaseRequest(
+            namespace_id=ns, lease_id=lease, hashes=wire.unpack_hashes(hit), runs=[1, 3]
+        )
+    )
+    assert list(resp.run_released) == [1, 3] and await pinned(stub) == 0
