@@ -171,7 +171,7 @@ class BlockRpcs(ServicerBase):
     ) -> tuple[list[BlockHash], int, bool]:
         """The chain a Lookup or Reserve names, bounded, hashed off the loop."""
         config = self.node.config
-        tokens, hashes = chains.packed_fields(request, config.max_chain_blocks)
+        tokens, hashes, checked = chains.packed_fields(request, config.max_chain_blocks)
         # Only tokens are hashed under the root: a chain of hashes needs none.
         root = self.node.root(table, tenant) if len(tokens) else BlockHash(b"")
         return await chains.chain(
@@ -183,6 +183,7 @@ class BlockRpcs(ServicerBase):
             request.extras,
             max_blocks=config.max_chain_blocks,
             max_tokens=config.max_request_tokens,
+            hashes_checked=checked,
         )
 
     def _on_hashes(self, request: _HashesRequest, context: Any, verb: _StoreVerb) -> int:

@@ -47,8 +47,11 @@ def token_array(tokens: Tokens) -> np.ndarray:
     return np.array(tokens, dtype=np.uint32)
 
 
-def packed_fields(request: Any, max_blocks: int) -> tuple[Tokens, Sequence[bytes]]:
-    """The (tokens, hashes) of a Lookup or Reserve, from its repeated or packed fields.
+def packed_fields(request: Any, max_blocks: int) -> tuple[Tokens, Sequence[bytes], bool]:
+    """The (tokens, hashes, hashes checked) of a Lookup or Reserve, repeated or packed fields.
+
+    Hashes unpacked from ``packed_hashes`` are checked (whole 32-byte hashes,
+    at most ``max_blocks``); the repeated field's are not yet.
 
     Raises:
         FieldError: a field and its packed form both set, ``packed_hashes``
@@ -62,8 +65,8 @@ def packed_fields(request: Any, max_blocks: int) -> tuple[Tokens, Sequence[bytes
             raise FieldError("packed_tokens", "send tokens or packed_tokens, not both")
         tokens = _unpack(wire.unpack_tokens, request.packed_tokens, "packed_tokens")
     if request.packed_hashes:
-        hashes = packed_hashes(request, max_blocks)
-    return tokens, hashes
+        return tokens, packed_hashes(request, max_blocks), True
+    return tokens, hashes, False
 
 
 def packed_hashes(request: Any, max_blocks: int) -> list[BlockHash]:
@@ -129,6 +132,7 @@ async def chain(
     *,
     max_blocks: int,
     max_tokens: int,
+    hashes_checked: bool = False,
 ) -> tuple[list[BlockHash], int, bool]:
     """The chain a Lookup or Reserve names, from tokens or from hashes.
 
@@ -140,13 +144,18 @@ async def chain(
             the packed forms).
         max_blocks: ``max_chain_blocks`` of the node.
         max_tokens: ``max_request_tokens`` of the node.
+        hashes_checked: ``hashes`` came from `packed_fields` unpacking
+            ``packed_hashes`` (32 bytes each, bounded): not checked again.
 
     Returns:
         (chain, tokens in the query, whether tokens were sent).
     """
     source = validate.chain_source(tokens, hashes, extras, max_tokens, max_blocks, block_size)
     if source == "hashes":
-        chain = await off_loop(len(hashes), validate.block_hashes, hashes, max_blocks)
+        if hashes_checked:  # from `packed_hashes`: 32 bytes each by construction, bounded
+            chain: list[BlockHash] = list(hashes)  # type: ignore[arg-type]
+        else:  # the repeated field: every length checked
+            chain = await off_loop(len(hashes), validate.block_hashes, hashes, max_blocks)
         return chain, len(chain) * block_size, False
     block_extras: list[bytes] | None = None
     if extras:
