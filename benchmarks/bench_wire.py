@@ -101,10 +101,8 @@ def _packed(mode: str, hashes: list[bytes], tokens: list[int], refs: Any) -> Cal
             namespace_id="x", pin=True, packed_reply=True, **fields
         ).SerializeToString()
         request = pb.LookupRequest.FromString(raw)
-        sent_tokens, sent_hashes = chains.packed_fields(request, MAX_BLOCKS)
-        if mode == "hashes":
-            validate.block_hashes(sent_hashes, MAX_BLOCKS)
-        else:
+        sent_tokens, _, _ = chains.packed_fields(request, MAX_BLOCKS)
+        if mode == "tokens":
             chains.token_array(sent_tokens)
         reply_fields = convert.packed_locations(pool, result)
         if mode == "tokens":

@@ -71,6 +71,33 @@ def chain_fields(
     return fields
 
 
+def hashed_here(
+    ns: Namespace,
+    tokens: Tokens | None,
+    hashes: Sequence[bytes] | None,
+    extras: Sequence[Extra] | None,
+) -> dict[str, Any] | None:
+    """A Lookup's or Reserve's chain fields with the tokens hashed in this process.
+
+    The SDK hashes a prompt itself (under the namespace's ``chain_root``, as
+    the node would) and sends the hashes: the hashing then runs in the
+    runner processes, in parallel, not in the node's one event loop, and the
+    request is half the bytes. ``query_tokens`` tells the node how many
+    tokens that was, for its token counters. None when `chain_fields` must
+    say what to send: no tokens (or hashes too), extras given (sent as they
+    are), or no full block.
+
+    Raises:
+        InvalidArgument: token ids out of range, or not one-dimensional.
+    """
+    if tokens is None or hashes is not None or extras is not None or not ns.chain_root:
+        return None
+    chain = ns.hash(tokens)
+    if not chain:
+        return None
+    return {"packed_hashes": b"".join(chain), "query_tokens": len(tokens)}
+
+
 def location_from_proto(msg: pb.BlockLocation) -> BlockLocation:
     """Where one block is."""
     return BlockLocation(

@@ -547,6 +547,7 @@ class LookupRequest(_message.Message):
     PACKED_HASHES_FIELD_NUMBER: _builtins.int
     PACKED_TOKENS_FIELD_NUMBER: _builtins.int
     PACKED_REPLY_FIELD_NUMBER: _builtins.int
+    QUERY_TOKENS_FIELD_NUMBER: _builtins.int
     namespace_id: _builtins.str
     lease_id: _builtins.int
     """required when pin is set"""
@@ -559,6 +560,12 @@ class LookupRequest(_message.Message):
     """the tokens as little-endian uint32, concatenated"""
     packed_reply: _builtins.bool
     """answer with hit_hashes/slots/generations, not blocks"""
+    query_tokens: _builtins.int
+    """With hashes only, optional: how many tokens the client hashed them from
+    (the full blocks' tokens plus a partial block's, fewer than block_size),
+    so query_tokens and the tenant's token hit rate count the partial block
+    as a token-sending lookup would. 0: the full blocks' tokens.
+    """
     @_builtins.property
     def tokens(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     @_builtins.property
@@ -580,10 +587,11 @@ class LookupRequest(_message.Message):
         packed_hashes: _builtins.bytes = ...,
         packed_tokens: _builtins.bytes = ...,
         packed_reply: _builtins.bool = ...,
+        query_tokens: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["allow_remote", b"allow_remote", "extras", b"extras", "hashes", b"hashes", "lease_id", b"lease_id", "namespace_id", b"namespace_id", "packed_hashes", b"packed_hashes", "packed_reply", b"packed_reply", "packed_tokens", b"packed_tokens", "pin", b"pin", "tokens", b"tokens"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["allow_remote", b"allow_remote", "extras", b"extras", "hashes", b"hashes", "lease_id", b"lease_id", "namespace_id", b"namespace_id", "packed_hashes", b"packed_hashes", "packed_reply", b"packed_reply", "packed_tokens", b"packed_tokens", "pin", b"pin", "query_tokens", b"query_tokens", "tokens", b"tokens"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

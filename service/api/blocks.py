@@ -62,6 +62,10 @@ class BlockRpcs(ServicerBase):
             lease_id = validate.lease_id(request.lease_id)
         table = node.table(namespace)
         chain, query_tokens, from_tokens = await self.chain(table, tenant, request)
+        if request.query_tokens:
+            query_tokens = chains.hashed_from(
+                request.query_tokens, chain, from_tokens, table.block_size
+            )
         result = node.store.lookup(
             namespace, tenant, chain, node.now(), lease_id=lease_id, query_tokens=query_tokens
         )

@@ -91,6 +91,25 @@ def packed_hashes(request: Any, max_blocks: int) -> list[BlockHash]:
     return hashes
 
 
+def hashed_from(
+    query_tokens: int, chain: Sequence[bytes], from_tokens: bool, block_size: int
+) -> int:
+    """A Lookup's ``query_tokens`` (hashes sent): the tokens its chain was hashed from.
+
+    Raises:
+        FieldError: sent with tokens, or not within a block of the chain's tokens.
+    """
+    if from_tokens:
+        raise FieldError("query_tokens", "is for hashes only; tokens are counted as sent")
+    full = len(chain) * block_size
+    if not full <= query_tokens < full + block_size:
+        raise FieldError(
+            "query_tokens",
+            f"{query_tokens} tokens cannot give {len(chain)} full blocks of {block_size}",
+        )
+    return query_tokens
+
+
 def release_runs(request: Any, max_blocks: int) -> list[int]:
     """A Release's ``runs``: how many hashes each hit released in the call has.
 

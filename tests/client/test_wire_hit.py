@@ -43,8 +43,11 @@ async def test_lookup_is_packed_and_its_hit_lazy(kv: Client, monkeypatch) -> Non
     monkeypatch.setattr(kv._rpc, "call", spy)
     hit = await kv.lookup(ns, TOKENS, pin=True)
     lookup = sent[-1]
-    assert lookup.packed_reply and lookup.packed_tokens == wire.pack_tokens(TOKENS)
-    assert not lookup.tokens and not lookup.hashes
+    # The SDK hashes the prompt itself and sends the chain, with the token count.
+    assert lookup.packed_reply and lookup.packed_hashes == b"".join(ns.hash(TOKENS))
+    assert lookup.query_tokens == len(TOKENS)
+    assert not lookup.tokens and not lookup.hashes and not lookup.packed_tokens
+    assert (hit.hit_tokens, hit.query_tokens) == (24, 25)  # as if the node had hashed them
     assert hit._blocks is None and hit._chain is None  # nothing built yet
     for i, view in enumerate(hit.numpy_views()):
         assert np.array_equal(view, block(i))

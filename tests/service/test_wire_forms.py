@@ -182,3 +182,25 @@ async def test_malformed_packed_fields_are_invalid_argument(
     assert err.value.code() == INVALID, err.value.details()
     assert words in err.value.details() and field_of(err.value) == field
     assert (await stub.Ping(pb.PingRequest(payload=b"ok"))).payload == b"ok"
+
+
+async def test_query_tokens_counts_the_partial_block_of_hashes_sent(stub, namespace, lease):
+    # A client that hashed the prompt itself (the SDK does) says how many
+    # tokens it had: the node counts them as if they had been sent.
+    ns = namespace.id
+    chain = await store(stub, ns, lease, TOKENS)  # 5 full blocks and 1 more token
+    by_hashes = pb.LookupRequest(
+        namespace_id=ns, packed_hashes=b"".join(chain), query_tokens=len(TOKENS)
+    )
+    hit = await stub.Lookup(by_hashes)
+    by_tokens = await stub.Lookup(pb.LookupRequest(namespace_id=ns, tokens=TOKENS))
+    assert (hit.hit_tokens, hit.query_tokens) == (by_tokens.hit_tokens, by_tokens.query_tokens)
+    assert hit.query_tokens == 5 * BLOCK_SIZE + 1
+    for bad in (5 * BLOCK_SIZE - 1, 6 * BLOCK_SIZE):  # not 5 full blocks and a partial one
+        by_hashes.query_tokens = bad
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await stub.Lookup(by_hashes)
+        assert err.value.code() == INVALID and field_of(err.value) == "query_tokens"
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await stub.Lookup(pb.LookupRequest(namespace_id=ns, tokens=TOKENS, query_tokens=81))
+    assert err.value.code() == INVALID and field_of(err.value) == "query_tokens"
