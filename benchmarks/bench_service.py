@@ -39,11 +39,12 @@ import numpy.typing as npt
 
 from benchmarks._server import ServerProcess
 from benchmarks._stats import best_and_median, gbps, summary_us
-from kvstore.client import Client, Namespace
+from kvstore.api.wire import pack_tokens
+from kvstore.client import Client, Hit, Namespace
 from kvstore.client.blocks import copy_block
-from kvstore.client.convert import reservation_from_proto
+from kvstore.client.convert import hit_from_proto, reservation_from_proto
 from kvstore.layout import KVLayout
-from kvstore.types import BlockHash
+from kvstore.types import BlockHash, LeaseId
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc
 
@@ -78,10 +79,13 @@ async def run_concurrent(
 async def bench_latency(
     client: Client, ns: Namespace, tokens: list[int], chain: list[BlockHash], args: Any
 ) -> dict[str, Any]:
-    lease_id, _ = await client.lease.current()
+    lease_id, generation = await client.lease.current()
     requests = {
         "hashes": pb.LookupRequest(namespace_id=ns.id, lease_id=lease_id, pin=True, hashes=chain),
         "tokens": pb.LookupRequest(namespace_id=ns.id, lease_id=lease_id, pin=True, tokens=tokens),
+        "tokens_sent": pb.LookupRequest(
+            namespace_id=ns.id, lease_id=lease_id, pin=True, tokens=tokens
+        ),
     }
     out: dict[str, Any] = {}
     for mode, request in requests.items():
@@ -93,8 +97,10 @@ async def bench_latency(
             start = time.perf_counter()
             if mode == "hashes":
                 hit = await client.lookup(ns, hashes=chain, pin=True)
-            else:
+            elif mode == "tokens":  # the SDK hashes them and sends the chain
                 hit = await client.lookup(ns, tokens, pin=True)
+            else:  # the tokens themselves, for the node to hash (what grpcurl sends)
+                hit = await lookup_tokens_sent(client, ns, tokens, lease_id, generation)
             looked = time.perf_counter()
             if hit.hit_blocks != len(chain):
                 raise RuntimeError(f"expected a full hit, got {hit.hit_blocks}/{len(chain)}")
@@ -134,6 +140,25 @@ async def bench_latency(
             }
         out[mode] = result
     return out
+
+
+async def lookup_tokens_sent(
+    client: Client, ns: Namespace, tokens: list[int], lease_id: int, generation: int
+) -> Hit:
+    """A pinned Lookup that sends the tokens (packed) and lets the node hash them.
+
+    What `Client.lookup` did before it hashed prompts itself, and what a
+    client without the SDK does: the node's cost of hashing, measured.
+    """
+    request = pb.LookupRequest(
+        namespace_id=ns.id,
+        lease_id=lease_id,
+        pin=True,
+        packed_reply=True,
+        packed_tokens=pack_tokens(tokens),
+    )
+    resp = await client._rpc.call("Lookup", request, None, idempotent=False)
+    return hit_from_proto(ns, resp, generation, LeaseId(lease_id))
 
 
 # --- bandwidth ---------------------------------------------------------------------
