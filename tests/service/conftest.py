@@ -113,6 +113,12 @@ def stub(channel: grpc.aio.Channel) -> kvstore_pb2_grpc.KVStoreStub:
 
 
 @pytest.fixture
+async def lease(stub) -> int:
+    """A lease of 60 s on the node (the manual clock does not move by itself)."""
+    return int((await stub.OpenLease(pb.OpenLeaseRequest(ttl_seconds=60))).lease_id)
+
+
+@pytest.fixture
 async def namespace(stub) -> RegisteredNamespace:
     resp = await stub.RegisterNamespace(
         pb.RegisterNamespaceRequest(model_id="test-model", layout=LAYOUT), timeout=5

@@ -9,26 +9,7 @@ import pytest
 from kvstore.api import wire
 from kvstore.v1 import kvstore_pb2 as pb
 from tests.service.conftest import BLOCK_SIZE
-from tests.service.test_wire_forms import INVALID, field_of, store
-
-
-@pytest.fixture
-async def lease(stub) -> int:
-    return (await stub.OpenLease(pb.OpenLeaseRequest(ttl_seconds=60))).lease_id
-
-
-async def pin(stub, ns: str, lease: int, hashes: list[bytes]) -> bytes:
-    hit = await stub.Lookup(
-        pb.LookupRequest(
-            namespace_id=ns,
-            lease_id=lease,
-            pin=True,
-            packed_hashes=b"".join(hashes),
-            packed_reply=True,
-        )
-    )
-    assert hit.pinned
-    return hit.hit_hashes
+from tests.service.test_wire_forms import INVALID, field_of, pin, store
 
 
 async def pinned(stub) -> int:

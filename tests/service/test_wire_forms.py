@@ -17,11 +17,6 @@ TOKENS = list(range(7, 7 + 5 * BLOCK_SIZE + 1))  # 5 full blocks and a partial o
 INVALID = grpc.StatusCode.INVALID_ARGUMENT
 
 
-@pytest.fixture
-async def lease(stub) -> int:
-    return (await stub.OpenLease(pb.OpenLeaseRequest(ttl_seconds=60))).lease_id
-
-
 async def store(stub, ns: str, lease: int, tokens: list[int]) -> list[bytes]:
     """Reserve and commit every block of ``tokens`` (old forms); its chain."""
     reserved = await stub.Reserve(pb.ReserveRequest(namespace_id=ns, lease_id=lease, tokens=tokens))
@@ -70,21 +65,28 @@ async def test_old_and_packed_lookups_answer_the_same(stub, namespace, lease):
     assert by_hashes.query_tokens == 5 * BLOCK_SIZE
 
 
-async def test_packed_pins_are_released_by_packed_hashes(stub, namespace, lease):
-    ns = namespace.id
-    chain = await store(stub, ns, lease, TOKENS)
+async def pin(stub, ns: str, lease: int, hashes: list[bytes]) -> bytes:
+    """Pin the leading hits of a chain (packed forms); their hashes, packed."""
     hit = await stub.Lookup(
         pb.LookupRequest(
             namespace_id=ns,
             lease_id=lease,
             pin=True,
-            packed_hashes=b"".join(chain),
+            packed_hashes=b"".join(hashes),
             packed_reply=True,
         )
     )
-    assert hit.pinned and (await stub.Stats(pb.StatsRequest())).pinned == 5
+    assert hit.pinned
+    return hit.hit_hashes
+
+
+async def test_packed_pins_are_released_by_packed_hashes(stub, namespace, lease):
+    ns = namespace.id
+    chain = await store(stub, ns, lease, TOKENS)
+    hit_hashes = await pin(stub, ns, lease, chain)
+    assert (await stub.Stats(pb.StatsRequest())).pinned == 5
     released = await stub.Release(
-        pb.ReleaseRequest(namespace_id=ns, lease_id=lease, packed_hashes=hit.hit_hashes)
+        pb.ReleaseRequest(namespace_id=ns, lease_id=lease, packed_hashes=hit_hashes)
     )
     assert released.released == 5 and (await stub.Stats(pb.StatsRequest())).pinned == 0
 
