@@ -8,6 +8,10 @@ chain's hashes precomputed) run for a fixed time:
 
 * ``lookup``: a pinned Lookup of the whole chain (always a full hit), then its
   Release, in a loop (``--tasks`` of them in flight per process);
+* ``tokens``: the same, given the chain's tokens: the SDK hashes them in the
+  client process and sends the chain (``--ops lookup,tokens,tokens_sent,ping``);
+* ``tokens_sent``: the same, the tokens sent for the node to hash (what a
+  client without the SDK does, and the SDK did before it hashed prompts);
 * ``ping``: the baseline, the same processes echoing a ``Ping`` whose payload
   is as large as the Lookup request.
 
@@ -17,7 +21,7 @@ before and after, so every thread of the node counts) in cores, and the
 client processes' CPU in cores. Prints one JSON object.
 
     python -m benchmarks.bench_scaling [--blocks 512] [--clients 1,2,4,8] [--seconds 3]
-        [--tasks 1] [--quick]
+        [--tasks 1] [--ops lookup,ping] [--quick]
 """
 
 from __future__ import annotations
@@ -39,12 +43,15 @@ import grpc
 import numpy as np
 
 from benchmarks._server import ServerProcess
-from kvstore.client import Client
+from benchmarks.bench_service import lookup_tokens_sent as lookup_tokens_sent_
+from kvstore.client import Client, Hit
 from kvstore.layout import KVLayout
 from kvstore.types import BlockHash
 from kvstore.v1 import kvstore_pb2 as pb
 
 MiB = 1 << 20
+OPS = ("lookup", "tokens", "tokens_sent", "ping")
+"""What a round may measure (see the module docstring)."""
 TENANT = "bench"
 MODEL = "bench-scaling"
 CLK_TCK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
@@ -133,29 +140,47 @@ def receive(conn: Connection, proc: Any, timeout: float) -> Any:
 # --- worker processes ------------------------------------------------------------------
 
 
-def worker(target: str, layout: KVLayout, chain: list[bytes], conn: Connection) -> None:
+def worker(
+    target: str, layout: KVLayout, tokens: list[int], chain: list[bytes], conn: Connection
+) -> None:
     """One client process: connects, then runs the rounds the parent sends until ``None``."""
-    asyncio.run(_worker(target, layout, chain, conn))
+    asyncio.run(_worker(target, layout, tokens, chain, conn))
 
 
-async def _worker(target: str, layout: KVLayout, chain: list[bytes], conn: Connection) -> None:
+async def _worker(
+    target: str, layout: KVLayout, tokens: list[int], chain: list[bytes], conn: Connection
+) -> None:
     async with Client(target, tenant=TENANT, timeout=60.0, lease_ttl=300.0) as client:
         ns = await client.register_namespace(MODEL, layout)
         hashes = [BlockHash(h) for h in chain]
         size = lookup_request_bytes(ns.id, chain)
         payload = os.urandom(size)
 
-        async def lookup() -> None:
-            hit = await client.lookup(ns, hashes=hashes, pin=True)
+        async def released(hit: Hit) -> None:
             if hit.hit_blocks != len(hashes):
                 raise RuntimeError(f"expected a full hit, got {hit.hit_blocks}/{len(hashes)}")
             await client.release(hit)
+
+        async def lookup() -> None:
+            await released(await client.lookup(ns, hashes=hashes, pin=True))
+
+        async def lookup_tokens() -> None:
+            await released(await client.lookup(ns, tokens, pin=True))
+
+        async def lookup_tokens_sent() -> None:
+            lease_id, generation = await client.lease.current()
+            await released(await lookup_tokens_sent_(client, ns, tokens, lease_id, generation))
 
         async def ping() -> None:
             if len(await client.ping(payload)) != len(payload):
                 raise RuntimeError("Ping echoed another payload")
 
-        ops = {"lookup": lookup, "ping": ping}
+        ops = {
+            "lookup": lookup,
+            "tokens": lookup_tokens,
+            "tokens_sent": lookup_tokens_sent,
+            "ping": ping,
+        }
         for op in ops.values():  # warm up both paths (and the channel)
             for _ in range(3):
                 await op()
@@ -194,8 +219,8 @@ async def _round(op: Any, command: dict[str, Any]) -> dict[str, Any]:
 # --- the parent ------------------------------------------------------------------------
 
 
-async def setup(target: str, layout: KVLayout, blocks: int) -> list[bytes]:
-    """Register the namespace and store one chain of ``blocks`` blocks; its hashes."""
+async def setup(target: str, layout: KVLayout, blocks: int) -> tuple[list[int], list[bytes]]:
+    """Register the namespace and store one chain of ``blocks`` blocks; its tokens, hashes."""
     async with Client(target, tenant=TENANT, timeout=60.0) as client:
         ns = await client.register_namespace(
             MODEL, layout, capacity_bytes=layout.block_bytes * blocks
@@ -209,7 +234,7 @@ async def setup(target: str, layout: KVLayout, blocks: int) -> list[bytes]:
         stored = await client.store(ns, hashes=chain, blocks=list(data))
         if stored.committed != blocks:
             raise RuntimeError(f"stored {stored.committed} of {blocks} blocks")
-        return [bytes(h) for h in chain]
+        return tokens, [bytes(h) for h in chain]
 
 
 def measure(
@@ -255,20 +280,22 @@ def measure(
 
 def run(args: argparse.Namespace, target: str, node_pid: int | None) -> dict[str, Any]:
     layout = layout_of(args)
-    chain = asyncio.run(setup(target, layout, args.blocks))
+    tokens, chain = asyncio.run(setup(target, layout, args.blocks))
     ctx = mp.get_context("spawn")  # no fork of a process that has used grpc
     pipes: list[Connection] = []
     procs: list[Any] = []
     for i in range(max(args.clients)):
         parent, child = ctx.Pipe()
-        proc = ctx.Process(target=worker, args=(target, layout, chain, child), name=f"client-{i}")
+        proc = ctx.Process(
+            target=worker, args=(target, layout, tokens, chain, child), name=f"client-{i}"
+        )
         proc.start()
         child.close()
         pipes.append(parent)
         procs.append(proc)
     try:
         ready = [receive(conn, proc, 120.0) for conn, proc in zip(pipes, procs, strict=True)]
-        curves: dict[str, list[dict[str, Any]]] = {"lookup": [], "ping": []}
+        curves: dict[str, list[dict[str, Any]]] = {op: [] for op in OPS}
         for n in args.clients:
             for op in args.ops:
                 curves[op].append(measure(pipes, procs, node_pid, op, n, args))
@@ -281,7 +308,7 @@ def run(args: argparse.Namespace, target: str, node_pid: int | None) -> dict[str
             if proc.is_alive():
                 proc.kill()
                 proc.join(5)
-    return {
+    report: dict[str, Any] = {
         "blocks": args.blocks,
         "block_bytes": layout.block_bytes,
         "seconds_per_point": args.seconds,
@@ -294,6 +321,10 @@ def run(args: argparse.Namespace, target: str, node_pid: int | None) -> dict[str
             for lk, pg in zip(curves["lookup"], curves["ping"], strict=False)
         ],
     }
+    for op in ("tokens", "tokens_sent"):
+        if curves[op]:
+            report[f"{op}_lookup_release_pairs"] = curves[op]
+    return report
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -307,7 +338,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--ops",
         type=lambda s: s.split(","),
         default=["lookup", "ping"],
-        help="what to measure: lookup, ping or both (to profile one of them)",
+        help=f"what to measure, of {', '.join(OPS)} (one alone: to profile it)",
     )
     parser.add_argument("--tasks", type=int, default=1, help="calls in flight per process")
     # A small block: lookups never touch the bytes, and the pool stays small.
@@ -344,7 +375,10 @@ def start_and_run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if unknown := [op for op in args.ops if op not in OPS]:
+        parser.error(f"unknown --ops {', '.join(unknown)}; choose from {', '.join(OPS)}")
     if args.quick:
         args.seconds = 1.0
         args.clients = [n for n in args.clients if n <= 4]

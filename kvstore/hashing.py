@@ -40,8 +40,10 @@ tokens) and by the client (requests that send hashes).
 
 from __future__ import annotations
 
+import array
 import hashlib
 import struct
+import sys
 from collections.abc import Sequence
 from enum import StrEnum
 
@@ -60,6 +62,9 @@ Extra = bytes | tuple[ExtraKey, ...] | None
 
 Tokens = Sequence[int] | npt.NDArray[np.integer]
 """Token ids as a Python sequence or a 1-D integer array."""
+
+_NATIVE_U32 = sys.byteorder == "little" and array.array("I").itemsize == 4
+"""``array('I')`` holds little-endian uint32 here: its bytes are the wire form."""
 
 _U32 = struct.Struct("<I")
 _ROOT_TAG = b"kvstore/root/v1\0"
@@ -94,7 +99,17 @@ def vllm_root(seed: str) -> BlockHash:
 
 
 def token_bytes(tokens: Tokens) -> bytes:
-    """Encode token ids as little-endian uint32, rejecting out-of-range ids."""
+    """Encode token ids as little-endian uint32, rejecting out-of-range ids.
+
+    A list of ints (what a tokenizer returns) takes the fast path of
+    ``array('I')``, which refuses ids out of range itself: 8192 ids in
+    ~0.1 ms, where ``np.asarray`` of the list takes ~0.4 ms.
+    """
+    if _NATIVE_U32 and isinstance(tokens, list):
+        try:
+            return array.array("I", tokens).tobytes()
+        except (OverflowError, TypeError):
+            pass  # the array path below says what is wrong
     arr = np.asarray(tokens)
     if arr.ndim != 1:
         raise InvalidArgument(f"tokens must be one-dimensional, got shape {arr.shape}")

@@ -12,8 +12,6 @@ where a repeated field costs a Python object per item on each side.
 
 from __future__ import annotations
 
-import array
-import sys
 from collections.abc import Iterable
 from typing import Any
 
@@ -30,9 +28,6 @@ _HASH_DTYPE = np.dtype(f"V{HASH_BYTES}")
 
 TOKEN_BYTES = 4
 """Bytes of one token in ``packed_tokens`` (little-endian uint32)."""
-
-_NATIVE_U32 = sys.byteorder == "little" and array.array("I").itemsize == TOKEN_BYTES
-"""``array('I')`` is exactly the packed token form on this machine."""
 
 _SCHEMES: dict[int, HashScheme] = {
     pb.HASH_SCHEME_UNSPECIFIED: HashScheme.KVSTORE_SHA256,
@@ -122,19 +117,11 @@ def unpack_hashes(packed: bytes, field: str = "packed_hashes") -> list[BlockHash
 
 
 def pack_tokens(tokens: Tokens) -> bytes:
-    """``packed_tokens``: token ids as little-endian uint32.
-
-    A list of ints takes the fast path of ``array('I')`` (which also refuses
-    ids out of range); arrays and tensors go through `kvstore.hashing.token_bytes`.
+    """``packed_tokens``: token ids as little-endian uint32 (`kvstore.hashing.token_bytes`).
 
     Raises:
         InvalidArgument: ids out of ``[0, 2**32)``, not integers, or not one-dimensional.
     """
-    if _NATIVE_U32 and isinstance(tokens, list):
-        try:
-            return array.array("I", tokens).tobytes()
-        except (OverflowError, TypeError):
-            pass  # token_bytes says what is wrong
     return token_bytes(tokens)
 
 
