@@ -166,6 +166,14 @@ def hash_blocks(
     parent: bytes = root
     out: list[BlockHash] = []
     append = out.append
+    if extras is None:  # the hot path: no per-block branch, no concatenation
+        for start in range(0, n_blocks * stride, stride):
+            h = sha256(parent)
+            h.update(no_extra)
+            h.update(data[start : start + stride])
+            parent = h.digest()
+            append(parent)  # type: ignore[arg-type]
+        return out
     for i in range(n_blocks):
         extra = extras[i] if extras is not None else None
         if extra:
