@@ -190,10 +190,23 @@ def hash_blocks(
     return out
 
 
+def _as_uint32(tokens: list[int]) -> npt.NDArray[np.uint32] | None:
+    """A list of ids in ``[0, 2**32)`` as a uint32 array (through ``array('I')``,
+    several times faster than ``np.asarray`` of a list), else None."""
+    if not _NATIVE_U32:
+        return None
+    try:
+        return np.frombuffer(array.array("I", tokens), dtype=np.uint32)
+    except (OverflowError, TypeError):
+        return None
+
+
 def _hash_blocks_vllm(
     root: BlockHash, tokens: Tokens, block_size: int, extras: Sequence[Extra] | None
 ) -> list[BlockHash]:
-    ids = np.asarray(tokens)
+    ids = _as_uint32(tokens) if isinstance(tokens, list) else None
+    if ids is None:
+        ids = np.asarray(tokens)
     if ids.ndim != 1:
         raise InvalidArgument(f"tokens must be one-dimensional, got shape {ids.shape}")
     if ids.size and not np.issubdtype(ids.dtype, np.integer):
@@ -214,11 +227,17 @@ def _hash_blocks_vllm(
     parent: bytes = root
     out: list[BlockHash] = []
     append = out.append
+    # Every block's bytes start with ``lead``: hash it once, copy the state per block.
+    base = sha256(lead)
     if extras is None:
         for i in range(n_blocks):
-            body = data[bounds[i] : bounds[i + 1]]
-            parent = sha256(lead + parent + array_head + body + b"\xf6").digest()
-            append(BlockHash(parent))
+            h = base.copy()
+            h.update(parent)
+            h.update(array_head)
+            h.update(data[bounds[i] : bounds[i + 1]])
+            h.update(b"\xf6")
+            parent = h.digest()
+            append(parent)  # type: ignore[arg-type]
         return out
     last: object = None
     last_encoded = b"\xf6"
@@ -230,9 +249,13 @@ def _hash_blocks_vllm(
                     "extras of the vllm-sha256-cbor scheme must be tuples or None"
                 )
             last, last_encoded = extra, cbor_encode(extra)
-        body = data[bounds[i] : bounds[i + 1]]
-        parent = sha256(lead + parent + array_head + body + last_encoded).digest()
-        append(BlockHash(parent))
+        h = base.copy()
+        h.update(parent)
+        h.update(array_head)
+        h.update(data[bounds[i] : bounds[i + 1]])
+        h.update(last_encoded)
+        parent = h.digest()
+        append(parent)  # type: ignore[arg-type]
     return out
 
 
