@@ -209,6 +209,8 @@ class Client:
         Args:
             ns: the namespace.
             tokens: the prompt (full blocks only are looked up); or ``hashes``.
+                Hashed here, under the namespace's ``chain_root``, and sent as
+                hashes with the token count (docs/api.md, "The Python SDK").
             hashes: precomputed chain hashes instead of tokens.
             extras: per-block extra hash input (bytes).
             pin: pin the hit blocks under the client's lease (release them
@@ -334,6 +336,9 @@ class Client:
         each stream the caller read on, and waited for (in a worker thread,
         the event loop stays free). Host pools wait for nothing.
 
+        Releases that come while another of the same lease is in flight are
+        sent together, as one call, when it returns (`kvstore.client.releases`).
+
         Args:
             hit: a hit of `lookup`; a second release (or of an unpinned hit)
                 sends nothing.
@@ -388,6 +393,7 @@ class Client:
         Args:
             ns: the namespace.
             tokens: the prompt (full blocks only are stored); or ``hashes``.
+                Hashed here, as for `lookup`.
             blocks: one block per full block of the chain (bytes, arrays or
                 tensors of ``block_bytes`` each), or a callable ``i -> block``
                 called only for the blocks this call must write.
