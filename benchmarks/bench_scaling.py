@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import itertools
 import json
 import multiprocessing as mp
 import os
@@ -44,7 +45,7 @@ import numpy as np
 
 from benchmarks._server import ServerProcess
 from benchmarks.bench_service import lookup_tokens_sent as lookup_tokens_sent_
-from kvstore.client import Client, Hit
+from kvstore.client import Hit, ShardedClient
 from kvstore.layout import KVLayout
 from kvstore.types import BlockHash
 from kvstore.v1 import kvstore_pb2 as pb
@@ -141,38 +142,56 @@ def receive(conn: Connection, proc: Any, timeout: float) -> Any:
 
 
 def worker(
-    target: str, layout: KVLayout, tokens: list[int], chain: list[bytes], conn: Connection
+    targets: list[str],
+    layout: KVLayout,
+    prompts: list[list[int]],
+    chains: list[list[bytes]],
+    conn: Connection,
 ) -> None:
     """One client process: connects, then runs the rounds the parent sends until ``None``."""
-    asyncio.run(_worker(target, layout, tokens, chain, conn))
+    asyncio.run(_worker(targets, layout, prompts, chains, conn))
 
 
 async def _worker(
-    target: str, layout: KVLayout, tokens: list[int], chain: list[bytes], conn: Connection
+    targets: list[str],
+    layout: KVLayout,
+    prompts: list[list[int]],
+    chains: list[list[bytes]],
+    conn: Connection,
 ) -> None:
-    async with Client(target, tenant=TENANT, timeout=60.0, lease_ttl=300.0) as client:
-        ns = await client.register_namespace(MODEL, layout)
-        hashes = [BlockHash(h) for h in chain]
-        size = lookup_request_bytes(ns.id, chain)
+    # One node: a ShardedClient of one is a Client. Several: each chain on its node.
+    async with ShardedClient(targets, tenant=TENANT, timeout=60.0, lease_ttl=300.0) as kv:
+        ns = await kv.register_namespace(MODEL, layout)
+        hashes = [[BlockHash(h) for h in chain] for chain in chains]
+        size = lookup_request_bytes(ns.parts[0].id, chains[0])
         payload = os.urandom(size)
+        turn = itertools.count(os.getpid())  # processes start on different chains
 
-        async def released(hit: Hit) -> None:
-            if hit.hit_blocks != len(hashes):
-                raise RuntimeError(f"expected a full hit, got {hit.hit_blocks}/{len(hashes)}")
-            await client.release(hit)
+        async def released(hit: Hit, blocks: int) -> None:
+            if hit.hit_blocks != blocks:
+                raise RuntimeError(f"expected a full hit, got {hit.hit_blocks}/{blocks}")
+            await kv.release(hit)
 
         async def lookup() -> None:
-            await released(await client.lookup(ns, hashes=hashes, pin=True))
+            chain = hashes[next(turn) % len(hashes)]
+            await released(await kv.lookup(ns, hashes=chain, pin=True), len(chain))
 
         async def lookup_tokens() -> None:
-            await released(await client.lookup(ns, tokens, pin=True))
+            i = next(turn) % len(prompts)
+            await released(await kv.lookup(ns, prompts[i], pin=True), len(chains[i]))
 
         async def lookup_tokens_sent() -> None:
+            i = next(turn) % len(prompts)
+            node = kv.shard_of(ns, hashes=chains[i]) or 0
+            client = kv.clients[node]
             lease_id, generation = await client.lease.current()
-            await released(await lookup_tokens_sent_(client, ns, tokens, lease_id, generation))
+            hit = await lookup_tokens_sent_(
+                client, ns.parts[node], prompts[i], lease_id, generation
+            )
+            await released(hit, len(chains[i]))
 
         async def ping() -> None:
-            if len(await client.ping(payload)) != len(payload):
+            if len(await kv.clients[0].ping(payload)) != len(payload):
                 raise RuntimeError("Ping echoed another payload")
 
         ops = {
@@ -181,7 +200,7 @@ async def _worker(
             "tokens_sent": lookup_tokens_sent,
             "ping": ping,
         }
-        for op in ops.values():  # warm up both paths (and the channel)
+        for op in ops.values():  # warm up every path (and the channels)
             for _ in range(3):
                 await op()
         conn.send({"ready": True, "ping_payload_bytes": size})
@@ -219,28 +238,32 @@ async def _round(op: Any, command: dict[str, Any]) -> dict[str, Any]:
 # --- the parent ------------------------------------------------------------------------
 
 
-async def setup(target: str, layout: KVLayout, blocks: int) -> tuple[list[int], list[bytes]]:
-    """Register the namespace and store one chain of ``blocks`` blocks; its tokens, hashes."""
-    async with Client(target, tenant=TENANT, timeout=60.0) as client:
-        ns = await client.register_namespace(
-            MODEL, layout, capacity_bytes=layout.block_bytes * blocks
+async def setup(
+    targets: list[str], layout: KVLayout, blocks: int, count: int
+) -> tuple[list[list[int]], list[list[bytes]]]:
+    """Register the namespace and store ``count`` chains of ``blocks`` blocks; tokens, hashes."""
+    async with ShardedClient(targets, tenant=TENANT, timeout=60.0) as kv:
+        ns = await kv.register_namespace(
+            MODEL, layout, capacity_bytes=layout.block_bytes * blocks * count
         )
-        if ns.capacity < blocks:
-            raise RuntimeError(f"the pool holds {ns.capacity} blocks, {blocks} needed")
         rng = np.random.default_rng(1)
-        tokens = rng.integers(1, 128_000, size=blocks * layout.block_size).tolist()
-        chain = ns.hash(tokens)
+        prompts: list[list[int]] = []
+        chains: list[list[bytes]] = []
         data = rng.integers(0, 256, size=(blocks, layout.block_bytes), dtype=np.uint8)
-        stored = await client.store(ns, hashes=chain, blocks=list(data))
-        if stored.committed != blocks:
-            raise RuntimeError(f"stored {stored.committed} of {blocks} blocks")
-        return tokens, [bytes(h) for h in chain]
+        for _ in range(count):
+            tokens = rng.integers(1, 128_000, size=blocks * layout.block_size).tolist()
+            stored = await kv.store(ns, tokens, data)
+            if stored.committed != blocks:
+                raise RuntimeError(f"stored {stored.committed} of {blocks} blocks; pool full?")
+            prompts.append(tokens)
+            chains.append([bytes(h) for h in stored.chain])
+        return prompts, chains
 
 
 def measure(
     pipes: list[Connection],
     procs: list[Any],
-    node_pid: int | None,
+    node_pids: list[int],
     op: str,
     n: int,
     args: argparse.Namespace,
@@ -251,12 +274,13 @@ def measure(
     for conn in pipes[:n]:
         conn.send({"op": op, "start": start, "end": end, "tasks": args.tasks})
     time.sleep(max(0.0, start - time.time()))
-    node_cpu = cpu_seconds(node_pid) if node_pid else 0.0
+    node_pid = node_pids[0] if node_pids else None  # threads and loop: the first node's
+    node_cpu = sum(cpu_seconds(pid) for pid in node_pids)
     threads = thread_cpu(node_pid) if node_pid else {}
     sched = schedstat(node_pid) if node_pid else (0.0, 0.0)
     wall = time.time()
     time.sleep(max(0.0, end - time.time()))
-    node_cpu = cpu_seconds(node_pid) - node_cpu if node_pid else 0.0
+    node_cpu = sum(cpu_seconds(pid) for pid in node_pids) - node_cpu
     threads_after = thread_cpu(node_pid) if node_pid else {}
     sched_after = schedstat(node_pid) if node_pid else (0.0, 0.0)
     wall = time.time() - wall
@@ -266,7 +290,7 @@ def measure(
         "clients": n,
         "calls": calls,
         "per_s": round(calls / args.seconds, 1),
-        "node_cores": round(node_cpu / wall, 2) if node_pid else None,
+        "node_cores": round(node_cpu / wall, 2) if node_pids else None,
         "node_threads": busy_threads(threads, threads_after, wall),
         # The event loop's thread: share of the window it ran, and it ran or waited
         # for a CPU (1.0 = saturated: it would use a whole core if one were free).
@@ -278,16 +302,16 @@ def measure(
     }
 
 
-def run(args: argparse.Namespace, target: str, node_pid: int | None) -> dict[str, Any]:
+def run(args: argparse.Namespace, targets: list[str], node_pids: list[int]) -> dict[str, Any]:
     layout = layout_of(args)
-    tokens, chain = asyncio.run(setup(target, layout, args.blocks))
+    prompts, chains = asyncio.run(setup(targets, layout, args.blocks, args.chains))
     ctx = mp.get_context("spawn")  # no fork of a process that has used grpc
     pipes: list[Connection] = []
     procs: list[Any] = []
     for i in range(max(args.clients)):
         parent, child = ctx.Pipe()
         proc = ctx.Process(
-            target=worker, args=(target, layout, tokens, chain, child), name=f"client-{i}"
+            target=worker, args=(targets, layout, prompts, chains, child), name=f"client-{i}"
         )
         proc.start()
         child.close()
@@ -298,7 +322,7 @@ def run(args: argparse.Namespace, target: str, node_pid: int | None) -> dict[str
         curves: dict[str, list[dict[str, Any]]] = {op: [] for op in OPS}
         for n in args.clients:
             for op in args.ops:
-                curves[op].append(measure(pipes, procs, node_pid, op, n, args))
+                curves[op].append(measure(pipes, procs, node_pids, op, n, args))
     finally:
         for conn in pipes:
             with contextlib.suppress(OSError):
@@ -309,6 +333,8 @@ def run(args: argparse.Namespace, target: str, node_pid: int | None) -> dict[str
                 proc.kill()
                 proc.join(5)
     report: dict[str, Any] = {
+        "nodes": len(targets),
+        "chains": args.chains,
         "blocks": args.blocks,
         "block_bytes": layout.block_bytes,
         "seconds_per_point": args.seconds,
@@ -341,6 +367,18 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"what to measure, of {', '.join(OPS)} (one alone: to profile it)",
     )
     parser.add_argument("--tasks", type=int, default=1, help="calls in flight per process")
+    parser.add_argument(
+        "--nodes",
+        type=int,
+        default=1,
+        help="nodes to start; clients use them as one cache (ShardedClient)",
+    )
+    parser.add_argument(
+        "--chains",
+        type=int,
+        default=1,
+        help="chains stored, looked up in turn (more than one to spread them over --nodes)",
+    )
     # A small block: lookups never touch the bytes, and the pool stays small.
     parser.add_argument("--layers", type=int, default=1)
     parser.add_argument("--kv-heads", type=int, default=1)
@@ -350,8 +388,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--quick", action="store_true", help="1 s per point, clients 1,2,4")
     parser.add_argument(
         "--target",
-        help="measure this running node (host:port) instead of starting one (e.g. a node"
-        " under a profiler); its registered namespace needs room for the chain",
+        help="measure this running node (host:port; several, comma-separated, as one"
+        " ShardedClient) instead of starting one (e.g. a node under a profiler)",
     )
     parser.add_argument("--node-pid", type=int, help="with --target: the node's pid (for its CPU)")
     parser.add_argument("--shm-dir", default="/dev/shm" if os.path.isdir("/dev/shm") else None)
@@ -359,18 +397,26 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def start_and_run(args: argparse.Namespace) -> dict[str, Any]:
-    """Start a node (one arena as big as its budget), run, stop it."""
+    """Start ``--nodes`` nodes (each one arena as big as its budget), run, stop them."""
     layout = layout_of(args)
-    capacity = f"{max(64 * MiB, 2 * layout.block_bytes * args.blocks) // MiB}MiB"
-    with tempfile.TemporaryDirectory(prefix="kvstore-bench-", dir=args.shm_dir) as shm:
-        server = ServerProcess.start(
-            shm, capacity=capacity, prefix_stem="kvscale", extra_args=("--arena-bytes", capacity)
-        )
-        try:
-            report = run(args, server.target, server.process.pid)
-        finally:
-            status = server.stop()
-        report["server_exit_status"] = status
+    per_node = 2 * layout.block_bytes * args.blocks * args.chains
+    capacity = f"{max(64 * MiB, per_node) // MiB + 1}MiB"
+    with contextlib.ExitStack() as stack:
+        servers = []
+        for i in range(args.nodes):
+            shm = stack.enter_context(
+                tempfile.TemporaryDirectory(prefix="kvstore-bench-", dir=args.shm_dir)
+            )
+            server = ServerProcess.start(
+                shm,
+                capacity=capacity,
+                prefix_stem=f"kvscale{i}",
+                extra_args=("--arena-bytes", capacity),
+            )
+            stack.callback(server.stop)
+            servers.append(server)
+        report = run(args, [s.target for s in servers], [s.process.pid for s in servers])
+    report["server_exit_status"] = [s.exit_code for s in servers]
     return report
 
 
@@ -383,7 +429,10 @@ def main(argv: list[str] | None = None) -> None:
         args.seconds = 1.0
         args.clients = [n for n in args.clients if n <= 4]
     started = time.perf_counter()
-    report = run(args, args.target, args.node_pid) if args.target else start_and_run(args)
+    if args.target:
+        report = run(args, args.target.split(","), [args.node_pid] if args.node_pid else [])
+    else:
+        report = start_and_run(args)
     report["machine"] = {
         "cpu_count": os.cpu_count(),
         "affinity_cpus": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,

@@ -20,6 +20,7 @@ from kvstore.client.errors import (
 from kvstore.client.handles import BlockLocation, Hit, Namespace, StoreResult
 from kvstore.client.lease import LeaseGrant, LeaseKeeper
 from kvstore.client.retry import Backoff, RetryPolicy
+from kvstore.client.sharded import ShardedClient, ShardedNamespace, shard_of
 from kvstore.client.sync import SyncClient
 from kvstore.client.tls import TLSOptions
 
@@ -38,10 +39,13 @@ __all__ = [
     "RetryPolicy",
     "ServerError",
     "ServerUnavailable",
+    "ShardedClient",
+    "ShardedNamespace",
     "StoreResult",
     "SyncClient",
     "TLSOptions",
     "Unauthenticated",
     "error_from_rpc",
     "error_from_status",
+    "shard_of",
 ]

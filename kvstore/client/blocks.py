@@ -19,8 +19,11 @@ from kvstore.pool.cuda_caller import caller_streams
 BlockSource: TypeAlias = Any
 """One block: bytes-like, a numpy array or a torch tensor (torch is optional, hence Any)."""
 
-BlockSupplier: TypeAlias = Sequence[BlockSource] | Callable[[int], BlockSource]
-"""Blocks by chain index: a sequence, or a callable ``i -> block`` (called lazily)."""
+BlockSupplier: TypeAlias = (
+    Sequence[BlockSource] | np.ndarray[Any, Any] | Callable[[int], BlockSource]
+)
+"""Blocks by chain index: a sequence, one ``(n_blocks, ...)`` array, or a callable
+``i -> block`` (called lazily)."""
 
 
 def block_at(blocks: BlockSupplier, index: int) -> BlockSource:

@@ -169,6 +169,10 @@ class Client:
 
     # --- namespaces ---------------------------------------------------------------------
 
+    def owns(self, ns: Namespace) -> bool:
+        """Whether ``ns`` (a hit's namespace, say) was registered through this client."""
+        return self._session.namespace(ns.spec) is ns
+
     async def register_namespace(
         self,
         model_id: str,
