@@ -19,16 +19,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import signal
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Callable
 
 import torch
 
+from benchmarks._server import ServerProcess
 from kvstore.client import Client
 from kvstore.layout import KVLayout
 from kvstore.types import SlotId
@@ -122,25 +120,16 @@ def main() -> None:
     args = parser.parse_args()
     torch.cuda.init()
     capacity = 2 * args.blocks * LAYOUT.block_bytes + (64 << 20)
-    with tempfile.TemporaryDirectory() as tmp:
-        node = subprocess.Popen(
-            [
-                sys.executable, "-m", "service", "--device", "cuda:0", "--port", "0",
-                "--metrics-port", "0", "--capacity-bytes", str(capacity),
-                "--namespace-capacity-bytes", str(capacity), "--arena-bytes", "1GiB",
-                "--shm-dir", tmp, "--max-message-bytes", "64MiB",
-            ],
-            stdout=subprocess.PIPE, text=True,
-        )  # fmt: skip
-        try:
-            assert node.stdout is not None
-            line = node.stdout.readline()
-            if not line.startswith("kvstore-server listening on"):
-                raise SystemExit(f"the node did not start: {line!r}")
-            result = asyncio.run(bench(line.split()[-1], args.blocks, args.runs))
-        finally:
-            node.send_signal(signal.SIGTERM)
-            node.wait(30)
+    with tempfile.TemporaryDirectory() as tmp, ServerProcess.start(
+        tmp,
+        capacity=str(capacity),
+        extra_args=(
+            "--device", "cuda:0", "--namespace-capacity-bytes", str(capacity),
+            "--arena-bytes", "1GiB", "--max-message-bytes", "64MiB",
+        ),
+        ready_timeout=120.0,  # a first CUDA context takes a while
+    ) as node:  # fmt: skip
+        result = asyncio.run(bench(node.target, args.blocks, args.runs))
     print(json.dumps(result, indent=2))
 
 

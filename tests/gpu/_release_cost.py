@@ -18,15 +18,13 @@ from __future__ import annotations
 
 import asyncio
 import json
-import signal
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 
 import torch
 
+from benchmarks._server import ServerProcess
 from kvstore.client import Client
 from kvstore.layout import KVLayout
 
@@ -72,23 +70,16 @@ async def measure(address: str) -> dict[str, object]:
 
 def main() -> None:
     torch.cuda.init()
-    with tempfile.TemporaryDirectory() as tmp:
-        node = subprocess.Popen(
-            [
-                sys.executable, "-m", "service", "--device", "cuda:0", "--port", "0",
-                "--metrics-port", "0", "--capacity-bytes", "256MiB", "--shm-dir", tmp,
-            ],
-            stdout=subprocess.PIPE, text=True,
-        )  # fmt: skip
-        try:
-            assert node.stdout is not None
-            line = node.stdout.readline()
-            if not line.startswith("kvstore-server listening on"):
-                raise SystemExit(f"the node did not start: {line!r}")
-            result = asyncio.run(measure(line.split()[-1]))
-        finally:
-            node.send_signal(signal.SIGTERM)
-            node.wait(30)
+    with (
+        tempfile.TemporaryDirectory() as tmp,
+        ServerProcess.start(
+            tmp,
+            capacity="256MiB",
+            extra_args=("--device", "cuda:0"),
+            ready_timeout=120.0,  # a first CUDA context takes a while
+        ) as node,
+    ):
+        result = asyncio.run(measure(node.target))
     print(json.dumps(result))
 
 
