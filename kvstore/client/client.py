@@ -33,7 +33,7 @@ from typing import Any
 
 from kvstore.client.background import quietly
 from kvstore.client.blocks import BlockSupplier
-from kvstore.client.convert import chain_fields, hashed_here, hit_from_proto
+from kvstore.client.convert import hit_from_proto, request_fields
 from kvstore.client.errors import PoolEpochChanged
 from kvstore.client.handles import Hit, Namespace, StoreResult
 from kvstore.client.lease import LeaseKeeper
@@ -228,12 +228,9 @@ class Client:
         Redone once, transparently, when the node restarted (epoch change or
         lost lease).
         """
-        fields = None if hashes is None else chain_fields(tokens, hashes, extras)
         for attempt in (0, 1):
             await self._session.ensure_ready(ns, timeout)
-            local = hashed_here(ns, tokens, hashes, extras)  # the root of now (after a restart)
-            if local is None and fields is None:
-                fields = chain_fields(tokens, hashes, extras)
+            fields = request_fields(ns, tokens, hashes, extras, query_tokens=True)
             lease_id, generation = await self._lease.current() if pin else (LeaseId(0), 0)
             req = pb.LookupRequest(
                 namespace_id=ns.id,
@@ -241,7 +238,7 @@ class Client:
                 pin=pin,
                 allow_remote=allow_remote,
                 packed_reply=True,
-                **(local or fields or {}),
+                **fields,
             )
             try:
                 resp = await self._guarded_lookup(ns, req, timeout)
@@ -250,8 +247,8 @@ class Client:
                     continue
                 raise
             hit = hit_from_proto(ns, resp, generation, lease_id)
-            if local is not None:
-                hit.packed_chain = local["packed_hashes"]  # what a tokens lookup answers
+            if "query_tokens" in fields:  # hashed here: the chain a tokens lookup answers
+                hit.packed_chain = fields["packed_hashes"]
             changed = self._session.observe_epoch(resp.pool_epoch)
             if not changed and hit.hit_blocks and self.map_pool:
                 await self._follow_arenas(ns, hit, resp.pool_version, timeout)
@@ -408,13 +405,13 @@ class Client:
         On any exception or cancellation, every block this call reserved is
         aborted before the error propagates.
         """
-        await self._session.ensure_ready(ns, timeout)
-        fields = hashed_here(ns, tokens, hashes, extras)
-        if fields is None:
-            fields = chain_fields(tokens, hashes, extras)
-        else:
-            del fields["query_tokens"]  # a Lookup field
-        return await store_chain(self._session, ns, fields, blocks, timeout)
+        return await store_chain(
+            self._session,
+            ns,
+            lambda: request_fields(ns, tokens, hashes, extras, query_tokens=False),
+            blocks,
+            timeout,
+        )
 
     async def read_blocks(
         self,

@@ -71,31 +71,36 @@ def chain_fields(
     return fields
 
 
-def hashed_here(
+def request_fields(
     ns: Namespace,
     tokens: Tokens | None,
     hashes: Sequence[bytes] | None,
     extras: Sequence[Extra] | None,
-) -> dict[str, Any] | None:
-    """A Lookup's or Reserve's chain fields with the tokens hashed in this process.
+    *,
+    query_tokens: bool,
+) -> dict[str, Any]:
+    """The chain fields a Lookup (``query_tokens``) or a Reserve sends.
 
-    The SDK hashes a prompt itself (under the namespace's ``chain_root``, as
-    the node would) and sends the hashes: the hashing then runs in the
-    runner processes, in parallel, not in the node's one event loop, and the
-    request is half the bytes. ``query_tokens`` tells the node how many
-    tokens that was, for its token counters. None when `chain_fields` must
-    say what to send: no tokens (or hashes too), extras given (sent as they
-    are), or no full block.
+    A prompt is hashed in this process (under the namespace's ``chain_root``,
+    as the node would) and sent as its chain: the hashing then runs in the
+    runner processes, in parallel, not in the node's one event loop, and
+    the request is half the bytes. A Lookup adds ``query_tokens``, how many
+    tokens that was, for the node's token counters. `chain_fields` says
+    what to send otherwise: hashes given, extras given (sent as they are),
+    or no full block. Call it after `NodeSession.ensure_ready`: a node
+    restart may have changed the root.
 
     Raises:
-        InvalidArgument: token ids out of range, or not one-dimensional.
+        InvalidArgument: neither or both of tokens and hashes, bad token ids.
     """
-    if tokens is None or hashes is not None or extras is not None or not ns.chain_root:
-        return None
-    chain = ns.hash(tokens)
-    if not chain:
-        return None
-    return {"packed_hashes": b"".join(chain), "query_tokens": len(tokens)}
+    if tokens is not None and hashes is None and extras is None and ns.chain_root:
+        chain = ns.hash(tokens)
+        if chain:
+            fields: dict[str, Any] = {"packed_hashes": b"".join(chain)}
+            if query_tokens:
+                fields["query_tokens"] = len(tokens)
+            return fields
+    return chain_fields(tokens, hashes, extras)
 
 
 def location_from_proto(msg: pb.BlockLocation) -> BlockLocation:

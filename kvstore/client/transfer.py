@@ -56,16 +56,20 @@ inside the lease's safety margin, whatever the arena size."""
 async def store_chain(
     session: NodeSession,
     ns: Namespace,
-    fields: dict[str, Any],
+    fields: Callable[[], dict[str, Any]],
     blocks: BlockSupplier,
     timeout: float | None,
 ) -> StoreResult:
-    """Reserve the missing blocks of a chain, write them and commit them (see `Client.store`)."""
+    """Reserve the missing blocks of a chain, write them and commit them (see `Client.store`).
+
+    ``fields`` gives the Reserve's chain fields once the namespace is ready
+    (again after a node restart: a prompt is hashed under the root of now).
+    """
     for attempt in (0, 1):
         await session.ensure_ready(ns, timeout)
         lease_id, _ = await session.lease.current()
         try:
-            resp = await _reserve(session, ns, lease_id, fields, timeout)
+            resp = await _reserve(session, ns, lease_id, fields(), timeout)
         except (NotFound, FailedPrecondition):
             # After a node restart the lease (or namespace) is unknown: recover once.
             if attempt == 0 and await session.recover(True):
