@@ -246,18 +246,15 @@ class BlockTable:
                     if block.state is BlockState.READY:
                         res.pin(block)
                         protected.append(block)
-                        statuses.append(ReserveStatus.HIT)
+                        status = ReserveStatus.HIT
                     elif block.writer == writer:
-                        statuses.append(ReserveStatus.RESERVED)
+                        status = ReserveStatus.RESERVED
                     else:
-                        statuses.append(ReserveStatus.IN_FLIGHT)
-                        slots.append(0)
-                        generations.append(0)
-                        seen.add(block)
-                        prev = block
-                        continue
-                    slots.append(block.slot)
-                    generations.append(block.generation)
+                        status = ReserveStatus.IN_FLIGHT
+                    placed = status is not ReserveStatus.IN_FLIGHT
+                    statuses.append(status)
+                    slots.append(block.slot if placed else 0)
+                    generations.append(block.generation if placed else 0)
                     seen.add(block)
                     prev = block
                     continue
