@@ -190,18 +190,24 @@ class BlockRpcs(ServicerBase):
             hashes_checked=checked,
         )
 
+    def _named_blocks(
+        self, request: _HashesRequest, context: Any, limit: int
+    ) -> tuple[NamespaceId, TenantId, LeaseId, list[BlockHash]]:
+        """The namespace, tenant, lease and (at most ``limit``) hashes a request names, checked."""
+        tenant = self.node.tenant(context)
+        namespace = self.namespace(request.namespace_id, tenant)
+        lease_id = validate.lease_id(request.lease_id)
+        if request.packed_hashes:  # 32 bytes each by construction
+            hashes = chains.packed_hashes(request, limit)
+        else:
+            hashes = validate.block_hashes(request.hashes, limit)
+        return namespace, tenant, lease_id, hashes
+
     def _on_hashes(self, request: _HashesRequest, context: Any, verb: _StoreVerb) -> int:
         """Validate a (namespace, lease, hashes) request and apply ``verb`` to it."""
         node = self.node
-        tenant = node.tenant(context)
-        namespace = self.namespace(request.namespace_id, tenant)
-        lease_id = validate.lease_id(request.lease_id)
-        max_blocks = node.config.max_chain_blocks
-        if request.packed_hashes:  # 32 bytes each by construction
-            hashes = chains.packed_hashes(request, max_blocks)
-        else:
-            hashes = validate.block_hashes(request.hashes, max_blocks)
-        count = verb(namespace, tenant, lease_id, hashes, node.now())
+        named = self._named_blocks(request, context, node.config.max_chain_blocks)
+        count = verb(*named, node.now())
         node.publish_events()
         return count
 
@@ -224,16 +230,11 @@ class BlockRpcs(ServicerBase):
             released = self._on_hashes(request, context, self.node.store.release)
             return pb.ReleaseResponse(released=released)
         node = self.node
-        tenant = node.tenant(context)
-        namespace = self.namespace(request.namespace_id, tenant)
-        lease_id = validate.lease_id(request.lease_id)
         max_blocks = node.config.max_chain_blocks
+        namespace, tenant, lease_id, hashes = self._named_blocks(
+            request, context, max_blocks * len(request.runs)
+        )
         runs = chains.release_runs(request, max_blocks)
-        limit = max_blocks * len(runs)
-        if request.packed_hashes:
-            hashes = chains.packed_hashes(request, limit)
-        else:
-            hashes = validate.block_hashes(request.hashes, limit)
         if len(hashes) != sum(runs):
             raise FieldError("runs", f"add up to {sum(runs)} hashes, the request has {len(hashes)}")
         counts = []
