@@ -203,7 +203,7 @@ async def store_phases(
         pb.CommitRequest(
             namespace_id=ns.id,
             lease_id=lease_id,
-            packed_hashes=b"".join([res.hashes[i] for i in res.reserved]),
+            packed_hashes=res.packed_reserved(),
         ),
         timeout=30,
         metadata=META,

@@ -180,6 +180,10 @@ class Reservation:
     places: list[tuple[int, int]] | None = None
     """(arena, offset) of every entry (per-block reply only)."""
 
+    def packed_reserved(self) -> bytes:
+        """The RESERVED entries' hashes, concatenated (what Commit or Abort sends)."""
+        return b"".join([self.hashes[i] for i in self.reserved])
+
 
 def reservation_from_proto(resp: pb.ReserveResponse) -> Reservation:
     """The entries of a Reserve reply (packed, or per-block from a node that predates it).

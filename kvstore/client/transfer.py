@@ -80,7 +80,7 @@ async def store_chain(
     packed = b""
     try:
         res = reservation_from_proto(resp)
-        packed = b"".join([res.hashes[i] for i in res.reserved])
+        packed = res.packed_reserved()
         if session.observe_epoch(res.epoch) or (session.map_pool and res.epoch != ns.epoch):
             raise PoolEpochChanged("the node restarted during a store; store again")
         if packed:
@@ -97,8 +97,7 @@ async def store_chain(
             else:
                 committed = await _stream_in(session, ns, lease_id, res, blocks, timeout)
     except BaseException:
-        packed = packed or _reserved_hashes(resp)
-        if packed:
+        if packed:  # empty: nothing reserved, or a reply that could not be read
             abort = pb.AbortRequest(namespace_id=ns.id, lease_id=lease_id, packed_hashes=packed)
             await session.background.cleanup(
                 quietly("abort", session.rpc.call("Abort", abort, None, idempotent=False))
@@ -123,7 +122,7 @@ def _reserved_hashes(resp: pb.ReserveResponse) -> bytes:
         res = reservation_from_proto(resp)
     except InvalidArgument:
         return b""
-    return b"".join([res.hashes[i] for i in res.reserved])
+    return res.packed_reserved()
 
 
 async def _reserve(
