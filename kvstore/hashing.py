@@ -105,11 +105,11 @@ def token_bytes(tokens: Tokens) -> bytes:
     ``array('I')``, which refuses ids out of range itself: 8192 ids in
     ~0.1 ms, where ``np.asarray`` of the list takes ~0.4 ms.
     """
-    if _NATIVE_U32 and isinstance(tokens, list):
-        try:
-            return array.array("I", tokens).tobytes()
-        except (OverflowError, TypeError):
-            pass  # the array path below says what is wrong
+    if isinstance(tokens, list):
+        ids = _as_uint32(tokens)
+        if ids is not None:
+            return ids.tobytes()
+        # else the array path below says what is wrong
     arr = np.asarray(tokens)
     if arr.ndim != 1:
         raise InvalidArgument(f"tokens must be one-dimensional, got shape {arr.shape}")
