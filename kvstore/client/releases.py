@@ -18,7 +18,7 @@ A caller cancelled while its hit still waits in the queue takes it out
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from kvstore.client.background import Background
 from kvstore.client.errors import DeadlineExceeded
@@ -36,17 +36,10 @@ MAX_HASHES = 16_384
 _Key = tuple[str, int]
 
 
-@dataclass
+@dataclass(eq=False)  # a waiter is itself, whatever hashes it releases
 class _Waiting:
     packed: bytes
     done: asyncio.Future[int]
-
-
-@dataclass
-class _Lane:
-    """The releases of one (namespace, lease): whether one is in flight, and who waits."""
-
-    waiting: list[_Waiting] = field(default_factory=list)
 
 
 class Releases:
@@ -55,7 +48,8 @@ class Releases:
     def __init__(self, rpc: Rpc, background: Background) -> None:
         self._rpc = rpc
         self._background = background
-        self._lanes: dict[_Key, _Lane] = {}
+        # Per (namespace, lease) with a call in flight: the releases queued behind it.
+        self._lanes: dict[_Key, list[_Waiting]] = {}
         self.calls = 0
         """``Release`` calls sent (for tests and tools)."""
 
@@ -66,7 +60,7 @@ class Releases:
         key = (namespace_id, lease_id)
         lane = self._lanes.get(key)
         if lane is None:
-            self._lanes[key] = lane = _Lane()
+            self._lanes[key] = lane = []
             try:
                 req = pb.ReleaseRequest(
                     namespace_id=namespace_id, lease_id=lease_id, packed_hashes=packed
@@ -77,34 +71,34 @@ class Releases:
             finally:
                 self._next(key, lane)
         waiting = _Waiting(packed, asyncio.get_running_loop().create_future())
-        lane.waiting.append(waiting)
+        lane.append(waiting)
         try:
             return await asyncio.wait_for(
                 asyncio.shield(waiting.done), timeout or self._rpc.timeout
             )
         except (asyncio.CancelledError, TimeoutError) as exc:
-            if waiting in lane.waiting:  # never sent: nothing to undo
-                lane.waiting.remove(waiting)
+            if waiting in lane:  # never sent: nothing to undo
+                lane.remove(waiting)
             if isinstance(exc, TimeoutError):
                 raise DeadlineExceeded("Release: no answer within the timeout") from None
             raise
 
-    def _next(self, key: _Key, lane: _Lane) -> None:
+    def _next(self, key: _Key, lane: list[_Waiting]) -> None:
         """After a call: send what queued meanwhile as one call, or retire the lane."""
-        if not lane.waiting:
+        if not lane:
             del self._lanes[key]
             return
         batch: list[_Waiting] = []
         hashes = 0
-        while lane.waiting and len(batch) < MAX_RUNS:
-            n = len(lane.waiting[0].packed) // HASH_BYTES
+        while lane and len(batch) < MAX_RUNS:
+            n = len(lane[0].packed) // HASH_BYTES
             if batch and hashes + n > MAX_HASHES:
                 break
-            batch.append(lane.waiting.pop(0))
+            batch.append(lane.pop(0))
             hashes += n
         self._background.spawn(self._send(key, lane, batch))
 
-    async def _send(self, key: _Key, lane: _Lane, batch: list[_Waiting]) -> None:
+    async def _send(self, key: _Key, lane: list[_Waiting], batch: list[_Waiting]) -> None:
         try:
             req = pb.ReleaseRequest(
                 namespace_id=key[0],
