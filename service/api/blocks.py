@@ -234,9 +234,7 @@ class BlockRpcs(ServicerBase):
         namespace, tenant, lease_id, hashes = self._named_blocks(
             request, context, max_blocks * len(request.runs)
         )
-        runs = chains.release_runs(request, max_blocks)
-        if len(hashes) != sum(runs):
-            raise FieldError("runs", f"add up to {sum(runs)} hashes, the request has {len(hashes)}")
+        runs = chains.release_runs(request, max_blocks, len(hashes))
         counts = []
         start = 0
         now = node.now()

@@ -110,17 +110,20 @@ def hashed_from(
     return query_tokens
 
 
-def release_runs(request: Any, max_blocks: int) -> list[int]:
-    """A Release's ``runs``: how many hashes each hit released in the call has.
+def release_runs(request: Any, max_blocks: int, hashes: int) -> list[int]:
+    """A Release's ``runs``: how many of its ``hashes`` hashes each hit released in it has.
 
     Raises:
-        FieldError: a run over ``max_blocks`` (``max_chain_blocks``).
+        FieldError: a run over ``max_blocks`` (``max_chain_blocks``), or runs
+            that do not add up to the hashes sent.
     """
     runs: list[int] = list(request.runs)
     if max(runs, default=0) > max_blocks:
         raise FieldError(
             "runs", f"a run of {max(runs)} blocks, at most {max_blocks} per run (max_chain_blocks)"
         )
+    if sum(runs) != hashes:
+        raise FieldError("runs", f"add up to {sum(runs)} hashes, the request has {hashes}")
     return runs
 
 
