@@ -163,6 +163,11 @@ class Client:
         return self._session.epoch
 
     @property
+    def session(self) -> NodeSession:
+        """What the client knows of its node: epoch, namespaces, lease deadlines."""
+        return self._session
+
+    @property
     def lease(self) -> LeaseKeeper:
         """The client's lease keeper (its id, generation and losses)."""
         return self._lease

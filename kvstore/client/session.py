@@ -133,6 +133,19 @@ class NodeSession:
                 "or renewals failed); nothing was written, store again"
             )
 
+    def surely_until(self, lease_id: LeaseId) -> float:
+        """This host's monotonic time until which the node surely still holds ``lease_id``.
+
+        The `lease_alive` rule as a deadline (safety margin included), for a
+        reader in another process of this host (``time.monotonic`` is one clock
+        for every process): 0.0 when this client never confirmed the lease.
+        """
+        valid = self._valid_until.get(lease_id)
+        if valid is None:
+            return 0.0
+        until, ttl = valid
+        return until - min(LEASE_SAFETY_MARGIN, ttl / 4)
+
     async def refresh_lease(self, lease_id: LeaseId) -> None:
         """Renew ``lease_id`` now if less than half its TTL is surely left.
 

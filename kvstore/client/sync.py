@@ -17,6 +17,7 @@ streams before the pins are dropped.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import threading
 from collections.abc import Coroutine, Sequence
 from types import TracebackType
@@ -55,6 +56,29 @@ class SyncClient:
     def _run(self, coro: Coroutine[Any, Any, T]) -> T:
         call = _as_caller(capture(), coro)  # read here, in the caller's thread
         return asyncio.run_coroutine_threadsafe(call, self._loop).result()
+
+    def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
+        """Start ``coro`` (a call of the async `client`) on the loop without waiting for it.
+
+        For callers that must never block on the node (an engine's scheduler):
+        poll the future, or add a done callback (it runs on the loop thread).
+        Cancelling the future cancels the call, which cleans up as on any
+        cancellation (a pinned lookup releases what it pinned).
+        """
+        return asyncio.run_coroutine_threadsafe(_as_caller(capture(), coro), self._loop)
+
+    def pins_held_until(self, hit: Hit) -> float:
+        """This host's monotonic time until which ``hit``'s pins are surely held; 0.0 if not.
+
+        Another process of this host may read the hit's slots while
+        ``time.monotonic()`` is below it (checked after its copy): the node
+        drops pins only when their lease expires or they are released.
+        """
+        if not hit.pinned or hit.released or hit.lease_id is None:
+            return 0.0
+        if hit.lease_generation != self._client.lease.generation:
+            return 0.0  # that lease was lost, and its pins with it
+        return self._client.session.surely_until(hit.lease_id)
 
     @property
     def client(self) -> Client:
