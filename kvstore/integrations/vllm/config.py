@@ -7,12 +7,15 @@
         "kv_connector_extra_config": {"target": "127.0.0.1:50051", "tenant": "acme"},
     }
 
-Every key is optional; unknown keys are an error (a typo must not silently
-turn the cache off). `docs/vllm.md` lists them with examples.
+Every key is optional; unknown keys and values out of range are an error
+at start-up, naming the key (a typo must not silently turn the cache off, nor
+a bad value crash the engine on its first request). `docs/vllm.md` lists
+them with examples.
 """
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
@@ -59,8 +62,22 @@ class ConnectorConfig:
     """Load cached prefixes into vLLM."""
     save: bool = True
     """Save newly computed full blocks of prompts."""
+    max_pending_save_bytes: int = 256 * 1024 * 1024
+    """Bytes of copied-out blocks that may wait for the node; a save beyond it is dropped."""
     fail_loads: bool = False
     """Testing only: every load reports its blocks as failed (vLLM recomputes them)."""
+
+    def __post_init__(self) -> None:
+        """Refuse values out of range, naming the key (see `_RANGES`)."""
+        for name, (low, inclusive) in _RANGES.items():
+            value = getattr(self, name)
+            if not math.isfinite(value) or value < low or (value == low and not inclusive):
+                bound = f">= {low}" if inclusive else f"> {low}"
+                raise InvalidArgument(
+                    f"kvstore connector setting {name!r} must be a finite number {bound}: {value!r}"
+                )
+        if not self.target.strip():
+            raise InvalidArgument("kvstore connector setting 'target' must not be empty")
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any] | None) -> ConnectorConfig:
@@ -105,6 +122,18 @@ class ConnectorConfig:
         elif self.tls or self.tls_root_cert:
             kwargs["tls"] = TLSOptions(root_cert=self.tls_root_cert or None)
         return kwargs
+
+
+_RANGES: dict[str, tuple[float, bool]] = {
+    "lookup_timeout": (0.0, False),
+    "store_timeout": (0.0, False),
+    "connect_timeout": (0.0, False),
+    "retry_interval": (0.0, True),
+    "lease_ttl": (0.0, True),
+    "capacity_bytes": (0, True),
+    "max_pending_save_bytes": (0, True),
+}
+"""Numeric settings: (lowest value, whether it is allowed)."""
 
 
 def _coerce(name: str, value: Any, kind: type) -> Any:

@@ -7,11 +7,18 @@ namespace names everything that changes the bytes of a block:
   name the exact weights, e.g. ``org/model@revision``), else vLLM's model and
   revision, plus a fingerprint of the model's config (catches a different
   architecture behind one name);
-- the **KV dtype** (``cache_dtype``, ``auto`` meaning the model's dtype) and
-  the **layout**: layers, KV heads, head size and vLLM's block size, which
-  becomes the namespace's block size;
+- the **weights' numerics**: the dtype the model runs in (``--dtype``) and
+  any online or checkpoint quantization (``quantization=fp8``, AWQ, ...): a
+  bf16 and an fp8 engine of one checkpoint compute different KV;
+- the **KV bytes**: the resolved KV dtype (``cache_dtype=auto`` resolved to
+  the tensor dtype vLLM allocated) and vLLM's block size, which becomes the
+  namespace's block size, plus the layout (layers, KV heads, head size);
 - the tensor-parallel shape (only 1 x 1 is supported: with TP each worker
   holds other heads).
+
+All of it is in the model id, not only in the layout: the node keeps one
+layout per model id, so two engines that differ in any of it get two
+namespaces (never a shared one, never a refused registration).
 
 Blocks are stored in kvstore's canonical order whatever vLLM's attention
 backend (`kvstore.integrations.vllm.paged`), so the backend is not part of it.
@@ -66,7 +73,7 @@ def kv_layout(kv_cache_config: Any) -> tuple[KVLayout, list[str]]:
     return layout, names
 
 
-def namespace_model_id(vllm_config: Any, configured: str = "") -> str:
+def namespace_model_id(vllm_config: Any, layout: KVLayout, configured: str = "") -> str:
     """The namespace's model id for an engine (see the module docstring).
 
     Raises:
@@ -82,9 +89,16 @@ def namespace_model_id(vllm_config: Any, configured: str = "") -> str:
     model = vllm_config.model_config
     name = configured or f"{model.model}@{model.revision or 'default'}"
     cache_dtype = str(vllm_config.cache_config.cache_dtype)
+    weights = str(getattr(model, "dtype", "") or "").removeprefix("torch.") or "unknown"
+    quantization = getattr(model, "quantization", None)
+    if quantization:
+        weights += f"-q-{quantization}"
     if len(name) > 160:  # a long local path: keep its end, and a digest of all of it
         name = name[-120:] + "~" + hashlib.sha256(name.encode()).hexdigest()[:16]
-    return f"vllm:{name}#cfg-{config_fingerprint(model.hf_config)}#kv-{cache_dtype}"
+    return (
+        f"vllm:{name}#cfg-{config_fingerprint(model.hf_config)}#w-{weights}"
+        f"#kv-{cache_dtype}-{layout.dtype}#bs-{layout.block_size}"
+    )
 
 
 def config_fingerprint(hf_config: Any) -> str:
