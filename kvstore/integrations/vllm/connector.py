@@ -46,7 +46,7 @@ class KVStoreConnector(KVConnectorBase_V1):
         extra = self._kv_transfer_config.kv_connector_extra_config
         self.config = ConnectorConfig.from_extra(extra)
         layout, layer_names = kv_layout(kv_cache_config)
-        model_id = namespace_model_id(vllm_config, self.config.model_id)
+        model_id = namespace_model_id(vllm_config, layout, self.config.model_id)
         is_scheduler = role == KVConnectorRole.SCHEDULER
         if is_scheduler:
             self._recompute_failed_loads()
@@ -68,7 +68,13 @@ class KVStoreConnector(KVConnectorBase_V1):
                 extra_keys=generate_block_hash_extra_keys,
             )
         else:
-            self._worker = WorkerSide(link, layout, layer_names, fail_loads=self.config.fail_loads)
+            self._worker = WorkerSide(
+                link,
+                layout,
+                layer_names,
+                fail_loads=self.config.fail_loads,
+                max_pending_save_bytes=self.config.max_pending_save_bytes,
+            )
         log.info(
             "kvstore connector (%s) for %s, block %d tokens, node %s",
             "scheduler" if is_scheduler else "worker",
@@ -116,12 +122,12 @@ class KVStoreConnector(KVConnectorBase_V1):
         self._worker_side().register_kv_caches(kv_caches)
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
-        """Copy this step's cached blocks into vLLM's paged cache (before the forward)."""
+        """Start this step's loads (asynchronous: vLLM waits for `get_finished`)."""
         if self.has_connector_metadata():
             self._worker_side().start_load(self._meta())
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        """Loads are done whole in `start_load_kv`: nothing to wait for."""
+        """Loads finish before their request is scheduled: nothing to wait for."""
 
     def save_kv_layer(
         self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
@@ -129,16 +135,22 @@ class KVStoreConnector(KVConnectorBase_V1):
         """Saves are done whole in `wait_for_save`, after the forward."""
 
     def wait_for_save(self) -> None:
-        """Store this step's newly completed full prompt blocks."""
+        """Copy out this step's newly completed full prompt blocks; stored in the background."""
         if self.has_connector_metadata():
             self._worker_side().save(self._meta())
 
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """Requests whose loads finished (done or failed); saves never hold vLLM's blocks."""
+        if self._worker is None:
+            return None, None
+        return None, (self._worker.take_finished() or None)
+
     def get_block_ids_with_load_errors(self) -> set[int]:
-        """vLLM block ids whose load failed this step: vLLM recomputes them."""
+        """vLLM block ids of the loads `get_finished` reported failed: vLLM recomputes them."""
         return self._worker.take_load_errors() if self._worker is not None else set()
 
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
-        """Which requests' loads finished this step (so their pins are released)."""
+        """Loads and saves finished this step (pins to release, saved blocks to count)."""
         return self._worker.take_report() if self._worker is not None else None
 
     def shutdown(self) -> None:
@@ -157,8 +169,12 @@ class KVStoreConnector(KVConnectorBase_V1):
     def get_num_new_matched_tokens(
         self, request: Any, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
-        """Tokens cached on the node beyond vLLM's local hit (loaded synchronously)."""
-        return self._scheduler_side().num_new_matched_tokens(request, num_computed_tokens), False
+        """Tokens cached on the node beyond vLLM's local hit, loaded asynchronously.
+
+        None while the lookup is in flight: vLLM asks again on a later step.
+        """
+        tokens = self._scheduler_side().num_new_matched_tokens(request, num_computed_tokens)
+        return tokens, bool(tokens)
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         """Plan the load of the accepted hit, or release what vLLM did not take."""
@@ -170,12 +186,13 @@ class KVStoreConnector(KVConnectorBase_V1):
         return self._scheduler_side().build_meta(scheduler_output)
 
     def update_connector_output(self, connector_output: Any) -> None:
-        """Release the pins of the loads the workers finished."""
+        """Act on the workers' report (pins of finished loads, confirmed saves)."""
         self._scheduler_side().on_worker_output(connector_output)
 
     def request_finished(
         self, request: Any, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
-        """Release whatever the request still pins; its blocks are freed at once."""
+        """Drop what the request still pins; vLLM may free its blocks at once (saves are
+        copied out, and vLLM itself holds the blocks of a load until it is reported)."""
         self._scheduler_side().request_finished(request.request_id)
         return False, None

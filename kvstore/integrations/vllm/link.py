@@ -1,29 +1,57 @@
-"""The connector's connection to its cache node: lazy, and out of the way when down.
+"""The connector's connection to its cache node: lazy, asynchronous, out of the way when down.
 
-vLLM must keep serving when the node is unreachable (at start or at any
-later time). `NodeLink` therefore never raises a node error to its caller:
-`namespace` returns ``None`` while the node is down, and after any failed
-call (`failed`) the node is left alone for ``retry_interval`` seconds, so a
-dead node costs one timeout per interval, not one per request. The client
-and the namespace (with its pool mapping) are made on first use and kept;
-the client SDK re-registers and re-maps by itself after a node restart.
+vLLM must keep serving when the node is unreachable or hung (at start or at
+any later time), and its scheduler thread must never wait on the node.
+`NodeLink` therefore never raises a node error to its caller and never
+blocks on a call, except where a caller asks to wait (`wait_namespace`, for
+the worker's background threads):
+
+- `namespace` answers at once: the registered namespace, or ``None`` while
+  it is being registered (in the background) or while the node is down;
+- after any failed call (`failed`) the node is left alone for
+  ``retry_interval`` seconds, so a dead node costs one timeout per
+  interval, not one per request;
+- `submit` starts a call of the async client on its loop and returns a
+  future (the scheduler polls it: a lookup in flight is vLLM's "ask again");
+- `release` drops a hit's pins in the background. A Release that surely
+  never reached the node (UNAVAILABLE) is sent again; one whose outcome is
+  unknown (a deadline) is never sent twice, because pins are counts per
+  lease and a second Release could drop a pin that another request of this
+  engine holds on the same blocks. Such a lease is *suspect* instead, and
+  `retire_if_idle` ends it (dropping whatever it still pins) as soon as no
+  hit pinned under it is in use; the next lookup opens a fresh lease.
+
+The client and the namespace (with its pool mapping) are made on first use
+and kept; the client SDK re-registers and re-maps by itself after a node
+restart.
 """
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import logging
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
+from typing import Any, TypeVar
 
-from kvstore.client import Namespace, SyncClient
+from kvstore.client import Hit, Namespace, SyncClient
+from kvstore.client.errors import DeadlineExceeded, ServerUnavailable
 from kvstore.errors import KVStoreError
 from kvstore.integrations.vllm.config import ConnectorConfig
 from kvstore.layout import KVLayout
+from kvstore.types import LeaseId
 
 log = logging.getLogger(__name__)
 
+T = TypeVar("T")
+
 ClientFactory = Callable[[ConnectorConfig, str], SyncClient]
 """Makes the client of a link (a seam for tests): ``(config, client_name) -> SyncClient``."""
+
+RELEASE_RETRY_CAP = 5.0
+"""Longest pause, in seconds, between two tries of a Release that could not be sent."""
 
 
 def default_client(config: ConnectorConfig, client_name: str) -> SyncClient:
@@ -45,7 +73,7 @@ class NodeLink:
         factory: ClientFactory = default_client,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        """Nothing is contacted here; the first `namespace` call connects."""
+        """Nothing is contacted here; the first `namespace` call starts connecting."""
         self.config = config
         self.model_id = model_id
         self.layout = layout
@@ -53,44 +81,115 @@ class NodeLink:
         self.map_pool = map_pool
         self._factory = factory
         self._clock = clock
+        self._lock = threading.Lock()
+        """Guards the fields below: the worker's threads share the link."""
         self._client: SyncClient | None = None
         self._namespace: Namespace | None = None
+        self._connecting: concurrent.futures.Future[Namespace] | None = None
         self._down_until = 0.0
         self._warned = False
+        self._closed = False
+        self.releases_in_flight = 0
+        """Background Releases not finished yet (for tests and logs)."""
+        self._suspect: set[LeaseId] = set()
+        """Leases that may hold pins a Release of unknown outcome was meant to drop."""
 
     @property
     def client(self) -> SyncClient | None:
         """The client, once made."""
         return self._client
 
+    # --- the namespace -------------------------------------------------------------------
+
     def namespace(self) -> Namespace | None:
-        """The registered namespace (pool mapped), or None while the node is unusable."""
-        if self._namespace is not None and not self._namespace.stale:
-            return self._namespace
-        if self._clock() < self._down_until:
-            return None
+        """The registered namespace (pool mapped), or None while it is not ready; never waits."""
+        with self._lock:
+            ns = self._namespace
+            if ns is not None and not ns.stale:
+                return ns
+            self._advance_connect()
+            ns = self._namespace
+            return ns if ns is not None and not ns.stale else None
+
+    @property
+    def connecting(self) -> bool:
+        """True while a registration is in flight (a caller may ask again soon)."""
+        future = self._connecting
+        return future is not None and not future.done()
+
+    def wait_namespace(self, timeout: float) -> Namespace | None:
+        """`namespace`, waiting up to ``timeout`` for a registration in flight.
+
+        Only for threads that may block (the worker's load and save threads),
+        never for vLLM's scheduler or forward path.
+        """
+        ns = self.namespace()
+        future = self._connecting
+        if ns is not None or future is None:
+            return ns
+        concurrent.futures.wait([future], timeout=timeout)
+        return self.namespace()
+
+    def _advance_connect(self) -> None:
+        """Collect a finished registration, or start one (lock held)."""
+        future = self._connecting
+        if future is not None:
+            if not future.done():
+                return
+            self._connecting = None
+            try:
+                ns = future.result()
+            except (KVStoreError, concurrent.futures.CancelledError, OSError) as exc:
+                self._failed("connect", exc)
+                return
+            if self.map_pool and ns.mapping is None:
+                self._failed("map the pool of", KVStoreError("no pool mapping"))
+                return
+            self._namespace = ns
+            if self._warned:
+                log.warning("kvstore node %s is back; reusing cached prefixes", self.config.target)
+                self._warned = False
+            else:
+                log.info(
+                    "kvstore: %s registered namespace %s on node %s",
+                    self.client_name,
+                    self.model_id,
+                    self.config.target,
+                )
+            return
+        if self._closed or self._clock() < self._down_until:
+            return
         try:
             if self._client is None:
                 self._client = self._factory(self.config, self.client_name)
-            self._namespace = self._client.register_namespace(
-                self.model_id,
-                self.layout,
-                capacity_bytes=self.config.capacity_bytes,
-                timeout=self.config.connect_timeout,
+            client = self._client
+            self._connecting = client.submit(
+                client.client.register_namespace(
+                    self.model_id,
+                    self.layout,
+                    capacity_bytes=self.config.capacity_bytes,
+                    timeout=self.config.connect_timeout,
+                )
             )
         except KVStoreError as exc:
-            self.failed("connect", exc)
+            self._failed("connect", exc)
+
+    # --- calls -------------------------------------------------------------------------
+
+    def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T] | None:
+        """Start a call of the async client without waiting; None when there is no client."""
+        client = self._client
+        if client is None or self._closed:
+            coro.close()
             return None
-        if self.map_pool and self._namespace.mapping is None:
-            self.failed("map the pool of", KVStoreError("no pool mapping"))
-            return None
-        if self._warned:
-            log.warning("kvstore node %s is back; reusing cached prefixes", self.config.target)
-            self._warned = False
-        return self._namespace
+        return client.submit(coro)
 
     def failed(self, what: str, exc: BaseException) -> None:
         """Record a failed call: leave the node alone for ``retry_interval`` seconds."""
+        with self._lock:
+            self._failed(what, exc)
+
+    def _failed(self, what: str, exc: BaseException) -> None:
         self._down_until = self._clock() + self.config.retry_interval
         level = logging.DEBUG if self._warned else logging.WARNING
         log.log(
@@ -104,9 +203,79 @@ class NodeLink:
         )
         self._warned = True
 
+    @property
+    def down(self) -> bool:
+        """True while the node is left alone after a failure."""
+        return self._clock() < self._down_until
+
+    # --- pins --------------------------------------------------------------------------
+
+    def pins_held_until(self, hit: Hit) -> float:
+        """This host's monotonic time until which ``hit``'s pins are surely held (0: not)."""
+        client = self._client
+        return client.pins_held_until(hit) if client is not None else 0.0
+
+    def release(self, hit: Hit) -> None:
+        """Drop ``hit``'s pins in the background (see the module docstring); never waits."""
+        client = self._client
+        if client is None or hit.released or not hit.pinned:
+            return
+        future = self.submit(self._release(client, hit))
+        if future is None:
+            return
+        with self._lock:
+            self.releases_in_flight += 1
+        future.add_done_callback(self._release_done)
+
+    def _release_done(self, _future: concurrent.futures.Future[None]) -> None:
+        with self._lock:
+            self.releases_in_flight -= 1
+
+    async def _release(self, client: SyncClient, hit: Hit) -> None:
+        failures = 0
+        while not self._closed:
+            try:
+                # The worker's copies finished before it reported the load: nothing to
+                # wait for on any stream.
+                await client.client.release(hit, streams=(), timeout=self.config.lookup_timeout)
+                return
+            except DeadlineExceeded as exc:
+                # It may have reached the node: never send it twice (module docstring).
+                hit.released = True
+                if hit.lease_id is not None:
+                    self._suspect.add(hit.lease_id)
+                self.failed("release pins on", exc)
+                return
+            except ServerUnavailable as exc:
+                failures += 1
+                self.failed("release pins on", exc)
+            except KVStoreError as exc:  # the lease is gone (its pins with it), or a bug
+                log.debug("kvstore: release not retried: %s", exc)
+                return
+            if hit.lease_generation != client.client.lease.generation:
+                return  # the lease was lost or retired: its pins are gone
+            await asyncio.sleep(min(0.1 * 2**failures, RELEASE_RETRY_CAP))
+
+    def retire_if_idle(self, pinned_in_use: int) -> None:
+        """End a suspect lease once nothing pinned under it is in use (``pinned_in_use == 0``)."""
+        client = self._client
+        if not self._suspect or client is None or pinned_in_use:
+            return
+        suspects, self._suspect = self._suspect, set()
+        for lease_id in suspects:
+            log.info("kvstore: ending lease %x to drop pins a timed-out Release left", lease_id)
+            self.submit(client.client.lease.retire(lease_id))
+
+    # --- life cycle --------------------------------------------------------------------
+
     def close(self) -> None:
         """Close the client (ends its lease: pins dropped, writes aborted); idempotent."""
-        client, self._client, self._namespace = self._client, None, None
+        with self._lock:
+            self._closed = True
+            client, self._client, self._namespace = self._client, None, None
+            connecting, self._connecting = self._connecting, None
+        if connecting is not None:
+            connecting.cancel()
         if client is not None:
             try:
                 client.close()

@@ -28,24 +28,25 @@ from kvstore.types import BlockHash
 
 @dataclass(frozen=True, slots=True)
 class LoadSpec:
-    """Copy pinned pool slots into a request's vLLM blocks, before this step's forward."""
+    """Copy pinned pool slots into a request's vLLM blocks (asynchronously, in the worker)."""
 
     request_id: str
     block_ids: tuple[int, ...]
     """vLLM block ids to fill, in chain order."""
     slots: tuple[int, ...]
-    """The node's pool slots holding them (pinned by the scheduler until the load is done)."""
+    """The node's pool slots holding them (pinned by the scheduler until the load is reported)."""
     epoch: int
     """Pool epoch of the lookup: a worker mapping of another epoch must not read the slots."""
-    valid: bool = True
-    """False when the pins were lost before the step (lease lost): report the blocks failed."""
+    pins_until: float
+    """This host's ``time.monotonic()`` until which the pins are surely held (0: they are not):
+    a copy that did not finish before it is reported failed, never used."""
     pool_version: int = 0
     """The pool's arena set at the lookup: the worker maps at least this one first."""
 
 
 @dataclass(frozen=True, slots=True)
 class SaveSpec:
-    """Store a request's newly completed full prompt blocks, after this step's forward."""
+    """Store a request's newly completed full blocks, after this step's forward."""
 
     request_id: str
     hashes: tuple[BlockHash, ...]
@@ -53,7 +54,8 @@ class SaveSpec:
     block_ids: tuple[int, ...]
     """vLLM block ids of those blocks, one per hash."""
     first_new: int
-    """Index of the first block not known to be on the node (the likely writes)."""
+    """Index of the first block copied out (the likely writes); the node should have the
+    blocks before it. If it lost one, the save is given up and planned again from 0."""
 
 
 @dataclass(slots=True)
@@ -62,16 +64,43 @@ class KVStoreConnectorMetadata(KVConnectorMetadata):
 
     loads: list[LoadSpec] = field(default_factory=list)
     saves: list[SaveSpec] = field(default_factory=list)
+    failures_seen: int = 0
+    """The highest worker failure number (`KVStoreWorkerReport.failure_seq`) the scheduler
+    had processed when it built this step: saves of this step already account for it."""
 
 
 @dataclass(slots=True)
 class KVStoreWorkerReport(KVConnectorWorkerMetadata):
-    """Requests whose loads a worker finished this step (their pins may be released)."""
+    """What a worker finished since its last report (the scheduler side acts on it)."""
 
     loaded: set[str] = field(default_factory=set)
+    """Requests whose load finished, done or failed: their pins may be released."""
+    failed_loads: set[str] = field(default_factory=set)
+    """Requests whose load failed (vLLM recomputes their blocks)."""
+    failed_blocks: set[int] = field(default_factory=set)
+    """vLLM block ids whose load failed: no request holding one is saved until recomputed."""
+    failure_seq: int = 0
+    """Number of the worker's latest load failure (0: none yet)."""
+    saved: dict[str, int] = field(default_factory=dict)
+    """Per request: leading full blocks the node now has (a confirmed commit)."""
+    unsaved: dict[str, bool] = field(default_factory=dict)
+    """Per request: a save that did not happen; True when it must start again from block 0."""
+    poisoned: set[str] = field(default_factory=set)
+    """Requests whose save was refused: their blocks touch a failed load's blocks."""
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         """Union of two workers' reports."""
-        if isinstance(other, KVStoreWorkerReport):
-            return KVStoreWorkerReport(self.loaded | other.loaded)
-        return self
+        if not isinstance(other, KVStoreWorkerReport):
+            return self
+        saved = dict(self.saved)
+        for req_id, blocks in other.saved.items():
+            saved[req_id] = min(blocks, saved.get(req_id, blocks))
+        return KVStoreWorkerReport(
+            loaded=self.loaded | other.loaded,
+            failed_loads=self.failed_loads | other.failed_loads,
+            failed_blocks=self.failed_blocks | other.failed_blocks,
+            failure_seq=max(self.failure_seq, other.failure_seq),
+            saved=saved,
+            unsaved={**self.unsaved, **other.unsaved},
+            poisoned=self.poisoned | other.poisoned,
+        )

@@ -1,29 +1,47 @@
 """The worker half of the connector: copies between the node's pool and vLLM's cache.
 
+Nothing here makes vLLM's forward wait on the node:
+
 - ``register_kv_caches``: the engine's per-layer paged tensors are recognised
-  (`kvstore.integrations.vllm.paged`) and the node's pool is mapped once
-  (a host pool file, or a CUDA pool's IPC handles on a GPU).
-- ``start_load_kv`` (before the forward): each planned load copies its pinned
-  pool slots into the request's vLLM blocks, one batched scatter per layer.
-  A load that cannot be done (node gone, pool remapped at another epoch,
-  pins lost, a copy error) reports its vLLM block ids through
-  ``get_block_ids_with_load_errors``; vLLM then recomputes those tokens.
-- ``wait_for_save`` (after the forward): each planned save gathers the new
-  full blocks and stores them (Reserve, copy into the pool, Commit; the
-  client SDK aborts whatever it reserved if anything fails). A failed save
-  costs only future hits.
-- Every load it finished (done or failed) is reported back to the scheduler
-  side, which then releases the pins.
+  (`kvstore.integrations.vllm.paged`) and the namespace is registered (the
+  node's pool mapped) in the background.
+- ``start_load_kv``: each planned load is handed to the load thread, which
+  copies the pinned pool slots into the request's vLLM blocks. vLLM keeps
+  the request waiting (``WAITING_FOR_REMOTE_KVS``) until ``get_finished``
+  reports the load, so no forward ever reads a block that was not loaded.
+  A copy counts only if it **finished while the pins were surely held**
+  (`LoadSpec.pins_until`, from the scheduler's lease, checked on this
+  host's monotonic clock after the copy): a stalled engine, a lost lease, a
+  node restart (another pool epoch), a pool that could not be followed or
+  any copy error makes the load fail. Its blocks are then reported through
+  ``get_block_ids_with_load_errors`` and vLLM recomputes them.
+- ``wait_for_save`` (after the forward): each planned save copies its new
+  full blocks out of vLLM's cache (one copy, on the forward's thread, so
+  vLLM may free or reuse its blocks at once) and the save thread stores
+  them (Reserve, copy into the pool, Commit; the SDK aborts on any
+  failure). Copied-out blocks waiting for the node are bounded by
+  ``max_pending_save_bytes``; beyond it a save is dropped (a future miss).
+- Every finished load and save is reported to the scheduler side
+  (`KVStoreWorkerReport`): it releases the load's pins and advances a
+  request's saved blocks only on a confirmed commit.
+- **Nothing derived from a failed load is saved.** The blocks of a failed
+  load stay *tainted* until the scheduler has seen the failure
+  (`KVStoreConnectorMetadata.failures_seen`); a save that touches a
+  tainted block is refused and its request is never saved again.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+import os
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import torch
 
-from kvstore.client import Namespace
 from kvstore.errors import KVStoreError
 from kvstore.integrations.vllm.link import NodeLink
 from kvstore.integrations.vllm.metadata import (
@@ -44,124 +62,264 @@ from kvstore.types import SlotId
 log = logging.getLogger(__name__)
 
 
+HOLD_LOADS_ENV = "KVSTORE_VLLM_TEST_HOLD_LOADS"
+"""Testing only: a file path; while that file exists each load waits before it starts
+(after touching ``<path>.reached``), so a test can stall the engine between lookup and load."""
+
+
+def _hold_for_tests() -> None:
+    path = os.environ.get(HOLD_LOADS_ENV)
+    if not path or not os.path.exists(path):
+        return
+    with open(path + ".reached", "w"):
+        pass
+    deadline = time.monotonic() + 600
+    while os.path.exists(path) and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
+class LoadFailed(Exception):
+    """A load that must not be used (the reason is the message)."""
+
+
+class _Unstaged(Exception):
+    """A save needs a block that was not copied out (the node lost it since the lookup)."""
+
+
 class WorkerSide:
     """Worker-side state of the connector (one per worker process)."""
 
     def __init__(
-        self, link: NodeLink, layout: KVLayout, layer_names: Sequence[str], *, fail_loads: bool
+        self,
+        link: NodeLink,
+        layout: KVLayout,
+        layer_names: Sequence[str],
+        *,
+        fail_loads: bool,
+        max_pending_save_bytes: int,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        """Nothing is contacted here; `register_kv_caches` maps the pool."""
+        """Nothing is contacted here; `register_kv_caches` starts connecting."""
         self.link = link
         self.layout = layout
         self.layer_names = list(layer_names)
         self.fail_loads = fail_loads
+        self.max_pending_save_bytes = max_pending_save_bytes
+        self._clock = clock
         self.layers: list[PagedLayer] = []
+        self._loader = ThreadPoolExecutor(1, thread_name_prefix="kvstore-load")
+        self._saver = ThreadPoolExecutor(1, thread_name_prefix="kvstore-save")
+        self._lock = threading.Lock()
+        """Guards what the threads hand back: `_done_loads`, `_report`, `_pending_bytes`."""
+        self._done_loads: list[tuple[str, tuple[int, ...]]] = []
+        """(request, its failed block ids: empty when the load worked), as finished."""
         self._load_errors: set[int] = set()
-        self._loaded: set[str] = set()
+        self._report = KVStoreWorkerReport()
+        self._failure_seq = 0
+        self._tainted: dict[int, int] = {}
+        """vLLM block id -> number of the load failure that left it unloaded."""
+        self._pending_bytes = 0
         self.loaded_blocks = 0
         """Blocks copied in from the node so far (for logs and tests)."""
         self.saved_blocks = 0
         """Blocks this worker committed to the node so far."""
 
     def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
-        """Recognise the paged tensors (in the KV group's layer order) and map the pool."""
+        """Recognise the paged tensors (in the KV group's layer order); start connecting."""
         missing = [name for name in self.layer_names if name not in kv_caches]
         if missing:
             raise KeyError(f"vLLM registered no KV cache for layers {missing}")
         self.layers = [paged_layer(kv_caches[name], self.layout) for name in self.layer_names]
-        self.link.namespace()  # map the pool now; when the node is down, on first use
+        self.link.namespace()  # registers (and maps the pool) in the background
+
+    # --- loads -------------------------------------------------------------------------
 
     def start_load(self, meta: KVStoreConnectorMetadata) -> None:
-        """Run every load of the step (synchronously: this step's forward reads them)."""
+        """Hand this step's loads to the load thread (vLLM waits for `take_finished`)."""
+        self._forget_seen_failures(meta.failures_seen)
         for load in meta.loads:
-            self._loaded.add(load.request_id)
-            if not load.block_ids:
-                continue
-            try:
-                self._load(load)
-            except Exception as exc:  # any failure: vLLM recomputes these blocks
-                self._load_errors.update(load.block_ids)
-                log.warning(
-                    "kvstore: loading %d blocks of request %s failed (%s: %s); vLLM recomputes "
-                    "them",
-                    len(load.block_ids),
-                    load.request_id,
-                    type(exc).__name__,
-                    exc,
-                )
+            self._loader.submit(self._run_load, load)
+
+    def _run_load(self, load: LoadSpec) -> None:
+        failed: tuple[int, ...] = ()
+        try:
+            self._load(load)
+        except Exception as exc:  # any failure: vLLM recomputes these blocks
+            failed = load.block_ids
+            log.warning(
+                "kvstore: loading %d blocks of request %s failed (%s: %s); vLLM recomputes them",
+                len(load.block_ids),
+                load.request_id,
+                type(exc).__name__,
+                exc,
+            )
+        with self._lock:
+            self._done_loads.append((load.request_id, failed))
 
     def _load(self, load: LoadSpec) -> None:
+        if not load.block_ids:
+            return
+        _hold_for_tests()
         if self.fail_loads:
-            raise RuntimeError("fail_loads is set (testing)")
-        if not load.valid:
-            raise RuntimeError("the scheduler lost the pins (lease lost) before the load")
-        ns = self.link.namespace()
+            raise LoadFailed("fail_loads is set (testing)")
+        if self._clock() >= load.pins_until:
+            raise LoadFailed("the pins are not surely held (lease lost, or the engine stalled)")
+        ns = self.link.wait_namespace(self.link.config.connect_timeout)
         if ns is None:
-            raise RuntimeError("the node is unreachable")
+            raise LoadFailed("the node is unreachable")
         mapping = ns.mapping
         if mapping is None or mapping.closed or ns.epoch != load.epoch:
-            raise RuntimeError(
-                f"the pool mapping is at epoch {ns.epoch}, the lookup at {load.epoch}"
-            )
+            raise LoadFailed(f"the pool mapping is at epoch {ns.epoch}, the lookup at {load.epoch}")
         if load.pool_version > mapping.descriptor.version:
             # The pool grew (or was dropped and made again) since this worker
             # mapped it: follow it before reading, never through old arenas.
             client = self.link.client
             if client is None:
-                raise RuntimeError("the node is unreachable")
-            client.follow_pool(ns, load.pool_version, timeout=self.link.config.connect_timeout)
+                raise LoadFailed("the node is unreachable")
+            client.follow_pool(ns, load.pool_version, timeout=self.link.config.lookup_timeout)
             mapping = ns.mapping
             if mapping is None or mapping.closed or mapping.descriptor.version < load.pool_version:
-                raise RuntimeError("the pool mapping could not follow the node's arenas")
+                raise LoadFailed("the pool mapping could not follow the node's arenas")
         views = [mapping.torch_view(SlotId(slot), self.layout) for slot in load.slots]
         scatter_blocks(self.layers, load.block_ids, views)
+        if self.layers and self.layers[0].tensor.is_cuda:
+            torch.cuda.synchronize(self.layers[0].tensor.device)
+        # The fence: every byte above was read before this instant, so while the
+        # pins were held, or the copy does not count (the slots may be reused).
+        if self._clock() >= load.pins_until:
+            raise LoadFailed("the copy outlasted the pins (lease lost, or the engine stalled)")
         self.loaded_blocks += len(load.block_ids)
 
-    def save(self, meta: KVStoreConnectorMetadata) -> None:
-        """Store every save of the step (after the forward wrote the blocks)."""
-        if not meta.saves:
-            return
-        ns = self.link.namespace()
-        if ns is None:
-            return
-        for save in meta.saves:
-            try:
-                self._save(ns, save)
-            except KVStoreError as exc:
-                self.link.failed("store on", exc)
-                return
+    def take_finished(self) -> set[str]:
+        """Requests whose loads finished (done or failed) since the last call."""
+        with self._lock:
+            done, self._done_loads = self._done_loads, []
+            for req_id, failed in done:
+                self._report.loaded.add(req_id)
+                if not failed:
+                    continue
+                self._failure_seq += 1
+                self._load_errors.update(failed)
+                self._report.failed_loads.add(req_id)
+                self._report.failed_blocks.update(failed)
+                self._report.failure_seq = self._failure_seq
+                for block_id in failed:
+                    self._tainted[block_id] = self._failure_seq
+        return {req_id for req_id, _ in done}
 
-    def _save(self, ns: Namespace, save: SaveSpec) -> None:
+    def take_load_errors(self) -> set[int]:
+        """vLLM block ids of the loads `take_finished` reported failed."""
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def _forget_seen_failures(self, seen: int) -> None:
+        if self._tainted:
+            self._tainted = {b: seq for b, seq in self._tainted.items() if seq > seen}
+
+    # --- saves -------------------------------------------------------------------------
+
+    def save(self, meta: KVStoreConnectorMetadata) -> None:
+        """Copy out this step's new full blocks and hand them to the save thread."""
+        self._forget_seen_failures(meta.failures_seen)
+        for save in meta.saves:
+            if self._tainted and not self._tainted.keys().isdisjoint(save.block_ids):
+                log.warning(
+                    "kvstore: request %s is not saved: its blocks include a failed load's",
+                    save.request_id,
+                )
+                with self._lock:
+                    self._report.poisoned.add(save.request_id)
+                continue
+            self._stage(save)
+
+    def _stage(self, save: SaveSpec) -> None:
+        new_ids = save.block_ids[save.first_new :]
+        nbytes = len(new_ids) * self.layout.block_bytes
+        with self._lock:
+            if self.link.down or self._pending_bytes + nbytes > self.max_pending_save_bytes:
+                self._report.unsaved[save.request_id] = False
+                return
+            self._pending_bytes += nbytes
+        try:
+            staged = gather_blocks(self.layers, new_ids, self.layout) if new_ids else None
+            ready: Any = None
+            if staged is not None and staged.is_cuda:
+                ready = torch.cuda.Event()  # type: ignore[no-untyped-call]
+                ready.record()
+        except BaseException:
+            self._saved(save, nbytes, None)
+            raise
+        self._saver.submit(self._run_save, save, staged, ready, nbytes)
+
+    def _run_save(
+        self, save: SaveSpec, staged: torch.Tensor | None, ready: Any, nbytes: int
+    ) -> None:
+        outcome: int | bool = False
+        try:
+            if ready is not None:
+                ready.synchronize()  # the copy-out, queued on the forward's stream
+            outcome = self._store(save, staged)
+        except _Unstaged:
+            outcome = True
+        except KVStoreError as exc:
+            self.link.failed("store on", exc)
+        except Exception:
+            log.exception("kvstore: saving request %s failed", save.request_id)
+        finally:
+            self._saved(save, nbytes, outcome)
+
+    def _store(self, save: SaveSpec, staged: torch.Tensor | None) -> int:
+        ns = self.link.wait_namespace(self.link.config.connect_timeout)
         client = self.link.client
-        assert client is not None, "bug: a namespace without a client"
+        if ns is None or client is None:
+            raise KVStoreError("the node is unreachable")
         first = save.first_new
-        likely = gather_blocks(self.layers, save.block_ids[first:], self.layout)
 
         def block(index: int) -> torch.Tensor:
-            # Usually only the new blocks are written; an older one (evicted since
-            # the lookup) is gathered on its own.
-            if index >= first:
-                return likely[index - first]
-            return gather_blocks(self.layers, [save.block_ids[index]], self.layout)[0]
+            if index < first or staged is None:
+                raise _Unstaged(f"block {index} was not copied out")
+            return staged[index - first]
 
         result = client.store(
             ns, hashes=list(save.hashes), blocks=block, timeout=self.link.config.store_timeout
         )
         self.saved_blocks += result.committed
+        return len(save.hashes)
 
-    def take_load_errors(self) -> set[int]:
-        """vLLM block ids whose load failed since the last call."""
-        errors, self._load_errors = self._load_errors, set()
-        return errors
+    def _saved(self, save: SaveSpec, nbytes: int, outcome: int | bool | None) -> None:
+        """Record a save's end: blocks now on the node (int), or not saved (restage: True)."""
+        with self._lock:
+            self._pending_bytes -= nbytes
+            if outcome is None:
+                return
+            if isinstance(outcome, bool):
+                self._report.unsaved[save.request_id] = outcome
+            else:
+                self._report.saved[save.request_id] = outcome
+                self._report.unsaved.pop(save.request_id, None)
+
+    # --- reports and life cycle --------------------------------------------------------
 
     def take_report(self) -> KVStoreWorkerReport | None:
-        """Requests whose loads finished since the last call, for the scheduler side."""
-        if not self._loaded:
+        """What finished since the last call, for the scheduler side (None: nothing)."""
+        with self._lock:
+            report, self._report = self._report, KVStoreWorkerReport()
+        self._report.failure_seq = report.failure_seq
+        if (
+            not (report.loaded or report.saved or report.unsaved or report.poisoned)
+            and not report.failed_blocks
+        ):
             return None
-        report = KVStoreWorkerReport(self._loaded)
-        self._loaded = set()
         return report
 
+    @property
+    def busy(self) -> bool:
+        """True while loads or saves are queued or running (for tests and logs)."""
+        with self._lock:
+            return self._pending_bytes > 0 or bool(self._done_loads)
+
     def shutdown(self) -> None:
-        """Unmap the pool and close the client."""
+        """Stop the threads (queued saves are dropped), unmap the pool, close the client."""
+        self._saver.shutdown(wait=False, cancel_futures=True)
+        self._loader.shutdown(wait=True, cancel_futures=False)
         self.link.close()

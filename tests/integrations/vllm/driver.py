@@ -10,7 +10,9 @@ prints ``@@READY``, then answers one JSON command per stdin line with one
 - ``{"prompts": [[ids...], ...], "max_tokens": 8}``: greedy generation;
   answers each prompt's tokens, the logprob of each chosen token and the
   time to first token, plus the deltas of vLLM's prefix-cache counters
-  (``external_hits``: tokens the connector supplied; ``local_hits``).
+  (``external_hits``: tokens the connector supplied; ``local_hits``) and of
+  its preemptions. The prompts run one at a time, or all in one
+  ``generate`` call with ``"batch": true``.
 - ``{"reset_prefix_cache": true}``: empties vLLM's own prefix cache.
 - ``{"exit": true}``: shuts the engine down.
 """
@@ -28,6 +30,7 @@ COUNTERS = {
     "vllm:external_prefix_cache_queries": "external_queries",
     "vllm:prefix_cache_hits": "local_hits",
     "vllm:prefix_cache_queries": "local_queries",
+    "vllm:num_preemptions": "preemptions",
 }
 
 
@@ -53,6 +56,10 @@ def build(spec: dict[str, Any]) -> Any:
         "disable_log_stats": False,
         "seed": 0,
     }
+    if spec.get("num_gpu_blocks_override"):
+        kwargs["num_gpu_blocks_override"] = spec["num_gpu_blocks_override"]
+    if spec.get("max_num_seqs"):
+        kwargs["max_num_seqs"] = spec["max_num_seqs"]
     if spec.get("connector") is not None:
         kwargs["kv_transfer_config"] = {
             "kv_connector": "KVStoreConnector",
@@ -72,30 +79,36 @@ def generate(llm: Any, command: dict[str, Any]) -> dict[str, Any]:
     )
     before = counters(llm)
     results = []
-    for ids in command["prompts"]:  # one at a time: per-prompt timings and counters
+    prompts = [TokensPrompt(prompt_token_ids=ids) for ids in command["prompts"]]
+    # One at a time (per-prompt timings and counters), or all at once (a real batch).
+    groups = [prompts] if command.get("batch") else [[p] for p in prompts]
+    for group in groups:
         start = time.perf_counter()
-        out = llm.generate([TokensPrompt(prompt_token_ids=ids)], params, use_tqdm=False)[0]
+        outs = llm.generate(group, params, use_tqdm=False)
         wall = time.perf_counter() - start
-        completion = out.outputs[0]
-        logprobs = [
-            float(step[token].logprob)
-            for step, token in zip(completion.logprobs or [], completion.token_ids, strict=False)
-        ]
-        metrics = out.metrics
-        ttft = None
-        if metrics is not None and getattr(metrics, "first_token_latency", None):
-            ttft = float(metrics.first_token_latency)
-        results.append(
-            {
-                "tokens": list(completion.token_ids),
-                "logprobs": logprobs,
-                "cached_tokens": int(out.num_cached_tokens or 0),
-                "ttft": ttft,
-                "wall": wall,
-            }
-        )
+        for out in outs:
+            results.append(result_of(out, wall))
     after = counters(llm)
     return {"results": results, **{k: after[k] - before[k] for k in after}}
+
+
+def result_of(out: Any, wall: float) -> dict[str, Any]:
+    completion = out.outputs[0]
+    logprobs = [
+        float(step[token].logprob)
+        for step, token in zip(completion.logprobs or [], completion.token_ids, strict=False)
+    ]
+    metrics = out.metrics
+    ttft = None
+    if metrics is not None and getattr(metrics, "first_token_latency", None):
+        ttft = float(metrics.first_token_latency)
+    return {
+        "tokens": list(completion.token_ids),
+        "logprobs": logprobs,
+        "cached_tokens": int(out.num_cached_tokens or 0),
+        "ttft": ttft,
+        "wall": wall,
+    }
 
 
 def main() -> int:

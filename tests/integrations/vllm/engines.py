@@ -12,6 +12,7 @@ import contextlib
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -70,6 +71,16 @@ class Node:
             self.server.process.kill()
             self.stop()
 
+    def pause(self) -> None:
+        """SIGSTOP: the node hangs (connections stay open, nothing answers)."""
+        assert self.server is not None
+        self.server.process.send_signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        """SIGCONT after `pause`."""
+        assert self.server is not None
+        self.server.process.send_signal(signal.SIGCONT)
+
     def stop(self) -> None:
         if self.server is not None:
             self.server.stop()
@@ -127,6 +138,7 @@ class Engine:
             start_new_session=True,
         )
         self._results: list[str] = []
+        self._sent = 0
         self._cond = threading.Condition()
         self._ready = False
         self._reader = threading.Thread(target=self._read, daemon=True)
@@ -167,12 +179,28 @@ class Engine:
         return "".join(list(self.log)[-60:])
 
     def command(self, timeout: float = 300.0, **command: Any) -> dict[str, Any]:
+        return self.answer(self.send(**command), timeout)
+
+    def send(self, **command: Any) -> int:
+        """Send a command without waiting; returns the ticket `answer` takes."""
         assert self.proc.stdin is not None
-        count = len(self._results)
+        ticket, self._sent = self._sent, self._sent + 1  # answers come in order
         self.proc.stdin.write(json.dumps(command) + "\n")
         self.proc.stdin.flush()
-        self._wait(lambda: len(self._results) > count, timeout, f"answer {command}")
-        return dict(json.loads(self._results[count]))
+        return ticket
+
+    def answer(self, ticket: int, timeout: float = 300.0) -> dict[str, Any]:
+        """The answer of a `send`, waiting up to ``timeout`` seconds."""
+        self._wait(lambda: len(self._results) > ticket, timeout, f"answer command {ticket}")
+        return dict(json.loads(self._results[ticket]))
+
+    def pause(self) -> None:
+        """SIGSTOP every process of the engine (a stalled host, swapped out, debugged)."""
+        os.killpg(self.proc.pid, signal.SIGSTOP)
+
+    def resume(self) -> None:
+        """SIGCONT after `pause`."""
+        os.killpg(self.proc.pid, signal.SIGCONT)
 
     def generate(self, prompts: list[list[int]], max_tokens: int = 8) -> dict[str, Any]:
         return self.command(prompts=prompts, max_tokens=max_tokens)

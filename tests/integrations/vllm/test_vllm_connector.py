@@ -12,37 +12,30 @@ block size is 32, so a 100-token system prompt has 3 full blocks (96 tokens).
 
 from __future__ import annotations
 
-import random
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 
+from tests.integrations.vllm.common import (
+    BLOCK,
+    SYSTEM_HIT,
+    USER_1,
+    USER_2,
+    USER_3,
+    assert_nothing_pinned,
+    assert_same_output,
+    connector,
+    max_logprob_diff,
+    reference,
+    run,
+    system,
+    tokens,
+)
 from tests.integrations.vllm.engines import Engine, Node
 
 pytestmark = [pytest.mark.vllm, pytest.mark.e2e, pytest.mark.timeout(900)]
-
-BLOCK = 32
-SYSTEM_TOKENS = 100
-SYSTEM_HIT = SYSTEM_TOKENS // BLOCK * BLOCK  # 96: the system prompt's full blocks
-
-
-def tokens(seed: int, n: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(3, 1024) for _ in range(n)]
-
-
-def system(seed: int) -> list[int]:
-    return tokens(1000 + seed, SYSTEM_TOKENS)
-
-
-USER_1, USER_2, USER_3 = tokens(1, 20), tokens(2, 27), tokens(3, 9)
-
-
-def connector(node: Node, **extra: Any) -> dict[str, Any]:
-    return {"target": node.target, "tenant": "acme", "retry_interval": 1.0, **extra}
 
 
 @pytest.fixture(scope="module")
@@ -67,45 +60,6 @@ def engines(
     finally:
         for engine in started.values():
             engine.close()
-
-
-def run(engine: Engine, prompt: list[int], *, cold: bool = True) -> dict[str, Any]:
-    """One greedy generation; ``cold`` empties the engine's own prefix cache first."""
-    if cold:
-        engine.command(reset_prefix_cache=True)
-    answer = engine.generate([prompt])
-    return {**answer["results"][0], **{k: v for k, v in answer.items() if k != "results"}}
-
-
-def max_logprob_diff(x: dict[str, Any], y: dict[str, Any]) -> float:
-    return max(abs(p - q) for p, q in zip(x["logprobs"], y["logprobs"], strict=True))
-
-
-def reference(ref: Engine, prompt: list[int], warm_from: list[int]) -> tuple[dict[str, Any], float]:
-    """The cold output of ``prompt``, and how far vLLM's own prefix-cache hit strays from it.
-
-    The hit is taken the way the connector's is: the shared prefix computed
-    while running another prompt (``warm_from``), then ``prompt`` reusing it.
-    """
-    cold = run(ref, prompt)
-    run(ref, warm_from)
-    warm = run(ref, prompt, cold=False)
-    assert warm["local_hits"] > 0, "the reference engine's own prefix cache did not hit"
-    assert warm["tokens"] == cold["tokens"]
-    return cold, max_logprob_diff(cold, warm)
-
-
-def assert_same_output(got: dict[str, Any], ref: dict[str, Any], tolerance: float) -> None:
-    assert got["tokens"] == ref["tokens"]
-    assert max_logprob_diff(got, ref) <= tolerance
-
-
-def assert_nothing_pinned(node: Node) -> None:
-    deadline = time.monotonic() + 5
-    while (stats := node.stats()).pinned and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert stats.pinned == 0
-    assert stats.writing == 0
 
 
 def test_same_system_prompt_loads_exactly_its_full_blocks(engines, node) -> None:

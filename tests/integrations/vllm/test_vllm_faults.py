@@ -1,0 +1,190 @@
+"""The connector never stores or serves wrong KV, and never stalls vLLM (real engines).
+
+One node and four engine processes shared by the module: ``ref`` without
+the connector (the reference outputs), ``a`` with the connector (a short
+lease and lookup timeout, and a test hook that can hold its loads), ``f``
+whose loads all fail, and ``p`` with a KV cache so small that a batch
+preempts. ``a``, ``f`` and ``p`` are one tenant, so they share blocks.
+Every fault is real: failed loads, an engine stopped with SIGSTOP past its
+lease while another tenant overwrites the pool, a node stopped with
+SIGSTOP under a stream of requests.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from kvstore.api.wire import layout_from_proto
+from kvstore.client import SyncClient
+from kvstore.integrations.vllm.worker import HOLD_LOADS_ENV
+from tests.integrations.vllm.common import (
+    BLOCK,
+    USER_1,
+    USER_2,
+    assert_nothing_pinned,
+    connector,
+    max_logprob_diff,
+    run,
+    system,
+    tokens,
+)
+from tests.integrations.vllm.engines import Engine, Node
+
+pytestmark = [pytest.mark.vllm, pytest.mark.e2e, pytest.mark.timeout(900)]
+
+LEASE_TTL = 3.0
+LOOKUP_TIMEOUT = 1.0
+ENGINE_DIFF = 1e-5
+"""Logprob difference between an engine with the connector and one without, measured
+(test_vllm_connector): merely enabling a connector moves float32 rounding a few ulps."""
+
+
+@pytest.fixture(scope="module")
+def hold_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("hold") / "hold-loads"
+
+
+@pytest.fixture(scope="module")
+def engines(
+    vllm_py: str,
+    tiny_model: Path,
+    node: Node,
+    hold_file: Path,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[dict[str, Engine]]:
+    logs = tmp_path_factory.mktemp("fault-engines")
+    quick = {"lease_ttl": LEASE_TTL, "lookup_timeout": LOOKUP_TIMEOUT}
+    specs: dict[str, dict[str, Any]] = {
+        "ref": {"connector": None},
+        "a": {"connector": connector(node, **quick), "env": {HOLD_LOADS_ENV: str(hold_file)}},
+        "f": {"connector": connector(node, fail_loads=True)},
+        # 24 blocks of 32 tokens: a batch of 32 prompts of ~5 blocks each preempts.
+        "p": {"connector": connector(node), "num_gpu_blocks_override": 24, "max_model_len": 512},
+    }
+    started = {
+        name: Engine(vllm_py, tiny_model, log_dir=logs, name=name, **spec)
+        for name, spec in specs.items()
+    }
+    try:
+        for engine in started.values():
+            engine.wait_ready()
+        yield started
+    finally:
+        for engine in started.values():
+            engine.close()
+
+
+def wait_for(what: str, done: Any, within: float) -> None:
+    deadline = time.monotonic() + within
+    while not done():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what} did not happen within {within} s")
+        time.sleep(0.05)
+
+
+def assert_exact(got: dict[str, Any], want: dict[str, Any]) -> None:
+    assert got["tokens"] == want["tokens"]
+    assert max_logprob_diff(got, want) <= ENGINE_DIFF
+
+
+def test_a_failed_load_never_poisons_the_cache(engines, node) -> None:
+    a, f, ref = engines["a"], engines["f"], engines["ref"]
+    head = tokens(2000, 5 * BLOCK)
+    prompt = head + USER_1  # 5 full blocks
+    run(a, head[: 2 * BLOCK] + USER_2)  # the node holds the first 2 blocks only
+    failed = run(f, prompt)  # hits 2 blocks, the load fails: vLLM recomputes them
+    assert failed["external_hits"] == 2 * BLOCK
+    assert "failed" in "".join(f.log)
+    want = run(ref, prompt)
+    assert_exact(failed, want)
+    # Whatever f saved of this prompt was computed after the recompute: a third
+    # engine loading all 5 blocks from the node gives the reference output.
+    assert_nothing_pinned(node)
+    got = run(a, prompt)
+    assert got["external_hits"] == 5 * BLOCK
+    assert_exact(got, want)
+    assert_nothing_pinned(node)
+
+
+def fill_pool(node: Node, tenant: str) -> int:
+    """Store as many random blocks as the namespace holds, under another tenant."""
+    stats = node.stats()
+    ns_stats = max(stats.namespaces, key=lambda n: n.capacity)
+    layout = layout_from_proto(ns_stats.layout)
+    rng = np.random.default_rng(7)
+    with SyncClient(node.target, tenant=tenant, timeout=10.0) as client:
+        ns = client.register_namespace(ns_stats.model_id, layout, timeout=10.0)
+        n = int(ns_stats.capacity)
+        ids = [int(t) for t in rng.integers(3, 1024, size=n * layout.block_size)]
+        blocks = rng.standard_normal((n, *layout.block_shape)).astype(np.float32)
+        result = client.store(ns, ids, blocks, timeout=30.0)
+    return result.committed
+
+
+def test_an_engine_stalled_past_its_lease_recomputes(engines, node, hold_file) -> None:
+    a, ref = engines["a"], engines["ref"]
+    prompt = system(20) + USER_2
+    run(a, system(20) + USER_1)  # the node holds the system prompt
+    a.command(reset_prefix_cache=True)
+    hold_file.touch()
+    reached = Path(str(hold_file) + ".reached")
+    reached.unlink(missing_ok=True)
+    try:
+        ticket = a.send(prompts=[prompt], max_tokens=8)
+        # The lookup pinned the blocks and the load is about to copy them: stall here.
+        wait_for("the load", reached.exists, 120)
+        a.pause()
+        try:
+            # The lease runs out (no renewals), the pins drop, another tenant
+            # overwrites every slot of the namespace.
+            wait_for("the lease to expire", lambda: node.stats().pinned == 0, 4 * LEASE_TTL + 10)
+            assert fill_pool(node, "filler") > 0
+        finally:
+            a.resume()
+    finally:
+        hold_file.unlink(missing_ok=True)
+    answer = a.answer(ticket)
+    got = {**answer["results"][0], **{k: v for k, v in answer.items() if k != "results"}}
+    assert got["external_hits"] == 3 * BLOCK  # the hit was counted, then not used
+    assert "not surely held" in "".join(a.log)
+    assert_exact(got, run(ref, prompt))
+    assert_nothing_pinned(node, within=2 * LEASE_TTL + 5)
+
+
+def test_a_hung_node_never_stalls_the_engine(engines, node) -> None:
+    a, ref = engines["a"], engines["ref"]
+    prompts = [system(30) + tokens(300 + i, 20) for i in range(4)]
+    want = ref.generate(prompts)["results"]
+    run(a, system(31) + USER_1)  # connected, with a lease
+    node.pause()
+    try:
+        got = a.generate(prompts)["results"]
+    finally:
+        node.resume()
+    slowest_ref = max(r["wall"] for r in want)
+    for g, w in zip(got, want, strict=True):
+        # At most one lookup timeout on the node, then computed as without a cache.
+        assert g["wall"] <= LOOKUP_TIMEOUT + 1.0 + 3 * slowest_ref, (g["wall"], slowest_ref)
+        assert_exact(g, w)
+    # Once the node answers again, the engine's pins and writes drain within a lease TTL.
+    assert_nothing_pinned(node, within=LEASE_TTL + 10)
+
+
+def test_a_preempting_batch_is_exact_and_leaves_nothing_pinned(engines, node) -> None:
+    p, a, ref = engines["p"], engines["a"], engines["ref"]
+    prompts = [system(40 + i % 4) + tokens(500 + i, 20 + i % 7) for i in range(32)]
+    for s in (40, 41):  # two of the four system prompts are on the node already
+        run(a, system(s) + USER_1)
+    want = ref.command(prompts=prompts, max_tokens=48, batch=True)
+    got = p.command(prompts=prompts, max_tokens=48, batch=True)
+    assert got["preemptions"] > 0, "the small KV cache did not preempt"
+    assert got["external_hits"] > 0
+    for g, w in zip(got["results"], want["results"], strict=True):
+        assert g["tokens"] == w["tokens"]
+    assert_nothing_pinned(node)
