@@ -29,6 +29,10 @@ _HASH_DTYPE = np.dtype(f"V{HASH_BYTES}")
 TOKEN_BYTES = 4
 """Bytes of one token in ``packed_tokens`` (little-endian uint32)."""
 
+MAX_RELEASE_RUNS = 1024
+"""Most ``runs`` one ``Release`` may carry (hits released in one call); a node
+refuses more with INVALID_ARGUMENT before any work."""
+
 _SCHEMES: dict[int, HashScheme] = {
     pb.HASH_SCHEME_UNSPECIFIED: HashScheme.KVSTORE_SHA256,
     pb.HASH_SCHEME_KVSTORE_SHA256: HashScheme.KVSTORE_SHA256,

@@ -27,7 +27,7 @@ from kvstore.types import HASH_BYTES
 from kvstore.v1 import kvstore_pb2 as pb
 
 MAX_RUNS = 64
-"""Most hits one folded ``Release`` carries."""
+"""Most hits one folded ``Release`` carries (the node takes up to `wire.MAX_RELEASE_RUNS`)."""
 
 MAX_HASHES = 16_384
 """Most hashes one folded ``Release`` carries (512 KiB of request; the node's

@@ -917,7 +917,8 @@ class ReleaseRequest(_message.Message):
     def runs(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """Several hits' releases in one call: the hashes are runs back to back, run i
         has runs[i] hashes (they must add up to all of them), and each run is
-        released as one Release of it would be (at most max_chain_blocks each).
+        released as one Release of it would be (at most max_chain_blocks each, none
+        empty, no more runs than hashes, at most 1024 runs: MAX_RELEASE_RUNS).
         Empty: the hashes are one run.
         """
 

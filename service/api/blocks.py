@@ -231,10 +231,10 @@ class BlockRpcs(ServicerBase):
             return pb.ReleaseResponse(released=released)
         node = self.node
         max_blocks = node.config.max_chain_blocks
+        runs = chains.release_runs(request, max_blocks)  # bounded before any work
         namespace, tenant, lease_id, hashes = self._named_blocks(
-            request, context, max_blocks * len(request.runs)
+            request, context, max_blocks * len(runs)
         )
-        runs = chains.release_runs(request, max_blocks, len(hashes))
         counts = []
         start = 0
         now = node.now()

@@ -110,14 +110,32 @@ def hashed_from(
     return query_tokens
 
 
-def release_runs(request: Any, max_blocks: int, hashes: int) -> list[int]:
-    """A Release's ``runs``: how many of its ``hashes`` hashes each hit released in it has.
+def release_runs(request: Any, max_blocks: int) -> list[int]:
+    """A Release's ``runs``: how many of its hashes each hit released in it has.
+
+    Checked before any work and before the hashes are unpacked: at most
+    `wire.MAX_RELEASE_RUNS` runs, no more runs than hashes, none empty, none
+    over ``max_blocks``. Each run costs one release on the loop, so a request
+    of a million empty runs (1 MB) once held the loop for a second or more.
 
     Raises:
-        FieldError: a run over ``max_blocks`` (``max_chain_blocks``), or runs
-            that do not add up to the hashes sent.
+        FieldError: too many runs, an empty run, a run over ``max_blocks``
+            (``max_chain_blocks``), or runs that do not add up to the hashes sent.
     """
-    runs: list[int] = list(request.runs)
+    runs: list[int] = list(request.runs[: wire.MAX_RELEASE_RUNS + 1])
+    if len(runs) > wire.MAX_RELEASE_RUNS:
+        raise FieldError(
+            "runs",
+            f"has {len(request.runs)} runs, at most {wire.MAX_RELEASE_RUNS} per call "
+            "(MAX_RELEASE_RUNS)",
+        )
+    hashes = (
+        len(request.packed_hashes) // HASH_BYTES if request.packed_hashes else len(request.hashes)
+    )
+    if len(runs) > hashes:
+        raise FieldError("runs", f"has {len(runs)} runs for {hashes} hashes; a run is not empty")
+    if min(runs, default=1) == 0:
+        raise FieldError("runs", f"run {runs.index(0)} is empty; every run names a block")
     if max(runs, default=0) > max_blocks:
         raise FieldError(
             "runs", f"a run of {max(runs)} blocks, at most {max_blocks} per run (max_chain_blocks)"

@@ -151,6 +151,7 @@ async def real_values(channel: grpc.aio.Channel) -> dict[str, Any]:
         "lease_id": lease,
         "tokens": tokens,
         "hashes": hashes,
+        "runs": [len(hashes)],  # Release's: its mutations flip and truncate runs too
         "model_id": "raw-fuzz",
         "layout": LAYOUT,
         "payload": b"ping",
@@ -205,3 +206,48 @@ def test_raw_bytes_never_unknown_internal_or_exhausted(
     assert codes[grpc.StatusCode.INVALID_ARGUMENT.name] > len(SERVICE.methods) * 10
     bugs = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
     assert bugs == [], f"the node logged errors for client bytes: {bugs[:5]}"
+
+
+def hostile_release(real: dict[str, Any], runs: bytes) -> bytes:
+    """A Release of the real lease and hashes with ``runs`` as raw packed varints."""
+    head = pb.ReleaseRequest(
+        namespace_id=real["namespace_id"],
+        lease_id=real["lease_id"],
+        packed_hashes=b"".join(real["hashes"]),
+    ).SerializeToString()
+    return head + _length_delimited(5, runs)
+
+
+async def call_once(method: Any, payload: bytes) -> Any:
+    return await method(payload, timeout=5)
+
+
+def test_raw_release_runs_are_bounded(tmp_path: Any) -> None:
+    """Empty runs, more runs than hashes, more than MAX_RELEASE_RUNS: INVALID_ARGUMENT
+    naming ``runs``, whatever their number (each run was once a release on the loop)."""
+    from kvstore.api.wire import MAX_RELEASE_RUNS
+
+    with asyncio.Runner() as runner:
+        server = Server(config(tmp_path), expiry_tick=0.05)
+        runner.run(server.start())
+        channel = grpc.aio.insecure_channel(server.address)
+        release = channel.unary_unary(f"/{SERVICE.full_name}/Release")
+        try:
+            real = runner.run(real_values(channel))
+            n = len(real["hashes"])
+            cases = {
+                "a run then 500k empty": varint(n) + b"\x00" * 500_000,
+                "one empty run": b"\x00",
+                "more runs than hashes": b"\x01" * (n + 1),
+                "over the cap": b"\x01" * (MAX_RELEASE_RUNS + 1),
+            }
+            for name, runs in cases.items():
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    runner.run(call_once(release, hostile_release(real, runs)))
+                assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, name
+                assert err.value.details().startswith("runs:"), (name, err.value.details())
+            pong = runner.run(ping(channel))
+            assert pb.PingResponse.FromString(pong).payload == b"alive"
+        finally:
+            runner.run(channel.close())
+            runner.run(server.stop(0.1))

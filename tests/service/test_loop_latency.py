@@ -163,3 +163,40 @@ async def test_a_hostile_lookup_does_not_stall_the_loop(tmp_path) -> None:
     finally:
         proc.send_signal(signal.SIGTERM)
         await asyncio.wait_for(proc.wait(), 30)
+
+
+def empty_runs_release(namespace_id: str, lease_id: int, size: int) -> bytes:
+    """A ReleaseRequest of about ``size`` bytes: one hash, a run of it, then ``size``
+    zero-length runs (each once a `store.release` on the loop), built without protobuf."""
+    head = pb.ReleaseRequest(
+        namespace_id=namespace_id, lease_id=lease_id, packed_hashes=os.urandom(32)
+    ).SerializeToString()
+    return head + b"\x2a" + varint(size + 1) + b"\x01" + b"\x00" * size  # field 5 (runs), packed
+
+
+async def test_a_hostile_release_does_not_stall_the_loop(tmp_path) -> None:
+    """1 MB of empty ``runs``: refused by the runs limits before any work, Ping stays fast."""
+    proc, address = await start_node(tmp_path)
+    try:
+        async with grpc.aio.insecure_channel(address) as channel:
+            stub = kvstore_pb2_grpc.KVStoreStub(channel)
+            ns = (
+                await stub.RegisterNamespace(
+                    pb.RegisterNamespaceRequest(model_id="m", layout=LAYOUT), timeout=10
+                )
+            ).namespace_id
+            lease = (await stub.OpenLease(pb.OpenLeaseRequest(ttl_seconds=600))).lease_id
+            payload = empty_runs_release(ns, lease, 1 << 20)
+            assert len(payload) <= DEFAULTS.max_request_bytes
+            raw = channel.unary_unary("/kvstore.v1.KVStore/Release")
+            baseline, _ = await slowest_ping_during(stub, lambda: asyncio.sleep(0.3))
+            slowest, result = await slowest_ping_during(stub, lambda: raw(payload, timeout=30))
+            print(f"slowest Ping (ms): idle {baseline * 1000:.1f}, 1 MB of empty runs "
+                  f"{slowest * 1000:.1f}")  # fmt: skip
+            assert isinstance(result, grpc.aio.AioRpcError), "a million empty runs were accepted"
+            assert result.code() == grpc.StatusCode.INVALID_ARGUMENT, result.details()
+            assert "runs" in result.details(), result.details()
+            assert slowest < BOUND_SECONDS, f"a Ping took {slowest * 1000:.0f} ms"
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        await asyncio.wait_for(proc.wait(), 30)

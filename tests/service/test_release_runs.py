@@ -54,3 +54,37 @@ async def test_runs_that_do_not_add_up_or_are_too_long_are_refused(stub, namespa
         )
     )
     assert list(resp.run_released) == [1, 3] and await pinned(stub) == 0
+
+
+async def test_runs_are_bounded_before_any_work(stub, namespace, lease):
+    """No more runs than hashes, none empty, at most MAX_RELEASE_RUNS: each run is one
+    release on the loop, so a flood of empty runs is refused before any is released."""
+    ns = namespace.id
+    chain = await store(stub, ns, lease, list(range(1, 1 + 4 * BLOCK_SIZE)))
+    hit = await pin(stub, ns, lease, chain)
+    cases = {
+        "empty run": ([4, 0], hit, "empty"),
+        "more runs than hashes": ([1, 1, 1, 1, 0], hit, "5 runs for 4 hashes"),
+        "over the cap": (
+            [1] * (wire.MAX_RELEASE_RUNS + 1),
+            hit * (wire.MAX_RELEASE_RUNS // 4 + 1),
+            f"at most {wire.MAX_RELEASE_RUNS} per call",
+        ),
+    }
+    for name, (runs, packed, says) in cases.items():
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await stub.Release(
+                pb.ReleaseRequest(namespace_id=ns, lease_id=lease, packed_hashes=packed, runs=runs)
+            )
+        assert err.value.code() == INVALID and field_of(err.value) == "runs", name
+        assert says in err.value.details(), (name, err.value.details())
+    assert await pinned(stub) == 4  # nothing was released by a refused call
+    resp = await stub.Release(  # the cap itself is allowed
+        pb.ReleaseRequest(
+            namespace_id=ns,
+            lease_id=lease,
+            packed_hashes=hit * (wire.MAX_RELEASE_RUNS // 4),
+            runs=[1] * wire.MAX_RELEASE_RUNS,
+        )
+    )
+    assert resp.released == 4 and await pinned(stub) == 0
