@@ -265,6 +265,9 @@ class SchedulerSide:
         overdue = self._clock() - tracked.asked_at >= budget
         future = tracked.lookup
         if future is None:
+            if self.link.down:  # a call failed lately: compute without asking (back-off)
+                tracked.looked_up = True
+                return True
             ns = self.link.namespace()
             if ns is None:
                 if self.link.connecting and not overdue:
