@@ -123,6 +123,8 @@ class Config:
     """Python logging level: DEBUG, INFO, WARNING, ERROR."""
     admin_token: str = ""
     """Bearer token of the admin verbs (Evict, Clear); empty allows them from loopback only."""
+    web_session_seconds: float = 8 * 3600.0
+    """Seconds the web page's sign-in cookie stays valid (then the admin token is asked again)."""
     stats_sample_seconds: float = 5.0
     """Seconds between the hit-rate samples the node's web page plots (last 360 kept)."""
     redis_url: str = ""
@@ -194,6 +196,7 @@ _PARSERS: dict[str, Callable[[object], object]] = {
     "peer_tls_ca": parse_str,
     "log_level": parse_log_level,
     "admin_token": parse_str,
+    "web_session_seconds": parse_positive_float,
     "stats_sample_seconds": parse_positive_float,
     "redis_url": parse_str,
     "redis_cluster": parse_bool,

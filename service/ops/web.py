@@ -30,6 +30,7 @@ import asyncio
 import collections
 import json
 import logging
+import math
 import threading
 from collections.abc import Callable, Iterable
 from itertools import islice
@@ -161,7 +162,9 @@ class WebApp:
         self.history = history
         self.metrics = metrics
         self.access = access or WebAccess(
-            auth_on=node.tenants.auth_on, admin_token=node.config.admin_token
+            auth_on=node.tenants.auth_on,
+            admin_token=node.config.admin_token,
+            session_seconds=node.config.web_session_seconds,
         )
 
     def __call__(self, environ: dict[str, Any], start_response: StartResponse) -> Iterable[bytes]:
@@ -224,6 +227,13 @@ class WebApp:
             return _redirect(start, [])
         if not self.access.admin_token:
             return _reply(start, "403 Forbidden", DISABLED_PAGE.encode(), "text/html")
+        wait = self.access.login_wait(environ)
+        if wait > 0:  # repeated wrong tokens from this address: not even checked
+            retry = str(max(1, math.ceil(wait)))
+            body = (LOGIN_PAGE % {"message": f"Too many wrong tokens: wait {retry} s."}).encode()
+            return _reply(
+                start, "429 Too Many Requests", body, "text/html", [("Retry-After", retry)]
+            )
         if not self.access.login(environ):
             log.warning("web page: a sign-in with a wrong token")
             body = (LOGIN_PAGE % {"message": "That is not the admin token."}).encode()

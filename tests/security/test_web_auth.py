@@ -9,6 +9,7 @@ form sets (the token travels in a POST body, never in a URL or a log line);
 
 from __future__ import annotations
 
+import io
 import json
 import logging
 import urllib.error
@@ -17,7 +18,7 @@ import urllib.request
 import pytest
 
 from kvstore.v1 import kvstore_pb2 as pb
-from service.ops.web_auth import COOKIE
+from service.ops.web_auth import COOKIE, FREE_FAILURES, LoginThrottle, Verdict, WebAccess
 from tests.cli.conftest import ADMIN_TOKEN, start_node, stop_node, store_prompt
 
 TENANT_TOKEN = "alice-web-token-0123456789"
@@ -153,3 +154,72 @@ def test_auth_on_without_an_admin_token_turns_the_page_off(tmp_path, monkeypatch
         assert http(node, "/metrics")[0] == 200
     finally:
         stop_node(node)
+
+
+class FakeClock:
+    def __init__(self, now: float = 1_000_000.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def login_environ(token: str, address: str = "10.0.0.7") -> dict:
+    body = f"token={token}".encode()
+    return {
+        "CONTENT_LENGTH": str(len(body)),
+        "wsgi.input": io.BytesIO(body),
+        "REMOTE_ADDR": address,
+    }
+
+
+def test_the_session_cookie_ends_after_web_session_seconds(auth_node):
+    status, headers, _ = http(auth_node, "/login", data=f"token={ADMIN_TOKEN}".encode())
+    assert status == 303 and "Max-Age=28800" in headers["Set-Cookie"]  # default: 8 hours
+
+    clock = FakeClock()
+    access = WebAccess(auth_on=True, admin_token=ADMIN_TOKEN, session_seconds=3600, clock=clock)
+    _, set_cookie = access.cookie_header(secure=False)
+    assert "Max-Age=3600" in set_cookie
+    jar = {"HTTP_COOKIE": set_cookie.split(";")[0]}
+    assert access.check(jar) is Verdict.OPEN
+    clock.now += 3599
+    assert access.check(jar) is Verdict.OPEN
+    clock.now += 2
+    assert access.check(jar) is Verdict.WRONG  # lapsed: sign in again
+    # A shorter lifetime set later also cuts the cookies issued before it.
+    clock.now -= 3601
+    shorter = WebAccess(auth_on=True, admin_token=ADMIN_TOKEN, session_seconds=60, clock=clock)
+    assert shorter.check(jar) is Verdict.WRONG
+    # The expiry cannot be edited: it is under the HMAC.
+    value = jar["HTTP_COOKIE"].split("=", 1)[1]
+    forged = f"{int(value.split('.')[0]) + 10**6}.{value.split('.')[1]}"
+    assert access.check({"HTTP_COOKIE": f"{COOKIE}={forged}"}) is Verdict.WRONG
+
+
+def test_repeated_failed_sign_ins_are_slowed(tmp_path):
+    node = start_node(tmp_path, tenants_file=tenants_file(tmp_path))
+    try:
+        for _ in range(FREE_FAILURES):
+            assert http(node, "/login", data=b"token=guess")[0] == 403
+        # The next attempt waits, right token or not: it is not even checked.
+        status, headers, body = http(node, "/login", data=f"token={ADMIN_TOKEN}".encode())
+        assert status == 429 and int(headers["Retry-After"]) >= 1, status
+        assert "Set-Cookie" not in headers and b"wait" in body
+    finally:
+        stop_node(node)
+
+    clock = FakeClock()
+    access = WebAccess(auth_on=True, admin_token=ADMIN_TOKEN, throttle=LoginThrottle(clock))
+    waits = []
+    for _ in range(FREE_FAILURES + 3):
+        assert not access.login(login_environ("guess"))
+        waits.append(access.login_wait(login_environ("")))
+    assert waits == [0.0] * (FREE_FAILURES - 1) + [1.0, 2.0, 4.0, 8.0]  # doubling
+    assert access.login_wait(login_environ("", address="10.0.0.8")) == 0.0  # per address
+    clock.now += 8.0
+    assert access.login_wait(login_environ("")) == 0.0
+    assert access.login(login_environ(ADMIN_TOKEN))  # signing in forgets the failures
+    assert access.login_wait(login_environ("")) == 0.0
+    assert not access.login(login_environ("guess"))
+    assert access.login_wait(login_environ("")) == 0.0  # the count started again
