@@ -29,6 +29,7 @@ from service.api.servicer import KVStoreServicer
 from service.config import Config, ConfigError, load_config, read_setting_file, resolve
 from service.node import Clock, Node
 from service.ops.web import HitRateHistory, WebApp, on_loop, sample_forever
+from service.paths import check_paths
 
 log = logging.getLogger(__name__)
 
@@ -78,8 +79,12 @@ class Server:
                 resolved here when empty).
             clock: monotonic clock of the store (tests inject one to move time).
             expiry_tick: longest sleep of the lease-expiry task.
+
+        Raises:
+            PathError: a path setting cannot be used (`service.paths`).
         """
         self.config = resolve(config)
+        check_paths(self.config)  # before anything reads a file or binds a port
         self.node = Node(self.config, clock=clock)
         self.expiry_tick = expiry_tick
         self.health = health.aio.HealthServicer()

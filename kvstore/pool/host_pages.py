@@ -104,6 +104,17 @@ def _mount_of(directory: str, mounts: str) -> tuple[str, str, str] | None:
     return best
 
 
+def file_system(directory: str, *, mounts: str = MOUNTS) -> str | None:
+    """The type of the file system holding ``directory`` (``tmpfs``, ``ext4``...), None if unknown.
+
+    Args:
+        directory: a folder.
+        mounts: the mount table (tests pass another).
+    """
+    mount = _mount_of(directory, _read(mounts) or "")
+    return mount[1] if mount is not None else None
+
+
 def support(
     directory: str, *, shmem_enabled: str = SHMEM_ENABLED, mounts: str = MOUNTS
 ) -> HugePageSupport:

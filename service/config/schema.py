@@ -66,7 +66,7 @@ class Config:
     arena_bytes: int = 64 << 20
     """Unit a pool starts with, grows and gives back by (one mmap/IPC open per arena in runners)."""
     shm_dir: str = "/dev/shm"
-    """Directory (tmpfs) that holds the pool files."""
+    """Directory (tmpfs) that holds the pool files; created (mode 0700) when only it is missing."""
     pool_prefix: str = "kvstore"
     """File name prefix of the pool files; stale files with it are removed at start."""
     pool_file_mode: int = 0o600
