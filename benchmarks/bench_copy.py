@@ -74,8 +74,8 @@ def run(blocks: int, block_kib: int, shm_dir: str, repeat: int) -> dict[str, Any
                 ),
                 hit_tokens=0,
                 query_tokens=0,
-                pinned=False,
-                miss_reason=MissReason.NONE,
+                pinned=True,  # as a pinned lookup's (views need a pin); the pool is this
+                miss_reason=MissReason.NONE,  # benchmark's own: nothing reuses its slots
                 epoch=1,
                 mapping=mapping,
             )

@@ -6,10 +6,11 @@ mapping of its pool. The client refreshes a handle in place when the node's
 pool epoch changes, so a runner may keep it for the life of the client.
 
 A `Hit` is the answer of a lookup: where the hit blocks are, and zero-copy
-views of them through the mapping it was made with. Its views refuse to
-work once the hit was released or the mapping was dropped (an epoch change
-or the client closing): reading a slot that is no longer pinned could read
-another block's bytes.
+views of them through the mapping it was made with. Its views need a pin:
+they refuse to work for a hit looked up with ``pin=False`` (nothing keeps
+its slots from being evicted and reused at once), once the hit was released,
+or once the mapping was dropped (an epoch change or the client closing):
+reading a slot that is not pinned could read another block's bytes.
 """
 
 from __future__ import annotations
@@ -221,18 +222,23 @@ class Hit:
         return self._chain
 
     def _live_mapping(self) -> PoolMapping:
-        if self.pinned and self.released:
+        if self.released:
             raise FailedPrecondition("this hit was released; its slots may hold other blocks now")
         mapping = self.mapping
-        if mapping is None:
-            raise FailedPrecondition(
-                "the pool is not mapped in this process; use Client.read_blocks"
-            )
-        if mapping.closed or mapping.descriptor.epoch != self.epoch:
+        if mapping is not None and (mapping.closed or mapping.descriptor.epoch != self.epoch):
             raise PoolEpochChanged(
                 "the pool mapping of this hit was dropped (the node restarted or the client "
                 "closed); look the blocks up again",
                 old=self.epoch,
+            )
+        if not self.pinned and self.hit_blocks:  # a miss has nothing to read either way
+            raise FailedPrecondition(
+                "this hit was looked up with pin=False: nothing holds its slots, which may "
+                "already hold other blocks; look it up with pin=True to read its blocks"
+            )
+        if mapping is None:
+            raise FailedPrecondition(
+                "the pool is not mapped in this process; use Client.read_blocks"
             )
         return mapping
 
@@ -240,12 +246,21 @@ class Hit:
         return self.slots.tolist()  # type: ignore[no-any-return]
 
     def buffers(self) -> list[memoryview]:
-        """Writable zero-copy byte views of the hit blocks, in chain order."""
+        """Writable zero-copy byte views of the hit blocks, in chain order.
+
+        Raises:
+            FailedPrecondition: the hit is not pinned (``pin=False``) or was
+                released, or the pool is not mapped here.
+            PoolEpochChanged: the mapping was dropped (look the blocks up again).
+        """
         mapping = self._live_mapping()
         return [mapping.buffer(slot) for slot in self._slot_ids()]
 
     def numpy_views(self) -> list[npt.NDArray[np.generic]]:
-        """Zero-copy numpy arrays of the hit blocks (``layout.block_shape`` each)."""
+        """Zero-copy numpy arrays of the hit blocks (``layout.block_shape`` each).
+
+        Raises as `buffers` does (a pinned hit only).
+        """
         mapping = self._live_mapping()
         layout = self.namespace.layout
         return [mapping.numpy_view(slot, layout) for slot in self._slot_ids()]
@@ -263,8 +278,8 @@ class Hit:
 
         Raises:
             InvalidArgument: ``out`` is not such an array.
-            FailedPrecondition: the hit was released, the pool is not mapped,
-                or it is a CUDA pool (use `torch_views`).
+            FailedPrecondition: the hit is not pinned or was released, the
+                pool is not mapped, or it is a CUDA pool (use `torch_views`).
         """
         mapping = self._live_mapping()
         if not isinstance(mapping, HostMapping):
@@ -293,6 +308,7 @@ class Hit:
         """Zero-copy tensors of the hit blocks, with the layout's dtype and shape.
 
         CPU tensors for a host pool; tensors on the pool's GPU for a CUDA pool.
+        Raises as `buffers` does (a pinned hit only).
         """
         mapping = self._live_mapping()
         layout = self.namespace.layout

@@ -132,6 +132,30 @@ async def test_release_twice_is_harmless(kv: Client) -> None:
     assert (await kv.stats()).pinned == 0
 
 
+async def test_views_of_an_unpinned_hit_are_refused(kv: Client) -> None:
+    """Nothing holds an unpinned hit's slots: once evicted and reused they hold other
+    blocks, which its views would show silently. Reading needs pin=True."""
+    ns = await kv.register_namespace("m", LAYOUT)
+    await kv.store(ns, TOKENS, [block(i) for i in range(5)])
+    hit = await kv.lookup(ns, TOKENS)  # pin=False: how much is cached, no more
+    assert (hit.hit_blocks, hit.pinned) == (5, False)
+    for read in (
+        hit.numpy_views,
+        hit.buffers,
+        hit.torch_views,
+        lambda: hit.copy_into(np.zeros(5 * ns.block_bytes, np.uint8)),
+    ):
+        with pytest.raises(FailedPrecondition, match="pin=False"):
+            read()
+    with pytest.raises(FailedPrecondition):
+        await kv.read_blocks(hit)
+    miss = await kv.lookup(ns, list(range(7, 7 + 8)))
+    assert miss.numpy_views() == []  # a miss has nothing to show, pinned or not
+    pinned = await kv.lookup(ns, TOKENS, pin=True)
+    assert np.array_equal(pinned.numpy_views()[2], block(2))
+    await kv.release(pinned)
+
+
 async def test_epoch_change_drops_mappings(kv_server: Server) -> None:
     async with Client(kv_server.address, tenant="acme", timeout=5.0) as kv:
         ns = await kv.register_namespace("m", LAYOUT)
