@@ -14,6 +14,10 @@ Rules (also in ``docs/leases.md``):
   unpin twice, a third release of the same block is a no-op. A release only
   ever drops the releasing lease's own pins.
 - Closing a lease releases everything it holds, like expiry, but at once.
+- A release may carry an id (the client's, one per hit): a release whose id
+  the lease has seen among its last `RELEASES_REMEMBERED` answers what it
+  answered then and drops nothing, so a retried release never drops the pin
+  another hit of the same lease holds on the same block.
 """
 
 from __future__ import annotations
@@ -26,6 +30,9 @@ from dataclasses import dataclass, field
 from kvstore.block import Block
 from kvstore.errors import InvalidArgument, LeaseExpired, LimitExceeded, UnknownLease
 from kvstore.types import LeaseId, NamespaceId, TenantId
+
+RELEASES_REMEMBERED = 4096
+"""Release ids a lease remembers (the most recent): a retry of an older one is applied again."""
 
 ENDED_MEMORY = 65536
 """How many ended lease ids are remembered to answer `LeaseExpired` rather
@@ -56,6 +63,20 @@ class Lease:
     """Pins held over all namespaces, counting repeats (bounded by config)."""
     internal: bool = False
     """Opened by the node itself (peer fetch): not counted against the tenant's lease limit."""
+    releases: dict[int, int] | None = None
+    """Release id -> pins that release dropped, the most recent last (None until the first)."""
+
+    def released_before(self, release_id: int) -> int | None:
+        """The pins release ``release_id`` dropped, if this lease applied it (recently)."""
+        return None if self.releases is None else self.releases.get(release_id)
+
+    def remember_release(self, release_id: int, count: int) -> None:
+        """Record that release ``release_id`` dropped ``count`` pins (bounded memory)."""
+        if self.releases is None:
+            self.releases = {}
+        self.releases[release_id] = count
+        if len(self.releases) > RELEASES_REMEMBERED:
+            del self.releases[next(iter(self.releases))]  # the oldest
 
     def pins_in(self, namespace: NamespaceId) -> set[Block]:
         """The blocks this lease pins in one namespace (created on first use)."""

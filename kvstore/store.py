@@ -350,11 +350,25 @@ class Store:
         lease_id: LeaseId,
         hashes: Sequence[BlockHash],
         now: float,
+        release_id: int = 0,
     ) -> int:
-        """Drop this lease's pins on the named blocks (see `BlockTable.release`)."""
+        """Drop this lease's pins on the named blocks (see `BlockTable.release`).
+
+        A nonzero ``release_id`` makes the release idempotent: the same id
+        again (a retry) returns the first answer and drops nothing
+        (`Lease.released_before`).
+        """
         self._check_len(hashes)
         table = self.table(namespace)
-        return table.release(self._leases.get(lease_id, tenant, now), hashes, now)
+        lease = self._leases.get(lease_id, tenant, now)
+        if release_id:
+            before = lease.released_before(release_id)
+            if before is not None:
+                return before
+        count = table.release(lease, hashes, now)
+        if release_id:
+            lease.remember_release(release_id, count)
+        return count
 
     def check_slot(self, namespace: NamespaceId, tenant: TenantId, ref: BlockRef) -> None:
         """Raise `StaleSlot` unless ``ref`` still names a resident block."""

@@ -21,13 +21,18 @@ Rules the client keeps:
 * **Nothing leaks on cancellation.** A pinned lookup or a reservation that is
   cancelled mid-flight is finished in the background and its pins released
   or its slots aborted; a failing or cancelled `store` aborts what it
-  reserved (``except BaseException: abort; raise``).
+  reserved (``except BaseException: abort; raise``); a cancelled `release`
+  still goes out, from the background.
+* **Pins are dropped once per hit.** A hit's release carries the hit's own
+  id, which the node applies once per lease: a release retried after a
+  timeout, or sent again by the caller, never drops a pin that another hit
+  of the same lease holds (`kvstore.client.releases`).
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Coroutine, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from types import TracebackType
 from typing import Any
 
@@ -37,7 +42,7 @@ from kvstore.client.convert import hit_from_proto, request_fields
 from kvstore.client.errors import PoolEpochChanged
 from kvstore.client.handles import Hit, Namespace, StoreResult
 from kvstore.client.lease import LeaseKeeper
-from kvstore.client.releases import Releases
+from kvstore.client.releases import Releases, new_release_id
 from kvstore.client.retry import RetryPolicy
 from kvstore.client.rpc import Rpc
 from kvstore.client.session import NodeSession
@@ -346,32 +351,47 @@ class Client:
         sent together, as one call, when it returns (`kvstore.client.releases`).
 
         Args:
-            hit: a hit of `lookup`; a second release (or of an unpinned hit)
-                sends nothing.
+            hit: a hit of `lookup`. Once the node answered, a second release
+                (or one of an unpinned hit) sends nothing; after a failure or a
+                timeout, a second one sends the hit's release again under the
+                same id, which the node applies once.
             streams: the ``torch.cuda.Stream`` objects the hit's views were read on,
                 or ``torch.cuda.Event`` objects recorded after the reads. None (the
                 default): the calling thread's current streams on the pool's
                 GPU and the runner's GPU (the whole GPUs when torch has not
                 initialised CUDA). ``()``: nothing to wait for.
-            timeout: deadline of the Release call.
+            timeout: how long to wait for the node's answer; the release goes
+                on in the background after it (`DeadlineExceeded`), as it does
+                when the caller is cancelled.
 
         Returns:
             Pins the node released.
         """
-        if not hit.pinned or hit.released or not hit.hit_blocks:
+        if not hit.pinned or not hit.hit_blocks:
             hit.released = True
             return 0
-        hit.released = True  # no new views from here on
+        if hit.release_answered:
+            return 0  # the node dropped this hit's pins already
+        hit.released = True  # no new views from here on, whatever happens next
         if hit.lease_generation != self._lease.generation:
+            hit.release_answered = True
             return 0  # that lease is gone, and its pins with it
-        try:
-            reads_done = hit.mapping.read_fence(streams) if hit.mapping is not None else None
-            if reads_done is not None:
+        reads_done = hit.mapping.read_fence(streams) if hit.mapping is not None else None
+        if reads_done is not None:
+            try:
                 await asyncio.to_thread(reads_done)
-            return await self._send_release(hit, timeout)
-        except BaseException:
-            hit.released = False  # let the caller try again
-            raise
+            except asyncio.CancelledError:
+                # Not sent yet: the background waits for the reads, then sends it.
+                self._background.spawn(self._release_after(hit, reads_done))
+                raise
+        # Once handed over, the release goes out even if this caller is cancelled;
+        # after a failure or a timeout, calling release again is safe (same id).
+        return await self._send_release(hit, timeout)
+
+    async def _release_after(self, hit: Hit, reads_done: Callable[[], None]) -> None:
+        """A release whose caller was cancelled while the GPU reads ran: finish it."""
+        await asyncio.to_thread(reads_done)
+        await quietly("release", self._send_release(hit))
 
     async def _send_release(
         self,
@@ -380,7 +400,13 @@ class Client:
     ) -> int:
         if hit.lease_id is None:  # the pins' lease, never a replacement's
             return 0
-        return await self._releases.release(hit.namespace.id, hit.lease_id, hit.hit_hashes, timeout)
+        if not hit.release_id:
+            hit.release_id = new_release_id()
+        count = await self._releases.release(
+            hit.namespace.id, hit.lease_id, hit.hit_hashes, hit.release_id, timeout
+        )
+        hit.release_answered = True
+        return count
 
     # --- writes and data ----------------------------------------------------------------
 

@@ -145,7 +145,14 @@ class Hit:
     """The lease that holds the pins (None when not pinned): released under it, never
     under a lease that replaced it."""
     released: bool = False
-    """True once the pins were released (or lost with the lease)."""
+    """True once `Client.release` was called (or the pins were lost with the lease):
+    no views from then on, since the node may have dropped the pins."""
+    release_id: int = 0
+    """The id of this hit's release, chosen on its first `Client.release` (0 before):
+    every attempt sends it, so the node drops the hit's pins once, however often
+    the release is sent."""
+    release_answered: bool = False
+    """True once the node answered this hit's release (a further release sends nothing)."""
     pool_version: int = 0
     """The pool's arena set when the node answered (another process reading the
     slots maps at least this version first: `Client.follow_pool`)."""

@@ -1,4 +1,4 @@
-"""Releases that wait behind one in flight are folded into one ``Release`` call.
+"""A client's releases: sent in the background, each exactly once, folded when they queue.
 
 A runner that serves many requests at once releases many hits at once, and
 each ``Release`` is a round trip that costs the node about a Ping's worth of
@@ -11,18 +11,30 @@ releases exactly as that many separate calls would. Each caller still
 waits for the node's answer for its own hit and gets its own count
 (``run_released``); a failed call fails every caller in it.
 
-A caller cancelled while its hit still waits in the queue takes it out
-(nothing was sent); once sent, the call runs to its end for the others.
+Pins are dropped exactly once per hit, whatever happens to the caller:
+
+* Every call is a background task (`Background`), so a caller that is
+  cancelled or stops waiting (its timeout) hands its release over: sent
+  alone or queued, it still goes out and runs to its end.
+* Every hit's release carries its own id (``release_ids``, one per run):
+  the node applies an id once per lease and answers a repeat with the first
+  count, so a call whose outcome is unknown (a timeout, a lost connection)
+  is retried by the `RetryPolicy` like any idempotent call, and a caller
+  may release the same hit again: neither drops the pin that another hit of
+  the same lease holds on the same block.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
+import secrets
 from dataclasses import dataclass
 
 from kvstore.client.background import Background
 from kvstore.client.errors import DeadlineExceeded
 from kvstore.client.rpc import Rpc
+from kvstore.errors import KVStoreError
 from kvstore.types import HASH_BYTES
 from kvstore.v1 import kvstore_pb2 as pb
 
@@ -33,17 +45,25 @@ MAX_HASHES = 16_384
 """Most hashes one folded ``Release`` carries (512 KiB of request; the node's
 ``max_request_bytes`` default is 2 MiB)."""
 
+log = logging.getLogger(__name__)
+
 _Key = tuple[str, int]
 
 
 @dataclass(eq=False)  # a waiter is itself, whatever hashes it releases
 class _Waiting:
     packed: bytes
+    release_id: int
     done: asyncio.Future[int]
 
 
+def new_release_id() -> int:
+    """A random nonzero 64-bit id for one hit's release."""
+    return secrets.randbits(64) or 1
+
+
 class Releases:
-    """Sends a client's releases, folding those that queue behind one in flight."""
+    """Sends a client's releases in the background, folding those that queue behind one."""
 
     def __init__(self, rpc: Rpc, background: Background) -> None:
         self._rpc = rpc
@@ -53,35 +73,45 @@ class Releases:
         self.calls = 0
         """``Release`` calls sent (for tests and tools)."""
 
-    async def release(
-        self, namespace_id: str, lease_id: int, packed: bytes, timeout: float | None
-    ) -> int:
-        """Release one hit's pins (its hashes, packed); returns the pins the node released."""
+    def submit(
+        self, namespace_id: str, lease_id: int, packed: bytes, release_id: int
+    ) -> asyncio.Future[int]:
+        """Hand one hit's release (its hashes, packed; its id) over; the pins it dropped.
+
+        Sent at once when nothing of its lane is in flight, else queued. The
+        release goes out whatever happens to the returned future (cancelling
+        it only stops the waiting); the future's result is the node's count.
+        """
+        waiting = _Waiting(packed, release_id, asyncio.get_running_loop().create_future())
+        waiting.done.add_done_callback(_retrieve)  # a caller may have stopped waiting
         key = (namespace_id, lease_id)
         lane = self._lanes.get(key)
         if lane is None:
             self._lanes[key] = lane = []
-            try:
-                req = pb.ReleaseRequest(
-                    namespace_id=namespace_id, lease_id=lease_id, packed_hashes=packed
-                )
-                self.calls += 1
-                resp = await self._rpc.call("Release", req, timeout, idempotent=False)
-                return int(resp.released)
-            finally:
-                self._next(key, lane)
-        waiting = _Waiting(packed, asyncio.get_running_loop().create_future())
-        lane.append(waiting)
+            self._background.spawn(self._send(key, lane, [waiting]))
+        else:
+            lane.append(waiting)
+        return waiting.done
+
+    async def release(
+        self,
+        namespace_id: str,
+        lease_id: int,
+        packed: bytes,
+        release_id: int,
+        timeout: float | None,
+    ) -> int:
+        """Release one hit's pins and wait (at most ``timeout``) for the node's count.
+
+        Raises:
+            DeadlineExceeded: no answer in time; the release is still on its
+                way (a repeat with the same id is safe).
+        """
+        done = self.submit(namespace_id, lease_id, packed, release_id)
         try:
-            return await asyncio.wait_for(
-                asyncio.shield(waiting.done), timeout or self._rpc.timeout
-            )
-        except (asyncio.CancelledError, TimeoutError) as exc:
-            if waiting in lane:  # never sent: nothing to undo
-                lane.remove(waiting)
-            if isinstance(exc, TimeoutError):
-                raise DeadlineExceeded("Release: no answer within the timeout") from None
-            raise
+            return await asyncio.wait_for(asyncio.shield(done), timeout or self._rpc.timeout)
+        except TimeoutError:
+            raise DeadlineExceeded("Release: no answer within the timeout") from None
 
     def _next(self, key: _Key, lane: list[_Waiting]) -> None:
         """After a call: send what queued meanwhile as one call, or retire the lane."""
@@ -104,11 +134,14 @@ class Releases:
                 namespace_id=key[0],
                 lease_id=key[1],
                 packed_hashes=b"".join(w.packed for w in batch),
-                runs=[len(w.packed) // HASH_BYTES for w in batch],
+                release_ids=[w.release_id for w in batch],
             )
+            if len(batch) > 1:
+                req.runs.extend(len(w.packed) // HASH_BYTES for w in batch)
             self.calls += 1
-            resp = await self._rpc.call("Release", req, None, idempotent=False)
-            counts = list(resp.run_released)
+            # Idempotent through its ids: a retry drops nothing a first attempt did.
+            resp = await self._rpc.call("Release", req, None, idempotent=True)
+            counts = list(resp.run_released) if req.runs else [int(resp.released)]
             if len(counts) != len(batch):
                 # A node that predates ``runs`` released the hashes as one run:
                 # the same pins; each hit gets its own number of hashes.
@@ -117,6 +150,9 @@ class Releases:
                 if not w.done.done():
                     w.done.set_result(count)
         except BaseException as exc:
+            if isinstance(exc, KVStoreError):  # the callers still waiting get it too
+                log.warning("release of %d hits failed (their lease drops them when it ends): %s",
+                            len(batch), exc)  # fmt: skip
             for w in batch:
                 if w.done.done():
                     continue
@@ -128,3 +164,9 @@ class Releases:
                 raise
         finally:
             self._next(key, lane)
+
+
+def _retrieve(done: asyncio.Future[int]) -> None:
+    """Mark a release's outcome as seen: its caller may be gone (the failure is logged)."""
+    if not done.cancelled():
+        done.exception()

@@ -907,6 +907,7 @@ class ReleaseRequest(_message.Message):
     HASHES_FIELD_NUMBER: _builtins.int
     PACKED_HASHES_FIELD_NUMBER: _builtins.int
     RUNS_FIELD_NUMBER: _builtins.int
+    RELEASE_IDS_FIELD_NUMBER: _builtins.int
     namespace_id: _builtins.str
     lease_id: _builtins.int
     packed_hashes: _builtins.bytes
@@ -922,6 +923,14 @@ class ReleaseRequest(_message.Message):
         Empty: the hashes are one run.
         """
 
+    @_builtins.property
+    def release_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Ids that make the release idempotent: one per run (one in all without runs),
+        nonzero, chosen by the client (random, one per hit). A release whose id this
+        lease already applied (among its last 4096) drops nothing and answers the
+        count it answered then, so a retry never drops another hit's pin. Empty: no ids.
+        """
+
     def __init__(
         self,
         *,
@@ -930,10 +939,11 @@ class ReleaseRequest(_message.Message):
         hashes: _abc.Iterable[_builtins.bytes] | None = ...,
         packed_hashes: _builtins.bytes = ...,
         runs: _abc.Iterable[_builtins.int] | None = ...,
+        release_ids: _abc.Iterable[_builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["hashes", b"hashes", "lease_id", b"lease_id", "namespace_id", b"namespace_id", "packed_hashes", b"packed_hashes", "runs", b"runs"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["hashes", b"hashes", "lease_id", b"lease_id", "namespace_id", b"namespace_id", "packed_hashes", b"packed_hashes", "release_ids", b"release_ids", "runs", b"runs"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

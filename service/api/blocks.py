@@ -21,7 +21,7 @@ _HashesRequest = pb.CommitRequest | pb.AbortRequest | pb.ReleaseRequest
 """The requests that name a lease and a list of block hashes."""
 
 _StoreVerb = Callable[[NamespaceId, TenantId, LeaseId, Sequence[BlockHash], float], int]
-"""`Store.commit`, `Store.abort` or `Store.release`."""
+"""`Store.commit` or `Store.abort`."""
 
 
 def _reserve_entries(pool: BlockPool, result: ReserveResult) -> list[pb.ReserveEntry]:
@@ -225,23 +225,34 @@ class BlockRpcs(ServicerBase):
 
     @guard_unary("Release")
     async def Release(self, request: pb.ReleaseRequest, context: Any) -> pb.ReleaseResponse:
-        """Drop this lease's pins on the named blocks (several hits' at once with ``runs``)."""
-        if not request.runs:
-            released = self._on_hashes(request, context, self.node.store.release)
-            return pb.ReleaseResponse(released=released)
+        """Drop this lease's pins on the named blocks (several hits' at once with ``runs``).
+
+        Every bound is checked before any work (`chains.release_runs`,
+        `chains.release_ids`); each run is then one `Store.release`, under its
+        release id when the client sent ids (a retry drops nothing twice).
+        """
         node = self.node
         max_blocks = node.config.max_chain_blocks
-        runs = chains.release_runs(request, max_blocks)  # bounded before any work
-        namespace, tenant, lease_id, hashes = self._named_blocks(
-            request, context, max_blocks * len(runs)
-        )
+        runs = chains.release_runs(request, max_blocks) if request.runs else None
+        ids = chains.release_ids(request, len(runs) if runs is not None else 1)
+        limit = max_blocks * len(runs) if runs is not None else max_blocks
+        namespace, tenant, lease_id, hashes = self._named_blocks(request, context, limit)
         counts = []
         start = 0
         now = node.now()
-        for n in runs:
+        for i, n in enumerate(runs if runs is not None else [len(hashes)]):
             counts.append(
-                node.store.release(namespace, tenant, lease_id, hashes[start : start + n], now)
+                node.store.release(
+                    namespace,
+                    tenant,
+                    lease_id,
+                    hashes[start : start + n],
+                    now,
+                    release_id=ids[i] if ids else 0,
+                )
             )
             start += n
         node.publish_events()
+        if runs is None:
+            return pb.ReleaseResponse(released=counts[0])
         return pb.ReleaseResponse(released=sum(counts), run_released=counts)

@@ -145,6 +145,25 @@ def release_runs(request: Any, max_blocks: int) -> list[int]:
     return runs
 
 
+def release_ids(request: Any, runs: int) -> list[int]:
+    """A Release's ``release_ids``: none, or one nonzero id per run (one without runs).
+
+    Raises:
+        FieldError: another number of ids than runs, or an id of 0.
+    """
+    sent = len(request.release_ids)
+    if not sent:
+        return []
+    if sent != runs:
+        raise FieldError(
+            "release_ids", f"has {sent} ids for {runs} runs; send one per run (one without runs)"
+        )
+    ids: list[int] = list(request.release_ids)
+    if 0 in ids:
+        raise FieldError("release_ids", f"id {ids.index(0)} is 0; a release id is nonzero")
+    return ids
+
+
 def _unpack(fn: Any, packed: bytes, field: str) -> Any:
     try:
         return fn(packed, field)

@@ -6,8 +6,11 @@ from __future__ import annotations
 import asyncio
 
 import numpy as np
+import pytest
 
 from kvstore.client import Client
+from kvstore.client.errors import DeadlineExceeded
+from kvstore.errors import FailedPrecondition
 
 from .conftest import LAYOUT
 
@@ -37,7 +40,9 @@ async def test_concurrent_releases_fold_into_fewer_calls(kv: Client) -> None:
     assert not kv._releases._lanes  # nothing left waiting
 
 
-async def test_a_release_cancelled_while_queued_is_never_sent(kv: Client) -> None:
+async def test_a_release_cancelled_while_queued_is_still_sent(kv: Client) -> None:
+    """Cancelling a release only stops the waiting: queued behind another, it still
+    goes out with the next call (its pins once stayed until the lease ended)."""
     ns, prompts = await stored_chains(kv, 3)
     first, second, third = [await kv.lookup(ns, tokens, pin=True) for tokens in prompts]
     in_flight = asyncio.ensure_future(kv.release(first))
@@ -47,6 +52,55 @@ async def test_a_release_cancelled_while_queued_is_never_sent(kv: Client) -> Non
     await asyncio.sleep(0)
     queued.cancel()
     assert await in_flight == 3 and await kept == 3
-    assert (await kv.stats()).namespaces[0].pinned == 3  # the cancelled hit's pins stay
-    assert await kv.release(second) == 3  # and it can be released again
+    with pytest.raises(asyncio.CancelledError):
+        await queued
+    await kv._background.drain()
+    assert (await kv.stats()).namespaces[0].pinned == 0  # the cancelled hit's pins too
+    assert second.released  # no views of it from the moment release was called
+    assert await kv.release(second) == 3  # a repeat drops nothing more (same id)
+    assert not kv._releases._lanes
+
+
+async def test_a_release_cancelled_in_flight_still_drops_the_pins(kv: Client) -> None:
+    ns, prompts = await stored_chains(kv, 1)
+    hit = await kv.lookup(ns, prompts[0], pin=True)
+    call = asyncio.ensure_future(kv.release(hit))
+    await asyncio.sleep(0)  # handed over: the call is in flight
+    call.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await call
+    await kv._background.drain()
+    assert (await kv.stats()).namespaces[0].pinned == 0
+
+
+async def test_a_retried_release_never_drops_another_hits_pin(
+    kv: Client, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two hits of one lease pin the same blocks (pins are counts per lease). The
+    first hit's Release reaches the node but its answer is lost (a timeout); the
+    caller releases it again: the second hit's pins must stay."""
+    ns, prompts = await stored_chains(kv, 1)
+    mine = await kv.lookup(ns, prompts[0], pin=True)
+    other = await kv.lookup(ns, prompts[0], pin=True)  # the same 3 blocks, pinned again
+    call = kv._rpc.call
+    lost = []
+
+    async def answer_lost(method: str, request: object, *args: object, **kw: object) -> object:
+        reply = await call(method, request, *args, **kw)
+        if method == "Release" and not lost:
+            lost.append(reply)
+            raise DeadlineExceeded("Release: the answer was lost")
+        return reply
+
+    monkeypatch.setattr(kv._rpc, "call", answer_lost)
+    with pytest.raises(DeadlineExceeded):
+        await kv.release(mine)
+    assert lost and (await kv.stats()).namespaces[0].pinned == 3  # applied: one pin each left
+    assert await kv.release(mine) == 3  # the retry: the node's first answer, nothing dropped
+    assert await kv.release(mine) == 0  # answered: nothing is sent any more
+    assert (await kv.stats()).namespaces[0].pinned == 3  # `other` still holds its pins
+    with pytest.raises(FailedPrecondition):
+        mine.numpy_views()  # released, whatever the outcome was
+    assert len(other.numpy_views()) == 3
+    assert await kv.release(other) == 3
     assert (await kv.stats()).namespaces[0].pinned == 0

@@ -126,3 +126,20 @@ def test_ttl_and_lease_count_bounds() -> None:
     store.open_lease(LeaseId(4), TenantId("carol"), 10.0, 0.0)
     store.close_lease(LeaseId(1), ALICE, 1.0)
     store.open_lease(LeaseId(5), ALICE, 10.0, 1.0)
+
+
+def test_a_release_id_drops_pins_once_within_the_remembered_window(store: Store) -> None:
+    from kvstore.lease import RELEASES_REMEMBERED
+
+    a = Runner(store, 1)
+    stored = chain(prompt(1, 1))
+    a.store_chain(stored)
+    a.hits(stored, pin=True)
+    a.hits(stored, pin=True)  # two hits of one lease: two pins a block
+    assert store.release(NS, ALICE, a.lease, stored, 3.0, release_id=11) == 5
+    assert store.release(NS, ALICE, a.lease, stored, 3.0, release_id=11) == 5  # a retry
+    assert store.stats().namespaces[0].pinned == 5  # the other hit keeps its pins
+    for i in range(RELEASES_REMEMBERED):  # later releases push id 11 out of the window
+        store.release(NS, ALICE, a.lease, stored[:0], 3.0, release_id=1000 + i)
+    assert store.release(NS, ALICE, a.lease, stored, 3.0, release_id=11) == 5  # applied again
+    assert store.stats().namespaces[0].pinned == 0

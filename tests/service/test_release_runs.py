@@ -88,3 +88,31 @@ async def test_runs_are_bounded_before_any_work(stub, namespace, lease):
         )
     )
     assert resp.released == 4 and await pinned(stub) == 0
+
+
+async def test_a_release_id_is_applied_once_per_lease(stub, namespace, lease):
+    """Two hits of one lease pin the same blocks; the first hit's Release, sent twice
+    under its id (a retry after a lost answer), drops its pins once: the second
+    hit's stay. With runs, each run has its id."""
+    ns = namespace.id
+    chain = await store(stub, ns, lease, list(range(1, 1 + 3 * BLOCK_SIZE)))
+    await pin(stub, ns, lease, chain)
+    hit = await pin(stub, ns, lease, chain)  # the same 3 blocks pinned again
+    mine = pb.ReleaseRequest(namespace_id=ns, lease_id=lease, packed_hashes=hit, release_ids=[7])
+    assert (await stub.Release(mine)).released == 3
+    assert (await stub.Release(mine)).released == 3  # the first answer, nothing dropped
+    assert await pinned(stub) == 3  # the other hit's pins
+    both = pb.ReleaseRequest(
+        namespace_id=ns, lease_id=lease, packed_hashes=hit + hit, runs=[3, 3], release_ids=[7, 8]
+    )
+    resp = await stub.Release(both)  # 7 again: nothing; 8: the other hit's pins
+    assert list(resp.run_released) == [3, 3] and await pinned(stub) == 0
+    for ids, says in (([7, 8, 9], "3 ids for 2 runs"), ([7, 0], "is 0")):
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await stub.Release(
+                pb.ReleaseRequest(
+                    namespace_id=ns, lease_id=lease, packed_hashes=hit, runs=[1, 2], release_ids=ids
+                )
+            )
+        assert err.value.code() == INVALID and field_of(err.value) == "release_ids"
+        assert says in err.value.details(), err.value.details()
