@@ -13,7 +13,8 @@
 #   2. tests:  the GPU tests (tests/gpu, marked cuda), one outcome per test:
 #              IPC store/read across processes, a killed runner, a restarted
 #              node, release after queued reads, SyncClient on the caller's
-#              stream and GPU, 2 MiB-aligned arenas, UUIDs;
+#              stream and GPU, 2 MiB-aligned arenas, UUIDs, an arena of a dropped
+#              namespace kept (not cudaFree'd) while a runner still has it open;
 #   3. fake:   the CPU tests of the same code on the fake runtime (they must
 #              pass here too: torch with CUDA must not change them);
 #   4. bench:  python -m benchmarks.bench_cuda (mapped bandwidth vs. a plain
@@ -84,6 +85,7 @@ tail -n 40 "$OUT/gpu.log" >&2
 log "3/5 fake-runtime tests of the same code"
 timeout 60 python -m pytest -q -p no:cacheprovider tests/kvstore/pool \
   tests/service/test_cuda_device.py tests/service/test_cuda_client.py \
+  tests/service/test_cuda_held_arenas.py \
   --junitxml="$OUT/fake.xml" >"$OUT/fake.log" 2>&1
 FAKE_RC=$?
 tail -n 15 "$OUT/fake.log" >&2

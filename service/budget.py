@@ -16,7 +16,9 @@ and the store's block tables (the slots):
   with more than its one minimum arena that is empty, or that would still
   hold at least as many bytes as the asker after the move, so two busy
   namespaces converge on equal shares instead of trading an arena back and
-  forth. An arena holding a pinned or WRITING block is never retired.
+  forth. An arena holding a pinned or WRITING block is never retired. A
+  CUDA arena that a runner may still map is freed only once none does
+  (`service.held_arenas`); until then its bytes stay allocated.
 - **Drop**: every arena of the namespace goes back at once.
 
 One asyncio lock orders every change of the budget, so two growths never
@@ -200,6 +202,9 @@ class NamespaceMemory:
                 if not (share_ok or len(table) == 0) or not table.resize(-spa, now):
                     break
                 freed = pools.shrink(namespace)
+                if not freed:  # held until its runners move on: it frees nothing now
+                    log.info("namespace %s gave an arena back; runners still map it", namespace)
+                    break
                 log.info(
                     "namespace %s gave an arena (%d bytes) back to the budget", namespace, freed
                 )

@@ -279,6 +279,8 @@ class Node:
     def expire(self) -> ExpiryReport:
         """End every lease past its deadline; counts them and publishes events."""
         report = self.store.expire(self.now())
+        for ended in report.leases:  # their runners' mappings hold no arena any more
+            self.pools.held.lease_ended(ended.lease_id)
         if report.leases:
             self.metrics.lease_expiries.inc(len(report.leases))
             log.info(

@@ -38,6 +38,7 @@ from kvstore.pool.host import HostPool, cleanup_stale
 from kvstore.types import NamespaceId
 from service.api.errors import ResourceExhausted
 from service.config import Config, ConfigError
+from service.held_arenas import HeldArenas
 
 log = logging.getLogger(__name__)
 
@@ -96,6 +97,8 @@ class PoolManager:
         """Arena file numbers and arena-set versions: unique in the epoch."""
         self._building = 0
         """Bytes of arenas being built (promised, not yet adopted)."""
+        self.held = HeldArenas()
+        """CUDA arenas out of their pools that runners may still map (`service.held_arenas`)."""
         self.cuda_runtime: CudaRuntime | None = None
         self.cuda_device: CudaDevice | None = None
         """The GPU of the pools; None for host pools."""
@@ -128,8 +131,9 @@ class PoolManager:
 
     @property
     def allocated_bytes(self) -> int:
-        """Bytes of the arenas of every pool (and of arenas being built)."""
-        return sum(p.descriptor.total_bytes for p in self._pools.values()) + self._building
+        """Bytes of the arenas of every pool (and of arenas being built, or held)."""
+        pools = sum(p.descriptor.total_bytes for p in self._pools.values())
+        return pools + self._building + self.held.held_bytes
 
     @property
     def free_bytes(self) -> int:
@@ -264,14 +268,19 @@ class PoolManager:
         self.settle(self._plans[namespace].arena_cost)
 
     def shrink(self, namespace: NamespaceId) -> int:
-        """Close the last arena of a namespace's pool; returns the bytes freed.
+        """Take the last arena out of a namespace's pool; returns the bytes freed now.
 
-        The caller has retired its slots first (`BlockTable.resize`).
+        The caller has retired its slots first (`BlockTable.resize`). A CUDA
+        arena that a runner may still map is held (0 bytes freed now) until
+        no runner does (`HeldArenas`).
         """
         pool = self.get(namespace)
-        arena = pool.pop(self.next_serial())
-        arena.close()
-        return self._plans[namespace].arena_cost
+        version = self.next_serial()
+        arena = pool.pop(version)
+        cost = self._plans[namespace].arena_cost
+        held = self.held.held_bytes
+        self._retire(namespace, arena, version, cost)
+        return cost - (self.held.held_bytes - held)
 
     def discard(self, namespace: NamespaceId) -> int:
         """Close and forget one pool (a dropped namespace); returns the bytes freed.
@@ -284,9 +293,22 @@ class PoolManager:
         if pool is None:
             return 0
         freed = pool.descriptor.total_bytes
-        pool.close()
+        if self.cuda_device is None:
+            pool.close()
+        else:  # runners may still have its arenas open: each is held until none does
+            gone_at = self.next_serial()
+            cost = freed // pool.arenas
+            for arena in pool.take_arenas():
+                self.held.hold(namespace, arena, gone_at, cost)
         log.info("namespace %s: pool closed, %d bytes back in the budget", namespace, freed)
         return freed
+
+    def _retire(self, namespace: NamespaceId, arena: BlockPool, gone_at: int, cost: int) -> None:
+        """Close an arena taken out of a pool; a CUDA one once no runner maps it."""
+        if self.cuda_device is None:
+            arena.close()  # a host file unlinked while mapped stays valid for its mappers
+        else:
+            self.held.hold(namespace, arena, gone_at, cost)
 
     def get(self, namespace: NamespaceId) -> ArenaPool:
         """The pool of a registered namespace."""
@@ -298,6 +320,7 @@ class PoolManager:
     def close(self) -> None:
         """Close every pool and unlink its files; idempotent."""
         self._plans.clear()
+        self.held.close()
         while self._pools:
             namespace, pool = self._pools.popitem()
             try:

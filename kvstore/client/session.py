@@ -69,10 +69,14 @@ class NodeSession:
         """Per lease: (time before the last confirmed open or renewal was sent) + TTL, and TTL."""
 
     async def close(self) -> None:
-        """Finish cleanups, end the lease and unmap the pools (the channel stays)."""
+        """Finish cleanups, unmap the pools and end the lease (the channel stays).
+
+        Unmapped first: a CUDA node frees the arenas it took out of pools once
+        the leases that mapped them end (`service.held_arenas`).
+        """
         await self.background.drain()
-        await self.lease.close()
         self.drop_mappings()
+        await self.lease.close()
 
     # --- epochs -------------------------------------------------------------------------
 
@@ -170,7 +174,11 @@ class NodeSession:
 
     async def _open_lease(self) -> LeaseGrant:
         # ttl 0 asks for the node's default (its lease_ttl_default).
-        req = pb.OpenLeaseRequest(ttl_seconds=self.lease_ttl or 0.0, client_name=self.client_name)
+        req = pb.OpenLeaseRequest(
+            ttl_seconds=self.lease_ttl or 0.0,
+            client_name=self.client_name,
+            pool_versions=self.pool_versions(),
+        )
         sent = self.clock()
         resp = await self.rpc.call("OpenLease", req, None, idempotent=False)
         self.observe_epoch(resp.pool_epoch)
@@ -181,12 +189,36 @@ class NodeSession:
     async def _renew_lease(self, lease_id: LeaseId) -> float:
         sent = self.clock()
         resp = await self.rpc.call(
-            "KeepAlive", pb.KeepAliveRequest(lease_id=lease_id), None, idempotent=True
+            "KeepAlive",
+            pb.KeepAliveRequest(lease_id=lease_id, pool_versions=self.pool_versions()),
+            None,
+            idempotent=True,
         )
         self.observe_epoch(resp.pool_epoch)
         ttl = float(resp.ttl_seconds)
         self._confirmed(lease_id, sent, ttl)
         return ttl
+
+    def pool_versions(self) -> dict[str, int]:
+        """The pool version of each namespace mapped here, by id (sent with the lease).
+
+        A CUDA node keeps an arena it took out of a pool until no lease reports
+        an older version of that namespace (`service.held_arenas`).
+        """
+        versions: dict[str, int] = {}
+        for ns in self._namespaces.values():
+            mapping = ns.mapping
+            if mapping is not None and not mapping.closed:
+                versions[ns.id] = mapping.descriptor.version
+        return versions
+
+    def _attach_request(self, ns: Namespace) -> pb.AttachPoolRequest:
+        """An AttachPool under the current lease, naming what this process maps of ``ns`` now."""
+        mapping = ns.mapping
+        mapped = mapping.descriptor.version if mapping is not None and not mapping.closed else 0
+        return pb.AttachPoolRequest(
+            namespace_id=ns.id, lease_id=self.lease.lease_id or 0, mapped_version=mapped
+        )
 
     async def _close_lease(self, lease_id: LeaseId) -> None:
         await self.rpc.call(
@@ -241,9 +273,7 @@ class NodeSession:
             return
         if mapping.descriptor.version == version:
             return
-        resp = await self.rpc.call(
-            "AttachPool", pb.AttachPoolRequest(namespace_id=ns.id), timeout, idempotent=True
-        )
+        resp = await self.rpc.call("AttachPool", self._attach_request(ns), timeout, idempotent=True)
         descriptor = descriptor_from_proto(resp)
         if self.observe_epoch(descriptor.epoch) or ns.mapping is not mapping or mapping.closed:
             return  # restarted, or remapped meanwhile: the epoch rule takes over
@@ -265,9 +295,7 @@ class NodeSession:
             await self.register(ns.spec, 0, timeout)
         if not self.map_pool or (ns.mapping is not None and not ns.mapping.closed):
             return
-        resp = await self.rpc.call(
-            "AttachPool", pb.AttachPoolRequest(namespace_id=ns.id), timeout, idempotent=True
-        )
+        resp = await self.rpc.call("AttachPool", self._attach_request(ns), timeout, idempotent=True)
         descriptor = descriptor_from_proto(resp)
         if self.observe_epoch(descriptor.epoch):
             await self.register(ns.spec, 0, timeout)

@@ -75,6 +75,13 @@ class ArenaPool(BlockPool):
         self.descriptor = self._describe(version)
         return part
 
+    def take_arenas(self) -> list[BlockPool]:
+        """Close this pool without closing its arenas: the caller owns (and closes) them."""
+        self._check_open()
+        self._closed = True
+        parts, self._parts = self._parts, []
+        return parts
+
     def _describe(self, version: int) -> PoolDescriptor:
         first = self._parts[0].descriptor
         return replace(

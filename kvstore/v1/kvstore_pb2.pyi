@@ -134,21 +134,51 @@ class OpenLeaseRequest(_message.Message):
 
     DESCRIPTOR: _descriptor.Descriptor
 
+    @_typing.final
+    class PoolVersionsEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.int
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.int = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
     TTL_SECONDS_FIELD_NUMBER: _builtins.int
     CLIENT_NAME_FIELD_NUMBER: _builtins.int
+    POOL_VERSIONS_FIELD_NUMBER: _builtins.int
     ttl_seconds: _builtins.float
     """0 = the node's default TTL"""
     client_name: _builtins.str
     """free-form, shown by ops tools"""
+    @_builtins.property
+    def pool_versions(self) -> _containers.ScalarMap[_builtins.str, _builtins.int]:
+        """The pool version (AttachPoolResponse.pool_version) of each namespace the
+        runner maps now, by namespace id. A CUDA node keeps the memory of an arena it
+        took out of a pool until no live lease reports a version older than that
+        (or attached one), so a runner never holds an IPC handle to freed memory.
+        """
+
     def __init__(
         self,
         *,
         ttl_seconds: _builtins.float = ...,
         client_name: _builtins.str = ...,
+        pool_versions: _abc.Mapping[_builtins.str, _builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["client_name", b"client_name", "ttl_seconds", b"ttl_seconds"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["client_name", b"client_name", "pool_versions", b"pool_versions", "ttl_seconds", b"ttl_seconds"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -188,16 +218,42 @@ Global___OpenLeaseResponse: _TypeAlias = OpenLeaseResponse  # noqa: Y015
 class KeepAliveRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
+    @_typing.final
+    class PoolVersionsEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.int
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.int = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
     LEASE_ID_FIELD_NUMBER: _builtins.int
+    POOL_VERSIONS_FIELD_NUMBER: _builtins.int
     lease_id: _builtins.int
+    @_builtins.property
+    def pool_versions(self) -> _containers.ScalarMap[_builtins.str, _builtins.int]:
+        """what the runner maps now (see OpenLeaseRequest)"""
+
     def __init__(
         self,
         *,
         lease_id: _builtins.int = ...,
+        pool_versions: _abc.Mapping[_builtins.str, _builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["lease_id", b"lease_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["lease_id", b"lease_id", "pool_versions", b"pool_versions"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -389,15 +445,23 @@ class AttachPoolRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     NAMESPACE_ID_FIELD_NUMBER: _builtins.int
+    LEASE_ID_FIELD_NUMBER: _builtins.int
+    MAPPED_VERSION_FIELD_NUMBER: _builtins.int
     namespace_id: _builtins.str
+    lease_id: _builtins.int
+    """optional: the runner's lease, which then holds the arenas"""
+    mapped_version: _builtins.int
+    """the version of this namespace the runner maps now (0: none)"""
     def __init__(
         self,
         *,
         namespace_id: _builtins.str = ...,
+        lease_id: _builtins.int = ...,
+        mapped_version: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["namespace_id", b"namespace_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["lease_id", b"lease_id", "mapped_version", b"mapped_version", "namespace_id", b"namespace_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -7,10 +7,12 @@ store, domain results back to proto. Errors leave through the guards of
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import secrets
 from typing import Any
 
+from kvstore.errors import KVStoreError
 from kvstore.hashing import HashScheme
 from kvstore.layout import NamespaceSpec
 from kvstore.types import LeaseId
@@ -48,6 +50,8 @@ class KVStoreServicer(BlockRpcs, DataRpcs, AdminRpcs, PeerRpcs, kvstore_pb2_grpc
             request.ttl_seconds, node.config.lease_ttl_default, node.config.lease_ttl_max
         )
         lease = node.store.open_lease(new_lease_id(), tenant, ttl, node.now())
+        if node.pools.kind == "cuda":  # what it maps holds arenas taken out since
+            node.pools.held.report(lease.lease_id, request.pool_versions)
         log.debug("lease %d opened for %s (%s)", lease.lease_id, tenant, request.client_name)
         return pb.OpenLeaseResponse(
             lease_id=lease.lease_id, ttl_seconds=ttl, pool_epoch=node.epoch, node_id=node.node_id
@@ -60,6 +64,8 @@ class KVStoreServicer(BlockRpcs, DataRpcs, AdminRpcs, PeerRpcs, kvstore_pb2_grpc
         tenant = node.tenant(context)
         now = node.now()
         lease = node.store.renew_lease(validate.lease_id(request.lease_id), tenant, now)
+        if node.pools.kind == "cuda":
+            node.pools.held.report(lease.lease_id, request.pool_versions)
         return pb.KeepAliveResponse(ttl_seconds=lease.deadline - now, pool_epoch=node.epoch)
 
     @guard_unary("CloseLease")
@@ -69,7 +75,9 @@ class KVStoreServicer(BlockRpcs, DataRpcs, AdminRpcs, PeerRpcs, kvstore_pb2_grpc
         """End a lease now: release its pins and abort its writes."""
         node = self.node
         tenant = node.tenant(context)
-        report = node.store.close_lease(validate.lease_id(request.lease_id), tenant, node.now())
+        lease_id = validate.lease_id(request.lease_id)
+        report = node.store.close_lease(lease_id, tenant, node.now())
+        node.pools.held.lease_ended(lease_id)
         node.publish_events()
         return pb.CloseLeaseResponse(
             pins_released=report.pins_dropped, writes_aborted=report.writes_aborted
@@ -117,4 +125,11 @@ class KVStoreServicer(BlockRpcs, DataRpcs, AdminRpcs, PeerRpcs, kvstore_pb2_grpc
         tenant = node.tenant(context)
         namespace = self.namespace(request.namespace_id, tenant)
         descriptor = node.pool(namespace).descriptor
+        if request.lease_id and node.pools.kind == "cuda":
+            # The lease holds what the runner maps until it reports a newer version;
+            # a lease that ended holds nothing (the runner opens another).
+            with contextlib.suppress(KVStoreError):
+                lease = node.store.lease(validate.lease_id(request.lease_id), tenant, node.now())
+                mapped = request.mapped_version or descriptor.version
+                node.pools.held.attached(lease.lease_id, namespace, mapped)
         return convert.attach_response(descriptor, node.table(namespace).spec.layout)

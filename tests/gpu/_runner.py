@@ -5,7 +5,11 @@ Modes print one JSON line on stdout:
 * ``store``: store 8 blocks generated from SEED on the GPU, through the IPC mapping;
 * ``read``: look the same chain up, compare the mapped tensors byte-exact;
 * ``hang``: attach, pin a hit, reserve and half-write blocks, then wait to be killed;
-* ``descriptor``: print the AttachPool descriptor (handles in hex) and exit.
+* ``descriptor``: print the AttachPool descriptor (handles in hex) and exit;
+* ``hold``: store, pin and view the blocks, print the namespace id, wait for a
+  line on stdin (the test drops the namespace and stores into a new pool
+  meanwhile), then compare the views again: a node that freed the arena while
+  this process still had it open could hand its memory to the new pool.
 """
 
 from __future__ import annotations
@@ -65,6 +69,19 @@ async def main(mode: str, address: str, seed: int) -> dict[str, object]:
                 return other_blocks[i]
 
             await kv.store(ns, other_tokens, block)
+        if mode == "hold":
+            await kv.store(ns, tokens, blocks)
+            hit = await kv.lookup(ns, tokens, pin=True)
+            views = hit.torch_views()
+            print(json.dumps({"namespace_id": ns.id, "hit_blocks": hit.hit_blocks}), flush=True)
+            await asyncio.to_thread(sys.stdin.readline)
+            torch.cuda.synchronize()
+            exact = all(
+                torch.equal(v.view(torch.uint16), b.view(torch.uint16))
+                for v, b in zip(views, blocks, strict=True)
+            )
+            del views
+            return {"exact_after_drop": exact}
         if mode == "descriptor":
             mapping = ns.mapping
             assert mapping is not None

@@ -77,6 +77,49 @@ def test_one_process_stores_another_reads_byte_exact(node: Node) -> None:
     assert read == {"hit_blocks": 8, "exact": True, "device": "cuda:0"}
 
 
+def test_a_dropped_arena_is_kept_while_a_runner_maps_it(node: Node) -> None:
+    """DropNamespace while a runner has the pool's arena open (cudaIpcOpenMemHandle):
+    the node keeps the memory (cudaFree of an exported allocation that is still
+    imported is undefined), so a new pool's cudaMalloc cannot get it, until the
+    runner lets go (its lease ends when it closes)."""
+    import grpc
+
+    from kvstore.v1 import kvstore_pb2 as pb
+    from kvstore.v1 import kvstore_pb2_grpc
+
+    holder = subprocess.Popen(
+        [sys.executable, "-m", "tests.gpu._runner", "hold", node.address, "21"],
+        cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True,
+    )  # fmt: skip
+    assert holder.stdin is not None and holder.stdout is not None
+    try:
+        ready = json.loads(holder.stdout.readline())
+        assert ready["hit_blocks"] == 8, ready
+        with grpc.insecure_channel(node.address) as channel:
+            stub = kvstore_pb2_grpc.KVStoreStub(channel)
+            stub.DropNamespace(
+                pb.DropNamespaceRequest(namespace_id=ready["namespace_id"], force=True), timeout=30
+            )
+            held = stub.Stats(pb.StatsRequest(), timeout=30).allocated_bytes
+            assert held > 0  # the dropped pool's arena is still allocated
+            # A new pool of the same model: fresh cudaMalloc, other bytes.
+            assert run_runner("store", node.address, seed=22)["committed"] == 8
+            during = stub.Stats(pb.StatsRequest(), timeout=30).allocated_bytes
+            holder.stdin.write("go\n")
+            holder.stdin.flush()
+            out, err = holder.communicate(timeout=120)
+            assert holder.returncode == 0, err
+            assert json.loads(out.strip().splitlines()[-1]) == {"exact_after_drop": True}
+            # The holder closed its client (unmapped, then ended its lease): freed now.
+            after = stub.Stats(pb.StatsRequest(), timeout=30).allocated_bytes
+            assert after == during - held, (held, during, after)
+    finally:
+        if holder.poll() is None:
+            holder.kill()
+            holder.wait()
+
+
 def test_killed_runner_does_not_corrupt_the_pool(node: Node) -> None:
     assert run_runner("store", node.address, seed=21)["committed"] == 8
     proc = subprocess.Popen(

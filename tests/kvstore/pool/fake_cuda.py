@@ -8,6 +8,10 @@ registry. The fake keeps the driver's rules that the pool depends on:
 * a handle already open in the process may not be opened again (the
   older drivers' rule; the pool must cache its opens);
 * closing a pointer that is not open is an error;
+* freeing an allocation that an importer still has open (``cudaFree`` in the
+  exporter before ``cudaIpcCloseMemHandle`` in the importer, which CUDA
+  leaves undefined) is an error (`FREED_WHILE_IMPORTED`): the node must keep
+  an arena until no runner maps it;
 * small allocations share memory: as the real allocator may, a ``malloc``
   whose size is not a multiple of 2 MiB is carved from a 2 MiB block shared
   with other small allocations, and an IPC handle exports the whole block
@@ -29,6 +33,8 @@ import torch
 
 from kvstore.pool.cuda_runtime import ERROR_MEMORY_ALLOCATION, CudaCallFailed
 
+FREED_WHILE_IMPORTED = 999
+"""Not a CUDA code: the fake's error for freeing memory an importer still has open."""
 INVALID_HANDLE = 400
 INVALID_VALUE = 1
 GRANULARITY = 2 << 20
@@ -65,6 +71,7 @@ class FakeCudaRuntime:
     peers_enabled: set[tuple[int, int]] = field(default_factory=set)
     graveyard: list[np.ndarray] = field(default_factory=list)
     _serial: itertools.count = field(default_factory=lambda: itertools.count(1))
+    _exiting: bool = False
 
     # --- devices
     def device_count(self) -> int:
@@ -125,8 +132,22 @@ class FakeCudaRuntime:
                 return block
         raise KeyError(ptr)
 
+    @contextlib.contextmanager
+    def exporter_exiting(self) -> Iterator[None]:
+        """Frees made meanwhile are the exporting process exiting (a node restart): the
+        driver reclaims its memory whatever importers hold, which is not an error."""
+        self._exiting = True
+        try:
+            yield
+        finally:
+            self._exiting = False
+
     def free(self, ptr: int) -> None:
         self.calls.append("free")
+        if ptr in self.opened and not self._exiting:
+            raise CudaCallFailed(
+                "free", FREED_WHILE_IMPORTED, "freed while an importer still has it open"
+            )
         self.allocations.pop(ptr)
         block = self._block_of(ptr)
         block.users -= 1

@@ -206,7 +206,8 @@ def test_epoch_change_invalidates_old_handles(rt):
     old = make_pool(rt, epoch=1)
     m = CudaMapping.open(old.descriptor, runtime=rt)
     old_descriptor = old.descriptor
-    old.close()  # the node restarts ...
+    with rt.exporter_exiting():
+        old.close()  # the node restarts ...
     new = make_pool(rt, epoch=2)
     # ... the client drops the old mapping on the epoch change and attaches the new pool
     m.close()
