@@ -61,6 +61,10 @@ class HeldArenas:
         """Arenas held now."""
         return len(self._held)
 
+    def namespaces(self) -> set[NamespaceId]:
+        """The namespaces with an arena held now."""
+        return {h.namespace for h in self._held}
+
     def hold(self, namespace: NamespaceId, arena: BlockPool, gone_at: int, nbytes: int) -> None:
         """Keep ``arena`` (out of ``namespace``'s pool from version ``gone_at``) until unused."""
         self._held.append(_Held(namespace, arena, gone_at, nbytes))

@@ -26,6 +26,7 @@ from __future__ import annotations
 import grp
 import logging
 import secrets
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from kvstore.errors import InvalidArgument
@@ -35,7 +36,8 @@ from kvstore.pool.base import BlockPool, PoolUnavailable
 from kvstore.pool.cuda import IPC_GRANULARITY, CudaDevice, CudaPool, find_device
 from kvstore.pool.cuda_runtime import CudaRuntime, default_runtime
 from kvstore.pool.host import HostPool, cleanup_stale
-from kvstore.types import NamespaceId
+from kvstore.types import LeaseId, NamespaceId
+from kvstore.v1 import kvstore_pb2 as pb
 from service.api.errors import ResourceExhausted
 from service.config import Config, ConfigError
 from service.held_arenas import HeldArenas
@@ -302,6 +304,19 @@ class PoolManager:
                 self.held.hold(namespace, arena, gone_at, cost)
         log.info("namespace %s: pool closed, %d bytes back in the budget", namespace, freed)
         return freed
+
+    def report_mapped(self, lease_id: LeaseId, versions: Sequence[pb.PoolVersion]) -> None:
+        """What a lease's runner maps now (`HeldArenas.report`); CUDA pools only.
+
+        Only namespaces with a pool or a held arena are kept: a report's
+        size cannot grow the node's memory.
+        """
+        if self.cuda_device is None:
+            return
+        known = set(self._pools) | self.held.namespaces()
+        self.held.report(
+            lease_id, {v.namespace_id: v.version for v in versions if v.namespace_id in known}
+        )
 
     def _retire(self, namespace: NamespaceId, arena: BlockPool, gone_at: int, cost: int) -> None:
         """Close an arena taken out of a pool; a CUDA one once no runner maps it."""

@@ -199,17 +199,19 @@ class NodeSession:
         self._confirmed(lease_id, sent, ttl)
         return ttl
 
-    def pool_versions(self) -> dict[str, int]:
-        """The pool version of each namespace mapped here, by id (sent with the lease).
+    def pool_versions(self) -> list[pb.PoolVersion]:
+        """The pool version of each namespace mapped here (sent with the lease).
 
         A CUDA node keeps an arena it took out of a pool until no lease reports
         an older version of that namespace (`service.held_arenas`).
         """
-        versions: dict[str, int] = {}
+        versions = []
         for ns in self._namespaces.values():
             mapping = ns.mapping
             if mapping is not None and not mapping.closed:
-                versions[ns.id] = mapping.descriptor.version
+                versions.append(
+                    pb.PoolVersion(namespace_id=ns.id, version=mapping.descriptor.version)
+                )
         return versions
 
     def _attach_request(self, ns: Namespace) -> pb.AttachPoolRequest:

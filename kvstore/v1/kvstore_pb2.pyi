@@ -129,30 +129,35 @@ EVENT_KIND_NODE_LEFT: EventKind.ValueType  # 5
 Global___EventKind: _TypeAlias = EventKind  # noqa: Y015
 
 @_typing.final
-class OpenLeaseRequest(_message.Message):
-    """---- leases -----------------------------------------------------------------"""
+class PoolVersion(_message.Message):
+    """---- leases -----------------------------------------------------------------
+
+    The pool version (AttachPoolResponse.pool_version) of one namespace a runner maps.
+    """
 
     DESCRIPTOR: _descriptor.Descriptor
 
-    @_typing.final
-    class PoolVersionsEntry(_message.Message):
-        DESCRIPTOR: _descriptor.Descriptor
+    NAMESPACE_ID_FIELD_NUMBER: _builtins.int
+    VERSION_FIELD_NUMBER: _builtins.int
+    namespace_id: _builtins.str
+    version: _builtins.int
+    def __init__(
+        self,
+        *,
+        namespace_id: _builtins.str = ...,
+        version: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["namespace_id", b"namespace_id", "version", b"version"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
 
-        KEY_FIELD_NUMBER: _builtins.int
-        VALUE_FIELD_NUMBER: _builtins.int
-        key: _builtins.str
-        value: _builtins.int
-        def __init__(
-            self,
-            *,
-            key: _builtins.str = ...,
-            value: _builtins.int = ...,
-        ) -> None: ...
-        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
-        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
-        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-        def WhichOneof(self, oneof_group: _Never) -> None: ...
+Global___PoolVersion: _TypeAlias = PoolVersion  # noqa: Y015
+
+@_typing.final
+class OpenLeaseRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
 
     TTL_SECONDS_FIELD_NUMBER: _builtins.int
     CLIENT_NAME_FIELD_NUMBER: _builtins.int
@@ -162,9 +167,8 @@ class OpenLeaseRequest(_message.Message):
     client_name: _builtins.str
     """free-form, shown by ops tools"""
     @_builtins.property
-    def pool_versions(self) -> _containers.ScalarMap[_builtins.str, _builtins.int]:
-        """The pool version (AttachPoolResponse.pool_version) of each namespace the
-        runner maps now, by namespace id. A CUDA node keeps the memory of an arena it
+    def pool_versions(self) -> _containers.RepeatedCompositeFieldContainer[Global___PoolVersion]:
+        """The pool version of each namespace the runner maps now. A CUDA node keeps the memory of an arena it
         took out of a pool until no live lease reports a version older than that
         (or attached one), so a runner never holds an IPC handle to freed memory.
         """
@@ -174,7 +178,7 @@ class OpenLeaseRequest(_message.Message):
         *,
         ttl_seconds: _builtins.float = ...,
         client_name: _builtins.str = ...,
-        pool_versions: _abc.Mapping[_builtins.str, _builtins.int] | None = ...,
+        pool_versions: _abc.Iterable[Global___PoolVersion] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
@@ -218,38 +222,18 @@ Global___OpenLeaseResponse: _TypeAlias = OpenLeaseResponse  # noqa: Y015
 class KeepAliveRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
-    @_typing.final
-    class PoolVersionsEntry(_message.Message):
-        DESCRIPTOR: _descriptor.Descriptor
-
-        KEY_FIELD_NUMBER: _builtins.int
-        VALUE_FIELD_NUMBER: _builtins.int
-        key: _builtins.str
-        value: _builtins.int
-        def __init__(
-            self,
-            *,
-            key: _builtins.str = ...,
-            value: _builtins.int = ...,
-        ) -> None: ...
-        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
-        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
-        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-        def WhichOneof(self, oneof_group: _Never) -> None: ...
-
     LEASE_ID_FIELD_NUMBER: _builtins.int
     POOL_VERSIONS_FIELD_NUMBER: _builtins.int
     lease_id: _builtins.int
     @_builtins.property
-    def pool_versions(self) -> _containers.ScalarMap[_builtins.str, _builtins.int]:
+    def pool_versions(self) -> _containers.RepeatedCompositeFieldContainer[Global___PoolVersion]:
         """what the runner maps now (see OpenLeaseRequest)"""
 
     def __init__(
         self,
         *,
         lease_id: _builtins.int = ...,
-        pool_versions: _abc.Mapping[_builtins.str, _builtins.int] | None = ...,
+        pool_versions: _abc.Iterable[Global___PoolVersion] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...

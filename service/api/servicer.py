@@ -50,8 +50,7 @@ class KVStoreServicer(BlockRpcs, DataRpcs, AdminRpcs, PeerRpcs, kvstore_pb2_grpc
             request.ttl_seconds, node.config.lease_ttl_default, node.config.lease_ttl_max
         )
         lease = node.store.open_lease(new_lease_id(), tenant, ttl, node.now())
-        if node.pools.kind == "cuda":  # what it maps holds arenas taken out since
-            node.pools.held.report(lease.lease_id, request.pool_versions)
+        node.pools.report_mapped(lease.lease_id, request.pool_versions)  # holds CUDA arenas
         log.debug("lease %d opened for %s (%s)", lease.lease_id, tenant, request.client_name)
         return pb.OpenLeaseResponse(
             lease_id=lease.lease_id, ttl_seconds=ttl, pool_epoch=node.epoch, node_id=node.node_id
@@ -64,8 +63,7 @@ class KVStoreServicer(BlockRpcs, DataRpcs, AdminRpcs, PeerRpcs, kvstore_pb2_grpc
         tenant = node.tenant(context)
         now = node.now()
         lease = node.store.renew_lease(validate.lease_id(request.lease_id), tenant, now)
-        if node.pools.kind == "cuda":
-            node.pools.held.report(lease.lease_id, request.pool_versions)
+        node.pools.report_mapped(lease.lease_id, request.pool_versions)
         return pb.KeepAliveResponse(ttl_seconds=lease.deadline - now, pool_epoch=node.epoch)
 
     @guard_unary("CloseLease")

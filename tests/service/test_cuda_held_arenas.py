@@ -52,9 +52,11 @@ def blocks(n: int) -> list[torch.Tensor]:
     return [torch.full(LAYOUT.block_shape, float(i)).half() for i in range(n)]
 
 
-async def admin(server: Server, method: str, request: object) -> object:
+async def admin(server: Server, method: str, request: object, tenant: str = "") -> object:
+    metadata = (("x-kvstore-tenant", tenant),) if tenant else ()
     async with grpc.aio.insecure_channel(server.address) as channel:
-        return await getattr(kvstore_pb2_grpc.KVStoreStub(channel), method)(request, timeout=10)
+        stub = kvstore_pb2_grpc.KVStoreStub(channel)
+        return await getattr(stub, method)(request, timeout=10, metadata=metadata)
 
 
 async def test_a_dropped_namespaces_arena_is_freed_once_its_runner_lets_go(node, rt, caplog):
@@ -116,3 +118,23 @@ async def test_an_arena_given_back_under_pressure_waits_for_its_runner(node, rt,
         ns_b = await b.register_namespace("b", LAYOUT)  # now there is room
         assert ns_b.capacity == per_arena
     assert [r.getMessage() for r in caplog.records] == []
+
+
+async def test_a_report_keeps_only_namespaces_the_node_has(node, rt):
+    """A KeepAlive may name any number of namespaces: only the node's own are kept."""
+    held = node.node.pools.held
+    async with Client(node.address, tenant="acme", timeout=5.0) as kv:
+        ns = await kv.register_namespace("m", LAYOUT)
+        await kv.store(ns, list(range(8)), blocks(2))
+        lease = kv.lease.lease_id
+        bogus = [pb.PoolVersion(namespace_id=f"ns{i}", version=1) for i in range(1000)]
+        await admin(
+            node,
+            "KeepAlive",
+            pb.KeepAliveRequest(
+                lease_id=lease,
+                pool_versions=[*bogus, pb.PoolVersion(namespace_id=ns.id, version=7)],
+            ),
+            tenant="acme",
+        )
+        assert held._follows[lease] == {ns.id: 7}
