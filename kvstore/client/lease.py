@@ -117,24 +117,6 @@ class LeaseKeeper:
             self.generation += 1
             self.lost += 1
 
-    async def retire(self, lease_id: LeaseId) -> None:
-        """End ``lease_id`` now and open a fresh lease on the next call that needs one.
-
-        For a holder that may have pins it cannot account for (a Release
-        whose outcome is unknown): ending the lease drops every pin it holds,
-        so call it only when nothing pinned under it is still being read.
-        Pins and writes of the retired lease count as lost (`generation`).
-        """
-        grant = self._grant
-        if grant is None or grant.lease_id != lease_id:
-            return
-        self._grant = None
-        self.generation += 1
-        try:
-            await self._close(lease_id)
-        except KVStoreError:
-            log.info("could not end lease %x; it expires in %.0f s", lease_id, grant.ttl)
-
     async def renew_now(self) -> bool:
         """Renew the lease once; returns False when it was lost (and forgotten)."""
         grant = self._grant

@@ -48,16 +48,3 @@ async def test_open_once_renew_and_replace() -> None:
     await keeper.close()
     await keeper.close()
     assert node.closed == [2]
-
-
-async def test_retire_ends_the_lease_and_the_next_call_opens_a_fresh_one() -> None:
-    node = FakeNode()
-    keeper = LeaseKeeper(node.open, node.renew, node.close)
-    assert await keeper.current() == (1, 0)
-    await keeper.retire(LeaseId(99))  # not the current lease: nothing happens
-    assert node.closed == [] and keeper.lease_id == 1
-    await keeper.retire(LeaseId(1))
-    assert node.closed == [1]
-    assert keeper.generation == 1  # pins of the retired lease count as gone
-    assert await keeper.current() == (2, 1)
-    await keeper.close()

@@ -22,8 +22,10 @@ from vllm.v1.core.kv_cache_utils import generate_block_hash_extra_keys
 from kvstore.integrations.vllm.config import ConnectorConfig
 from kvstore.integrations.vllm.identity import kv_layout, namespace_model_id
 from kvstore.integrations.vllm.link import NodeLink
+from kvstore.integrations.vllm.logs import follow_vllm_logging
 from kvstore.integrations.vllm.metadata import KVStoreConnectorMetadata
 from kvstore.integrations.vllm.scheduler import SchedulerSide
+from kvstore.integrations.vllm.shutdown import on_stop
 from kvstore.integrations.vllm.worker import WorkerSide
 
 if TYPE_CHECKING:
@@ -43,6 +45,7 @@ class KVStoreConnector(KVConnectorBase_V1):
                 connector cannot cache (hybrid, MLA, sliding window, TP > 1).
         """
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        follow_vllm_logging()  # else these lines never reach `vllm serve`'s log
         extra = self._kv_transfer_config.kv_connector_extra_config
         self.config = ConnectorConfig.from_extra(extra)
         layout, layer_names = kv_layout(kv_cache_config)
@@ -75,6 +78,8 @@ class KVStoreConnector(KVConnectorBase_V1):
                 fail_loads=self.config.fail_loads,
                 max_pending_save_bytes=self.config.max_pending_save_bytes,
             )
+        # End the leases at once on SIGTERM, SIGINT or exit (docs/vllm.md, "Stopping").
+        on_stop(self.shutdown)
         log.info(
             "kvstore connector (%s) for %s, block %d tokens, node %s",
             "scheduler" if is_scheduler else "worker",

@@ -13,13 +13,11 @@ the worker's background threads):
   interval, not one per request;
 - `submit` starts a call of the async client on its loop and returns a
   future (the scheduler polls it: a lookup in flight is vLLM's "ask again");
-- `release` drops a hit's pins in the background. A Release that surely
-  never reached the node (UNAVAILABLE) is sent again; one whose outcome is
-  unknown (a deadline) is never sent twice, because pins are counts per
-  lease and a second Release could drop a pin that another request of this
-  engine holds on the same blocks. Such a lease is *suspect* instead, and
-  `retire_if_idle` ends it (dropping whatever it still pins) as soon as no
-  hit pinned under it is in use; the next lookup opens a fresh lease.
+- `release` drops a hit's pins in the background, and sends it again after
+  UNAVAILABLE or a deadline until the node answers or the lease is gone.
+  Sending it twice is safe: each hit's Release carries its own id, which
+  the node applies once per lease, so a repeat never drops a pin that
+  another request of this engine holds on the same blocks.
 
 The client and the namespace (with its pool mapping) are made on first use
 and kept; the client SDK re-registers and re-maps by itself after a node
@@ -37,11 +35,10 @@ from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
 from kvstore.client import Hit, Namespace, SyncClient
-from kvstore.client.errors import DeadlineExceeded, ServerUnavailable
+from kvstore.client.errors import ServerUnavailable
 from kvstore.errors import KVStoreError
 from kvstore.integrations.vllm.config import ConnectorConfig
 from kvstore.layout import KVLayout
-from kvstore.types import LeaseId
 
 log = logging.getLogger(__name__)
 
@@ -91,8 +88,6 @@ class NodeLink:
         self._closed = False
         self.releases_in_flight = 0
         """Background Releases not finished yet (for tests and logs)."""
-        self._suspect: set[LeaseId] = set()
-        """Leases that may hold pins a Release of unknown outcome was meant to drop."""
 
     @property
     def client(self) -> SyncClient | None:
@@ -239,32 +234,15 @@ class NodeLink:
                 # wait for on any stream.
                 await client.client.release(hit, streams=(), timeout=self.config.lookup_timeout)
                 return
-            except DeadlineExceeded as exc:
-                # It may have reached the node: never send it twice (module docstring).
-                hit.released = True
-                if hit.lease_id is not None:
-                    self._suspect.add(hit.lease_id)
-                self.failed("release pins on", exc)
-                return
-            except ServerUnavailable as exc:
+            except ServerUnavailable as exc:  # a deadline too: sent again, same id
                 failures += 1
                 self.failed("release pins on", exc)
             except KVStoreError as exc:  # the lease is gone (its pins with it), or a bug
                 log.debug("kvstore: release not retried: %s", exc)
                 return
             if hit.lease_generation != client.client.lease.generation:
-                return  # the lease was lost or retired: its pins are gone
+                return  # the lease was lost: its pins are gone
             await asyncio.sleep(min(0.1 * 2**failures, RELEASE_RETRY_CAP))
-
-    def retire_if_idle(self, pinned_in_use: int) -> None:
-        """End a suspect lease once nothing pinned under it is in use (``pinned_in_use == 0``)."""
-        client = self._client
-        if not self._suspect or client is None or pinned_in_use:
-            return
-        suspects, self._suspect = self._suspect, set()
-        for lease_id in suspects:
-            log.info("kvstore: ending lease %x to drop pins a timed-out Release left", lease_id)
-            self.submit(client.client.lease.retire(lease_id))
 
     # --- life cycle --------------------------------------------------------------------
 

@@ -201,7 +201,6 @@ class SchedulerSide:
             self._plan_save(
                 meta, req_id, tracked, cached.num_computed_tokens[i] + scheduled[req_id]
             )
-        self.link.retire_if_idle(self.pins_in_use)
         return meta
 
     def on_worker_output(self, connector_output: Any) -> None:
@@ -238,12 +237,16 @@ class SchedulerSide:
         self._forget(request_id)
 
     def shutdown(self) -> None:
-        """Close the client: its lease ends on the node, dropping every pin."""
+        """Close the client: its lease ends on the node, dropping every pin.
+
+        vLLM may go on scheduling (draining requests after a stop signal): planned
+        loads are still sent, and fail (their pins are gone), so every request vLLM
+        keeps waiting for its load is reported; nothing new is looked up or saved.
+        """
         for tracked in self._requests.values():
             if tracked.lookup is not None:
                 tracked.lookup.cancel()
         self._requests.clear()
-        self._pending_loads.clear()
         self._loading.clear()
         self.link.close()
 

@@ -119,6 +119,8 @@ class WorkerSide:
         self._tainted: dict[int, int] = {}
         """vLLM block id -> number of the load failure that left it unloaded."""
         self._pending_bytes = 0
+        self._closed = False
+        """After `shutdown`: loads fail at once (vLLM recomputes), saves are skipped."""
         self.loaded_blocks = 0
         """Blocks copied in from the node so far (for logs and tests)."""
         self.saved_blocks = 0
@@ -138,6 +140,10 @@ class WorkerSide:
         """Hand this step's loads to the load thread (vLLM waits for `take_finished`)."""
         self._forget_seen_failures(meta.failures_seen)
         for load in meta.loads:
+            if self._closed:  # vLLM may still drain requests after a stop signal
+                with self._lock:
+                    self._done_loads.append((load.request_id, load.block_ids))
+                continue
             self._loader.submit(self._run_load, load)
 
     def _run_load(self, load: LoadSpec) -> None:
@@ -221,6 +227,8 @@ class WorkerSide:
     def save(self, meta: KVStoreConnectorMetadata) -> None:
         """Copy out this step's new full blocks and hand them to the save thread."""
         self._forget_seen_failures(meta.failures_seen)
+        if self._closed:
+            return
         for save in meta.saves:
             if self._tainted and not self._tainted.keys().isdisjoint(save.block_ids):
                 log.warning(
@@ -319,7 +327,13 @@ class WorkerSide:
             return self._pending_bytes > 0 or bool(self._done_loads)
 
     def shutdown(self) -> None:
-        """Stop the threads (queued saves are dropped), unmap the pool, close the client."""
+        """Stop the threads (queued saves are dropped), unmap the pool, close the client.
+
+        Idempotent; hooks called afterwards do nothing harmful (loads fail, saves skip).
+        """
+        if self._closed:
+            return
+        self._closed = True
         self._saver.shutdown(wait=False, cancel_futures=True)
         self._loader.shutdown(wait=True, cancel_futures=False)
         self.link.close()

@@ -7,13 +7,15 @@ tests (no GPU needed) and loads it with the connector's `WorkerSide`.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from kvstore.errors import InvalidArgument
-from kvstore.integrations.vllm.metadata import KVStoreConnectorMetadata, LoadSpec
+from kvstore.integrations.vllm.metadata import KVStoreConnectorMetadata, LoadSpec, SaveSpec
 from kvstore.integrations.vllm.paged import gather_blocks, paged_layer, scatter_blocks
 from kvstore.integrations.vllm.worker import WorkerSide
 from kvstore.layout import KVLayout
@@ -91,7 +93,11 @@ class _Namespace:
 
 
 class _Link:
-    """The one method `WorkerSide` needs of `NodeLink`, over a mapped fake CUDA pool."""
+    """What `WorkerSide` needs of `NodeLink`, over a mapped fake CUDA pool."""
+
+    config = SimpleNamespace(connect_timeout=1.0, lookup_timeout=1.0, store_timeout=1.0)
+    down = False
+    client = None
 
     def __init__(self, ns: _Namespace | None) -> None:
         self.ns = ns
@@ -99,8 +105,26 @@ class _Link:
     def namespace(self) -> _Namespace | None:
         return self.ns
 
+    def wait_namespace(self, timeout: float) -> _Namespace | None:
+        return self.ns
+
     def close(self) -> None:
         pass
+
+
+def finish(worker: WorkerSide, *requests: str) -> set[int]:
+    """Wait (bounded) until the load thread reports ``requests``; their failed block ids."""
+    done: set[str] = set()
+    deadline = time.monotonic() + 10
+    while done != set(requests):
+        assert time.monotonic() < deadline, f"loads {requests} never finished ({done})"
+        done |= worker.take_finished()
+        time.sleep(0.001)
+    return worker.take_load_errors()
+
+
+HELD = 1e18
+"""A pins deadline far in the future (the scheduler's lease surely holds them)."""
 
 
 def test_gpu_path_loads_cuda_pool_slots_into_a_flash_cache() -> None:
@@ -109,29 +133,31 @@ def test_gpu_path_loads_cuda_pool_slots_into_a_flash_cache() -> None:
         NamespaceId("00112233aabbccdd"), LAYOUT.block_bytes, 8, 0xE1, device="cuda:0", runtime=rt
     )
     mapping = CudaMapping.open(pool.descriptor, runtime=rt)
+    worker = WorkerSide(
+        _Link(_Namespace(mapping, 0xE1)),  # type: ignore[arg-type]
+        LAYOUT,
+        [f"layer.{i}" for i in range(LAYOUT.num_layers)],
+        fail_loads=False,
+        max_pending_save_bytes=1 << 20,
+    )
     try:
         stored = torch.randn(2, *LAYOUT.block_shape)
         for slot, block in zip((6, 2), stored, strict=True):
             pool.write(slot, block.numpy().tobytes())
         cache = flash_layers()
-        worker = WorkerSide(
-            _Link(_Namespace(mapping, 0xE1)),  # type: ignore[arg-type]
-            LAYOUT,
-            [f"layer.{i}" for i in range(LAYOUT.num_layers)],
-            fail_loads=False,
-        )
         worker.register_kv_caches({f"layer.{i}": t for i, t in enumerate(cache)})
-        meta = KVStoreConnectorMetadata(loads=[LoadSpec("r1", (4, 1), (6, 2), 0xE1)])
+        meta = KVStoreConnectorMetadata(loads=[LoadSpec("r1", (4, 1), (6, 2), 0xE1, HELD)])
         worker.start_load(meta)
-        assert worker.take_load_errors() == set()
+        assert finish(worker, "r1") == set()
         assert torch.equal(gather_blocks(worker.layers, [4, 1], LAYOUT), stored)
         report = worker.take_report()
         assert report is not None and report.loaded == {"r1"}
         # A mapping of another epoch (the node restarted) must not be read: recompute.
-        stale = KVStoreConnectorMetadata(loads=[LoadSpec("r2", (3,), (6,), 0xE2)])
+        stale = KVStoreConnectorMetadata(loads=[LoadSpec("r2", (3,), (6,), 0xE2, HELD)])
         worker.start_load(stale)
-        assert worker.take_load_errors() == {3}
+        assert finish(worker, "r2") == {3}
     finally:
+        worker.shutdown()
         mapping.close()
         pool.close()
 
@@ -139,13 +165,33 @@ def test_gpu_path_loads_cuda_pool_slots_into_a_flash_cache() -> None:
 def test_failed_or_unpinned_loads_report_their_blocks() -> None:
     cache = cpu_layers()
     names = [f"l{i}" for i in range(LAYOUT.num_layers)]
-    worker = WorkerSide(_Link(None), LAYOUT, names, fail_loads=False)  # type: ignore[arg-type]
-    worker.register_kv_caches(dict(zip(names, cache, strict=True)))
-    before = [t.clone() for t in cache]
-    worker.start_load(KVStoreConnectorMetadata(loads=[LoadSpec("r", (0, 1), (0, 1), 1)]))
-    assert worker.take_load_errors() == {0, 1}  # node unreachable
-    worker.start_load(KVStoreConnectorMetadata(loads=[LoadSpec("s", (2,), (0,), 1, valid=False)]))
-    assert worker.take_load_errors() == {2}  # pins lost before the step
-    assert all(torch.equal(a, b) for a, b in zip(cache, before, strict=True))
-    report = worker.take_report()
-    assert report is not None and report.loaded == {"r", "s"}
+    worker = WorkerSide(
+        _Link(None),  # type: ignore[arg-type]
+        LAYOUT,
+        names,
+        fail_loads=False,
+        max_pending_save_bytes=1 << 20,
+    )
+    try:
+        worker.register_kv_caches(dict(zip(names, cache, strict=True)))
+        before = [t.clone() for t in cache]
+        worker.start_load(KVStoreConnectorMetadata(loads=[LoadSpec("r", (0, 1), (0, 1), 1, HELD)]))
+        assert finish(worker, "r") == {0, 1}  # node unreachable
+        past = time.monotonic() - 1  # the pins' deadline passed (lease lost, engine stalled)
+        worker.start_load(KVStoreConnectorMetadata(loads=[LoadSpec("s", (2,), (0,), 1, past)]))
+        assert finish(worker, "s") == {2}
+        assert all(torch.equal(a, b) for a, b in zip(cache, before, strict=True))
+        report = worker.take_report()
+        assert report is not None and report.loaded == {"r", "s"}
+        assert report.failed_loads == {"r", "s"} and report.failed_blocks == {0, 1, 2}
+        # A save touching a failed load's blocks is refused until the scheduler saw it.
+        worker.save(
+            KVStoreConnectorMetadata(
+                saves=[SaveSpec("t", (b"h" * 32,) * 3, (5, 2, 6), 0)],
+                failures_seen=report.failure_seq - 1,
+            )
+        )
+        poisoned = worker.take_report()
+        assert poisoned is not None and poisoned.poisoned == {"t"}
+    finally:
+        worker.shutdown()

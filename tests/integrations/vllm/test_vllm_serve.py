@@ -211,6 +211,7 @@ def first(vllm_py: str, tiny_model: Path, node: Node, log_dir: Path) -> Iterator
     while node.stats().leases and time.monotonic() - stopped < LEASE_TTL / 3:
         time.sleep(0.2)
     answers["leases_after_stop"] = node.stats().leases
+    answers["log"] = server.log_path.read_text(errors="replace")
     yield {**answers, "exit_code": exit_code}
 
 
@@ -234,6 +235,16 @@ def test_stopping_the_server_ends_its_leases_at_once(first: dict[str, Any]) -> N
     the TTL)."""
     assert first["exit_code"] is not None, "the first server did not stop on SIGTERM"
     assert first["leases_after_stop"] == 0
+
+
+def test_the_servers_log_names_the_node_and_the_namespace(
+    first: dict[str, Any], node: Node
+) -> None:
+    """vLLM configures only its own logger: the connector's lines must reach its log."""
+    log = first["log"]
+    assert "kvstore connector (scheduler) for vllm:" in log
+    assert f"node {node.target}" in log
+    assert "registered namespace vllm:" in log
 
 
 def test_second_server_takes_the_system_prompt_from_kvstore(
