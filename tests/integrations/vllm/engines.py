@@ -19,6 +19,7 @@ import tempfile
 import threading
 import time
 from collections import deque
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +38,37 @@ def vllm_python() -> str | None:
         [sys.executable, "-c", "import vllm"], capture_output=True, timeout=120, check=False
     )
     return sys.executable if probe.returncode == 0 else None
+
+
+def vllm_environment(cache: str, extra: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment of a vLLM process: offline, its own cache folder, this tree's kvstore."""
+    env = {
+        **os.environ,
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "VLLM_CACHE_ROOT": cache,
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        "VLLM_NO_USAGE_STATS": "1",
+        "DO_NOT_TRACK": "1",
+        "PYTHONPATH": str(ROOT),
+        **(extra or {}),
+    }
+    # vLLM's own block hashes are random per process without this; the connector
+    # must not depend on it (docs/vllm.md), so the tests run with it unset.
+    env.pop("PYTHONHASHSEED", None)
+    return env
+
+
+@contextlib.contextmanager
+def running(engines: dict[str, Engine]) -> Iterator[dict[str, Engine]]:
+    """Wait until every engine (started together) is ready; close them all at the end."""
+    try:
+        for engine in engines.values():
+            engine.wait_ready()
+        yield engines
+    finally:
+        for engine in engines.values():
+            engine.close()
 
 
 class Node:
@@ -109,21 +141,7 @@ class Engine:
         **spec: Any,
     ) -> None:
         spec = {"model": str(model), "block_size": block_size, "connector": connector, **spec}
-        cache = tempfile.mkdtemp(prefix="vllm-cache-", dir=log_dir)
-        full_env = {
-            **os.environ,
-            "HF_HUB_OFFLINE": "1",
-            "TRANSFORMERS_OFFLINE": "1",
-            "VLLM_CACHE_ROOT": cache,
-            "VLLM_CPU_KVCACHE_SPACE": "1",
-            "VLLM_NO_USAGE_STATS": "1",
-            "DO_NOT_TRACK": "1",
-            "PYTHONPATH": str(ROOT),
-            **(env or {}),
-        }
-        # vLLM's own block hashes are random per process without this; the connector
-        # must not depend on it (docs/vllm.md), so the tests run with it unset.
-        full_env.pop("PYTHONHASHSEED", None)
+        full_env = vllm_environment(tempfile.mkdtemp(prefix="vllm-cache-", dir=log_dir), env)
         self.name = name
         self.log = deque(maxlen=400)
         self.log_path = log_dir / f"{name}.log"

@@ -33,7 +33,7 @@ from tests.integrations.vllm.common import (
     system,
     tokens,
 )
-from tests.integrations.vllm.engines import Engine, Node
+from tests.integrations.vllm.engines import Engine, Node, running
 
 pytestmark = [pytest.mark.vllm, pytest.mark.e2e, pytest.mark.timeout(900)]
 
@@ -53,13 +53,8 @@ def engines(
         name: Engine(vllm_py, tiny_model, connector=conn, log_dir=logs, name=name)
         for name, conn in specs.items()
     }
-    try:
-        for engine in started.values():
-            engine.wait_ready()
-        yield started
-    finally:
-        for engine in started.values():
-            engine.close()
+    with running(started) as ready:
+        yield ready
 
 
 def test_same_system_prompt_loads_exactly_its_full_blocks(engines, node) -> None:

@@ -34,7 +34,7 @@ from tests.integrations.vllm.common import (
     system,
     tokens,
 )
-from tests.integrations.vllm.engines import Engine, Node
+from tests.integrations.vllm.engines import Engine, Node, running
 
 pytestmark = [pytest.mark.vllm, pytest.mark.e2e, pytest.mark.timeout(900)]
 
@@ -71,13 +71,8 @@ def engines(
         name: Engine(vllm_py, tiny_model, log_dir=logs, name=name, **spec)
         for name, spec in specs.items()
     }
-    try:
-        for engine in started.values():
-            engine.wait_ready()
-        yield started
-    finally:
-        for engine in started.values():
-            engine.close()
+    with running(started) as ready:
+        yield ready
 
 
 def wait_for(what: str, done: Any, within: float) -> None:

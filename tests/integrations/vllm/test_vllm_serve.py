@@ -35,7 +35,7 @@ from tests.integrations.vllm.common import (
     assert_nothing_pinned,
     system,
 )
-from tests.integrations.vllm.engines import ROOT, Node
+from tests.integrations.vllm.engines import Node, vllm_environment
 
 pytestmark = [pytest.mark.vllm, pytest.mark.e2e, pytest.mark.timeout(900)]
 
@@ -64,18 +64,7 @@ def wait_for(what: str, done: Callable[[], bool], timeout: float, tail: Callable
 
 
 def environment(cache: str) -> dict[str, str]:
-    env = {
-        **os.environ,
-        "HF_HUB_OFFLINE": "1",
-        "TRANSFORMERS_OFFLINE": "1",
-        "VLLM_CACHE_ROOT": cache,
-        "VLLM_CPU_KVCACHE_SPACE": "1",
-        "VLLM_NO_USAGE_STATS": "1",
-        "DO_NOT_TRACK": "1",
-        "PYTHONPATH": str(ROOT),
-    }
-    env.pop("PYTHONHASHSEED", None)  # the connector must not need it (docs/vllm.md)
-    return env
+    return vllm_environment(cache)
 
 
 class Server:
