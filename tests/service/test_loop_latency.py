@@ -87,18 +87,24 @@ async def slowest_ping_during(stub, call) -> tuple[float, object]:
     return slowest, result
 
 
+async def namespace_and_lease(stub: kvstore_pb2_grpc.KVStoreStub) -> tuple[str, int]:
+    """A namespace of `LAYOUT` and a 600 s lease on the node."""
+    ns = (
+        await stub.RegisterNamespace(
+            pb.RegisterNamespaceRequest(model_id="m", layout=LAYOUT), timeout=10
+        )
+    ).namespace_id
+    lease = (await stub.OpenLease(pb.OpenLeaseRequest(ttl_seconds=600))).lease_id
+    return ns, lease
+
+
 async def test_a_hostile_lookup_does_not_stall_the_loop(tmp_path) -> None:
     proc, address = await start_node(tmp_path)
     options = [("grpc.max_send_message_length", 64 << 20)]
     try:
         async with grpc.aio.insecure_channel(address, options=options) as channel:
             stub = kvstore_pb2_grpc.KVStoreStub(channel)
-            ns = (
-                await stub.RegisterNamespace(
-                    pb.RegisterNamespaceRequest(model_id="m", layout=LAYOUT), timeout=10
-                )
-            ).namespace_id
-            lease = (await stub.OpenLease(pb.OpenLeaseRequest(ttl_seconds=600))).lease_id
+            ns, lease = await namespace_and_lease(stub)
             max_tokens = DEFAULTS.max_request_tokens
             max_blocks = DEFAULTS.max_chain_blocks
             assert max_tokens == max_blocks * BLOCK_SIZE  # the hit below is both limits at once
@@ -180,12 +186,7 @@ async def test_a_hostile_release_does_not_stall_the_loop(tmp_path) -> None:
     try:
         async with grpc.aio.insecure_channel(address) as channel:
             stub = kvstore_pb2_grpc.KVStoreStub(channel)
-            ns = (
-                await stub.RegisterNamespace(
-                    pb.RegisterNamespaceRequest(model_id="m", layout=LAYOUT), timeout=10
-                )
-            ).namespace_id
-            lease = (await stub.OpenLease(pb.OpenLeaseRequest(ttl_seconds=600))).lease_id
+            ns, lease = await namespace_and_lease(stub)
             payload = empty_runs_release(ns, lease, 1 << 20)
             assert len(payload) <= DEFAULTS.max_request_bytes
             raw = channel.unary_unary("/kvstore.v1.KVStore/Release")

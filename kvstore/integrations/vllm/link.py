@@ -86,8 +86,6 @@ class NodeLink:
         self._down_until = 0.0
         self._warned = False
         self._closed = False
-        self.releases_in_flight = 0
-        """Background Releases not finished yet (for tests and logs)."""
 
     @property
     def client(self) -> SyncClient | None:
@@ -215,16 +213,7 @@ class NodeLink:
         client = self._client
         if client is None or hit.released or not hit.pinned:
             return
-        future = self.submit(self._release(client, hit))
-        if future is None:
-            return
-        with self._lock:
-            self.releases_in_flight += 1
-        future.add_done_callback(self._release_done)
-
-    def _release_done(self, _future: concurrent.futures.Future[None]) -> None:
-        with self._lock:
-            self.releases_in_flight -= 1
+        self.submit(self._release(client, hit))
 
     async def _release(self, client: SyncClient, hit: Hit) -> None:
         failures = 0

@@ -71,14 +71,13 @@ class _Tracked:
     """The lookup of this admission is answered or given up (never two)."""
     hit: Hit | None = None
     """The pinned hit, until a load is planned with it or it is dropped."""
-    node_blocks: int = 0
-    """Leading blocks the node had at lookup: saving starts after them."""
     local_tokens: int = 0
     """vLLM's (block-aligned) local hit when the hit was counted."""
     block_ids: list[int] = field(default_factory=list)
     """vLLM block ids of the request (first KV group), as allocated so far."""
     saved_blocks: int = 0
-    """Leading full blocks the node is known to have (at lookup, or a confirmed commit)."""
+    """Leading full blocks the node is known to have (at lookup, or a confirmed commit):
+    saving starts after them."""
     planned_blocks: int = 0
     """Leading full blocks saved or planned for saving."""
     poisoned: bool = False
@@ -278,13 +277,9 @@ class SchedulerSide:
                 tracked.looked_up = True
                 return True
             client = self.link.client
-            future = (
-                None
-                if client is None
-                else self.link.submit(
-                    client.client.lookup(ns, hashes=tracked.hashes, pin=True, timeout=budget)
-                )
-            )
+            if client is not None:
+                lookup = client.client.lookup(ns, hashes=tracked.hashes, pin=True, timeout=budget)
+                future = self.link.submit(lookup)
             if future is None:
                 tracked.looked_up = True
                 return True
@@ -306,7 +301,7 @@ class SchedulerSide:
             return True
         if hit.hit_blocks:
             tracked.hit = hit
-            tracked.node_blocks = tracked.saved_blocks = tracked.planned_blocks = hit.hit_blocks
+            tracked.saved_blocks = tracked.planned_blocks = hit.hit_blocks
         return True
 
     def _abandon(self, future: concurrent.futures.Future[Hit]) -> None:

@@ -208,7 +208,6 @@ class WorkerSide:
                 self._load_errors.update(failed)
                 self._report.failed_loads.add(req_id)
                 self._report.failed_blocks.update(failed)
-                self._report.failure_seq = self._failure_seq
                 for block_id in failed:
                     self._tainted[block_id] = self._failure_seq
         return {req_id for req_id, _ in done}
@@ -312,19 +311,11 @@ class WorkerSide:
         """What finished since the last call, for the scheduler side (None: nothing)."""
         with self._lock:
             report, self._report = self._report, KVStoreWorkerReport()
-        self._report.failure_seq = report.failure_seq
-        if (
-            not (report.loaded or report.saved or report.unsaved or report.poisoned)
-            and not report.failed_blocks
-        ):
+            report.failure_seq = self._failure_seq
+        # A failed load is always among `loaded`: nothing else can be pending.
+        if not (report.loaded or report.saved or report.unsaved or report.poisoned):
             return None
         return report
-
-    @property
-    def busy(self) -> bool:
-        """True while loads or saves are queued or running (for tests and logs)."""
-        with self._lock:
-            return self._pending_bytes > 0 or bool(self._done_loads)
 
     def shutdown(self) -> None:
         """Stop the threads (queued saves are dropped), unmap the pool, close the client.

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import random
 import time
+from collections.abc import Callable
 from typing import Any
 
 from tests.integrations.vllm.engines import Engine, Node
@@ -72,3 +73,19 @@ def assert_nothing_pinned(node: Node, within: float = 10.0) -> None:
         time.sleep(0.2)
     assert stats.pinned == 0
     assert stats.writing == 0
+
+
+def wait_for(
+    what: str,
+    done: Callable[[], bool],
+    within: float,
+    *,
+    tail: Callable[[], str] = lambda: "",
+    poll: float = 0.05,
+) -> None:
+    """Poll ``done`` until it is true; fail naming ``what`` (and a log tail) after ``within`` s."""
+    deadline = time.monotonic() + within
+    while not done():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what} not within {within:.0f} s:\n{tail()}")
+        time.sleep(poll)

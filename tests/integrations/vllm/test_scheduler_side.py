@@ -61,6 +61,15 @@ def answer(side: SchedulerSide, req: Any) -> int:
     return tokens
 
 
+def store_prompt(address: str, tokens: list[int]) -> int:
+    """Store the full blocks of ``tokens`` as tenant acme; the blocks committed."""
+    with SyncClient(address, tenant="acme", timeout=5.0) as c:
+        ns = c.register_namespace(MODEL, LAYOUT, timeout=5.0)
+        n = len(tokens) // BS
+        blocks = np.ones((n, *LAYOUT.block_shape), dtype=np.float16)
+        return c.store(ns, tokens, blocks, timeout=5.0).committed
+
+
 def pinned(address: str) -> int:
     with SyncClient(address, timeout=5.0) as c:
         return int(c.stats(timeout=5.0).pinned)
@@ -73,10 +82,7 @@ async def test_pins_of_a_sent_load_outlive_the_request_until_the_worker_reports(
 
     def scenario() -> None:
         tokens = [*range(3, 3 + 3 * BS), 7]
-        with SyncClient(address, tenant="acme", timeout=5.0) as c:
-            ns = c.register_namespace(MODEL, LAYOUT, timeout=5.0)
-            blocks = np.zeros((3, *LAYOUT.block_shape), dtype=np.float16)
-            assert c.store(ns, tokens, blocks, timeout=5.0).committed == 3
+        assert store_prompt(address, tokens) == 3
         config = ConnectorConfig(target=address, tenant="acme", lookup_timeout=5.0)
         link = NodeLink(config, MODEL, LAYOUT, client_name="test", map_pool=False)
         side = SchedulerSide(link, BS, load=True, save=True, extra_keys=None)
@@ -114,10 +120,7 @@ async def test_a_hit_vllm_does_not_take_is_released_and_never_loaded(
 
     def scenario() -> None:
         tokens = [*range(100, 100 + 2 * BS), 5]
-        with SyncClient(address, tenant="acme", timeout=5.0) as c:
-            ns = c.register_namespace(MODEL, LAYOUT, timeout=5.0)
-            blocks = np.ones((2, *LAYOUT.block_shape), dtype=np.float16)
-            c.store(ns, tokens, blocks, timeout=5.0)
+        assert store_prompt(address, tokens) == 2
         link = NodeLink(
             ConnectorConfig(target=address, tenant="acme"), MODEL, LAYOUT, client_name="t"
         )

@@ -12,7 +12,6 @@ SIGSTOP under a stream of requests.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -33,6 +32,7 @@ from tests.integrations.vllm.common import (
     run,
     system,
     tokens,
+    wait_for,
 )
 from tests.integrations.vllm.engines import Engine, Node, running
 
@@ -73,14 +73,6 @@ def engines(
     }
     with running(started) as ready:
         yield ready
-
-
-def wait_for(what: str, done: Any, within: float) -> None:
-    deadline = time.monotonic() + within
-    while not done():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what} did not happen within {within} s")
-        time.sleep(0.05)
 
 
 def assert_exact(got: dict[str, Any], want: dict[str, Any]) -> None:

@@ -22,7 +22,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +34,7 @@ from tests.integrations.vllm.common import (
     USER_2,
     assert_nothing_pinned,
     system,
+    wait_for,
 )
 from tests.integrations.vllm.engines import Node, vllm_environment
 
@@ -53,14 +54,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
-
-
-def wait_for(what: str, done: Callable[[], bool], timeout: float, tail: Callable[[], str]) -> None:
-    deadline = time.monotonic() + timeout
-    while not done():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{what} not within {timeout:.0f} s:\n{tail()}")
-        time.sleep(0.5)
 
 
 def environment(cache: str) -> dict[str, str]:
@@ -122,7 +115,9 @@ class Server:
             return False
 
     def wait_ready(self) -> Server:
-        wait_for(f"server {self.name} healthy", self.healthy, START_TIMEOUT, self.tail)
+        wait_for(
+            f"server {self.name} healthy", self.healthy, START_TIMEOUT, tail=self.tail, poll=0.5
+        )
         return self
 
     def complete(self, prompt: list[int]) -> str:
@@ -191,7 +186,8 @@ def first(vllm_py: str, tiny_model: Path, node: Node, log_dir: Path) -> Iterator
             "the system prompt's blocks on the node",
             lambda: sum(ns.ready for ns in node.stats().namespaces) >= SYSTEM_HIT // 32,
             60.0,
-            server.tail,
+            tail=server.tail,
+            poll=0.5,
         )
         answers["user_2"] = server.complete(SYSTEM + USER_2)  # its own prefix cache's hit
     finally:
