@@ -436,6 +436,11 @@ class BlockTable:
 
     # --- inspection -----------------------------------------------------------
 
+    @property
+    def free_slots(self) -> int:
+        """Slots that hold no block and are not quarantined: a reserve takes these first."""
+        return self._res.free
+
     def resident(self, scope: TenantId | None = None) -> int:
         """Resident blocks (READY or WRITING) of one scope, or of all."""
         return self._res.resident(scope)

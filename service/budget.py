@@ -4,12 +4,25 @@
 and the store's block tables (the slots):
 
 - **Registration** gives a namespace one arena. When the budget has no room
-  for it, arenas are taken back from other namespaces first (below).
+  for it, arenas are taken back from other namespaces first (below). Then
+  the pool grows to its headroom (next point) before RegisterNamespace
+  answers, so the runner maps those arenas with the first.
+- **Headroom, ahead of need**: a pool keeps ``pool_headroom_bytes`` of free
+  slots (in whole arenas) ready, so a store finds allocated memory and
+  already mapped arenas instead of waiting for an arena to be built. After
+  a Reserve leaves fewer free slots, the next arenas are built in a
+  background task (one at a time, off the event loop), never blocking that
+  Reserve or the next. Growth ahead of need spends only free budget: it
+  never takes arenas back from other namespaces, and it stops at the pool's
+  ceiling. The node never allocates its whole budget up front.
 - **Growth on demand**: before a Reserve, a namespace whose free slots fall
   short of the chain's missing blocks gets more arenas, up to its ceiling,
-  while the budget (after taking back) allows. Otherwise the reserve evicts
-  the namespace's own least recently used blocks, or answers NO_ROOM for
-  what does not fit: a shortfall is a partial reservation, never a crash.
+  while the budget (after taking back) allows; a Reserve that finds
+  headroom being built waits for that arena rather than building another.
+  Otherwise the reserve evicts the namespace's own least recently used
+  blocks, or answers NO_ROOM for what does not fit: a shortfall is a
+  partial reservation, never a crash. A full tmpfs (fallocate's ENOSPC) or
+  GPU is the same shortfall, logged.
 - **Giving back under pressure**: the last arena of another namespace is
   retired (its READY blocks evicted, REMOVED events sent) and its memory
   returned, least recently active namespace first. Eligible: a namespace
@@ -56,16 +69,23 @@ class NamespaceMemory:
         store: Store,
         clock: Callable[[], float],
         publish: Callable[[], None],
+        headroom_bytes: int = 0,
     ) -> None:
-        """Wire the pools and the store; ``publish`` sends the store's pending events."""
+        """Wire the pools and the store; ``publish`` sends the store's pending events.
+
+        ``headroom_bytes``: free slots (in bytes) each pool keeps ready ahead of need.
+        """
         self.pools = pools
         self.store = store
         self.clock = clock
         self.publish = publish
+        self.headroom_bytes = headroom_bytes
         self.lock = asyncio.Lock()
         """Held by every change of the budget (and by registrations)."""
         self._active: dict[NamespaceId, float] = {}
         self._retry_at: dict[NamespaceId, float] = {}
+        self._ahead: dict[NamespaceId, asyncio.Task[None]] = {}
+        """The background growth of each namespace that is building headroom now."""
 
     def touch(self, namespace: NamespaceId) -> None:
         """Mark a namespace as used now (its arenas are taken back last)."""
@@ -105,6 +125,7 @@ class NamespaceMemory:
             raise
         self.pools.adopt(namespace, first, plan)
         self.touch(namespace)
+        await self._grow(table, plan, self._headroom_need(table, plan), ahead=True)
         return table
 
     async def drop(self, namespace: NamespaceId, force: bool) -> tuple[DropReport, int]:
@@ -124,28 +145,85 @@ class NamespaceMemory:
     async def make_room(
         self, table: BlockTable, tenant: TenantId, chain: Sequence[BlockHash]
     ) -> None:
-        """Grow ``table``'s pool before a reserve of ``chain`` if its free slots fall short."""
+        """Grow ``table``'s pool before a reserve of ``chain`` if its free slots fall short.
+
+        Then (whether or not it grew) start building headroom in the
+        background if the reserve may leave fewer free slots than that.
+        """
         namespace = table.namespace
         now = self.clock()
         self._active[namespace] = now
         if self._retry_at.get(namespace, 0.0) > now:
             return
         plan = self.pools.plan_of(namespace)
-        if self.pools.arenas(namespace) >= plan.max_arenas or not table.shortfall(tenant, chain):
-            return
-        async with self.lock:
-            if not self._registered(table):
-                return  # dropped (and maybe registered again) while we waited
-            grown = await self._grow(table, plan, table.shortfall(tenant, chain))
-        if not grown:
-            self._retry_at[namespace] = self.clock() + RETRY_SECONDS
+        if self.pools.arenas(namespace) < plan.max_arenas and table.shortfall(tenant, chain):
+            async with self.lock:
+                if not self._registered(table):
+                    return  # dropped (and maybe registered again) while we waited
+                grown = await self._grow(table, plan, table.shortfall(tenant, chain))
+            if not grown:
+                self._retry_at[namespace] = self.clock() + RETRY_SECONDS
+                return
+        # The reserve runs before this task does (no await in between): it
+        # sees the free slots the reserve left.
+        if self._headroom_need(table, plan, taking=len(chain)) > 0:
+            self._grow_ahead(table, plan)
 
-    async def _grow(self, table: BlockTable, plan: PoolPlan, need: int) -> bool:
-        """Add arenas until ``need`` slots are covered; False when none could be added."""
+    def _headroom_need(self, table: BlockTable, plan: PoolPlan, taking: int = 0) -> int:
+        """Slots the pool lacks to keep its headroom after ``taking`` more (0 if none or full)."""
+        if not self.headroom_bytes or self.pools.arenas(table.namespace) >= plan.max_arenas:
+            return 0
+        headroom = -(-self.headroom_bytes // plan.block_bytes)
+        return max(0, headroom - (table.free_slots - taking))
+
+    def _grow_ahead(self, table: BlockTable, plan: PoolPlan) -> None:
+        """Build headroom in a background task, one per namespace at a time."""
+        namespace = table.namespace
+        if namespace in self._ahead or self.pools.free_bytes < plan.arena_cost:
+            return  # already at it, or no budget to spend without taking back
+
+        async def grow() -> None:
+            try:
+                async with self.lock:
+                    need = self._headroom_need(table, plan)
+                    grown = need and self._registered(table)
+                    if grown and not await self._grow(table, plan, need, ahead=True):
+                        self._retry_at[namespace] = self.clock() + RETRY_SECONDS
+            except Exception:  # a bug; never leave the task's exception unretrieved
+                log.exception("namespace %s: growing ahead of need failed", namespace)
+            finally:
+                self._ahead.pop(namespace, None)
+
+        self._ahead[namespace] = asyncio.ensure_future(grow())
+
+    async def stop(self) -> None:
+        """Cancel growth ahead of need and wait for it (arenas it built are closed).
+
+        Call before the pools are closed.
+        """
+        tasks = list(self._ahead.values())
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+    async def _grow(
+        self, table: BlockTable, plan: PoolPlan, need: int, ahead: bool = False
+    ) -> bool:
+        """Add arenas until ``need`` slots are covered; False when none could be added.
+
+        ``ahead``: spend only free budget (growth ahead of need takes no arena back).
+        """
         namespace = table.namespace
         added = 0
         while need > 0 and self.pools.arenas(namespace) < plan.max_arenas:
-            if not self._promise(plan.arena_cost, namespace):
+            promised = (
+                self.pools.promise(plan.arena_cost)
+                if ahead
+                else self._promise(plan.arena_cost, namespace)
+            )
+            if not promised:
                 break
             try:
                 arena = await _build(self.pools, namespace, plan)
@@ -162,9 +240,10 @@ class NamespaceMemory:
             added += 1
         if added:
             log.info(
-                "namespace %s: +%d arenas, now %d (%d bytes free in the budget)",
+                "namespace %s: +%d arenas%s, now %d (%d bytes free in the budget)",
                 namespace,
                 added,
+                " ahead of need" if ahead else "",
                 self.pools.arenas(namespace),
                 self.pools.free_bytes,
             )

@@ -91,7 +91,13 @@ class Node:
         self.peers: PeerFetcher | None = None
         """Fetches missed blocks from peers; set with `cluster`."""
         self.started = clock()
-        self.memory = NamespaceMemory(self.pools, self.store, self.now, self.publish_events)
+        self.memory = NamespaceMemory(
+            self.pools,
+            self.store,
+            self.now,
+            self.publish_events,
+            headroom_bytes=config.pool_headroom_bytes,
+        )
         """Arenas in and out of namespace pools (growth, give-back, drop)."""
 
     @property
@@ -207,7 +213,7 @@ class Node:
     # --- namespaces -------------------------------------------------------------
 
     async def register(self, spec: NamespaceSpec, requested_bytes: int) -> tuple[BlockTable, bool]:
-        """The namespace's table, creating it and its pool (one arena) if new.
+        """The namespace's table, creating it and its pool (one arena and the headroom) if new.
 
         Returns:
             (table, created).

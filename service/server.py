@@ -251,6 +251,7 @@ class Server:
             await self._grpc.stop(grace)
             self._grpc = None
         self.node.metrics.stop_http()
+        await self.node.memory.stop()  # growth ahead of need: no arena is built after this
         self.node.pools.close()
         log.info("node %s stopped", self.node.node_id)
 

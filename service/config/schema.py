@@ -65,6 +65,8 @@ class Config:
     """Most a namespace's pool grows to when RegisterNamespace asks for 0 bytes (0 = the budget)."""
     arena_bytes: int = 64 << 20
     """Unit a pool starts with, grows and gives back by (one mmap/IPC open per arena in runners)."""
+    pool_headroom_bytes: int = 128 << 20
+    """Free memory a pool keeps ready ahead of its stores, in whole arenas (0 = only on need)."""
     shm_dir: str = "/dev/shm"
     """Directory (tmpfs) that holds the pool files; created (mode 0700) when only it is missing."""
     pool_prefix: str = "kvstore"
@@ -167,6 +169,7 @@ _PARSERS: dict[str, Callable[[object], object]] = {
     "capacity_bytes": parse_positive(parse_size),
     "namespace_capacity_bytes": parse_non_negative(parse_size),
     "arena_bytes": parse_positive(parse_size),
+    "pool_headroom_bytes": parse_non_negative(parse_size),
     "shm_dir": parse_str,
     "pool_prefix": parse_str,
     "pool_file_mode": parse_file_mode,

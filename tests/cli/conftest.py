@@ -71,6 +71,7 @@ def start_node(tmp_path, **overrides: Any) -> LiveNode:
         capacity_bytes=1 << 20,
         namespace_capacity_bytes=64 * 256,
         arena_bytes=16 * 256,
+        pool_headroom_bytes=0,  # pools grow on need only: the figures count arenas
         shm_dir=str(tmp_path),
         pool_prefix=f"kvcli{uuid.uuid4().hex[:8]}",
         pool_prefault=False,

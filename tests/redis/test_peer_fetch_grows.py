@@ -8,7 +8,7 @@ from tests.redis.test_cluster_nodes import until
 
 async def test_peer_fetch_grows_the_local_pool(nodes):
     a = await nodes.start("node-a")
-    b = await nodes.start("node-b")
+    b = await nodes.start("node-b", pool_headroom_bytes=0)  # grows on need only
     ra, rb = Rpc(a.address, "acme"), Rpc(b.address, "acme")
     try:
         await ra.register()

@@ -73,6 +73,9 @@ def server_config(tmp_path) -> Config:
         capacity_bytes=1 << 20,
         namespace_capacity_bytes=64 * BLOCK_BYTES,
         arena_bytes=16 * BLOCK_BYTES,
+        # Pools grow on need only: the tests of budgets count arenas (the
+        # headroom has its own tests, tests/service/test_pool_headroom.py).
+        pool_headroom_bytes=0,
         shm_dir=str(tmp_path),
         pool_prefix=f"kvtest{uuid.uuid4().hex[:8]}",
         pool_prefault=False,

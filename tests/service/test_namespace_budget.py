@@ -85,6 +85,7 @@ async def default_budget(tmp_path):
         shm_dir=str(tmp_path),
         pool_prefix=f"kvbudget{uuid.uuid4().hex[:8]}",
         pool_prefault=False,  # sparse files: the test need not touch 1 GiB
+        pool_headroom_bytes=0,  # arenas on need only (test_pool_headroom: the default headroom)
         salt_secret=bytes(range(32)),
         grace_seconds=0.1,
         max_message_bytes=8 << 20,
