@@ -80,11 +80,24 @@ class Namespace:
             return None
         return self.mapping.descriptor.epoch
 
-    def hash(self, tokens: Tokens, extras: Sequence[Extra] | None = None) -> list[BlockHash]:
-        """Chain hashes of every full block of ``tokens``, computed locally."""
-        return hash_blocks(
-            self.chain_root, tokens, self.block_size, scheme=self.scheme, extras=extras
-        )
+    def hash(
+        self,
+        tokens: Tokens,
+        extras: Sequence[Extra] | None = None,
+        *,
+        parent: BlockHash | None = None,
+    ) -> list[BlockHash]:
+        """Chain hashes of every full block of ``tokens``, computed locally.
+
+        Args:
+            tokens: token ids; a partial last block is ignored.
+            extras: optional per-block extra input, one per full block.
+            parent: the hash of the block just before ``tokens`` when they continue
+                a chain (a request's output after its prompt); default: the
+                namespace's chain root, i.e. ``tokens`` start at token 0.
+        """
+        root = self.chain_root if parent is None else parent
+        return hash_blocks(root, tokens, self.block_size, scheme=self.scheme, extras=extras)
 
 
 @dataclass(frozen=True, slots=True)

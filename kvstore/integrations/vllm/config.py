@@ -61,7 +61,10 @@ class ConnectorConfig:
     load: bool = True
     """Load cached prefixes into vLLM."""
     save: bool = True
-    """Save newly computed full blocks of prompts."""
+    """Save newly computed full blocks (of prompts; of outputs too with ``save_decode``)."""
+    save_decode: bool = True
+    """Save the generated tokens' full blocks too, as they fill: a chat's next turn,
+    which repeats this answer, finds it on any engine."""
     max_pending_save_bytes: int = 256 * 1024 * 1024
     """Bytes of copied-out blocks that may wait for the node; a save beyond it is dropped."""
     fail_loads: bool = False

@@ -20,7 +20,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.v1.core.kv_cache_utils import generate_block_hash_extra_keys
 
 from kvstore.integrations.vllm.config import ConnectorConfig
-from kvstore.integrations.vllm.identity import kv_layout, namespace_model_id
+from kvstore.integrations.vllm.identity import kv_layout, namespace_model_id, rank_model_ids
 from kvstore.integrations.vllm.link import NodeLink
 from kvstore.integrations.vllm.logs import follow_vllm_logging
 from kvstore.integrations.vllm.metadata import KVStoreConnectorMetadata
@@ -35,14 +35,15 @@ log = logging.getLogger(__name__)
 
 
 class KVStoreConnector(KVConnectorBase_V1):
-    """Loads cached prefixes from a kvstore node and saves new prompt blocks to it."""
+    """Loads cached prefixes from a kvstore node and saves new full blocks to it."""
 
     def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None) -> None:
         """Read the config and derive the namespace; the node is contacted on first use.
 
         Raises:
             InvalidArgument: an unknown or ill-typed setting, or a model the
-                connector cannot cache (hybrid, MLA, sliding window, TP > 1).
+                connector cannot cache (hybrid, MLA, sliding window, pipeline
+                parallelism).
         """
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         follow_vllm_logging()  # else these lines never reach `vllm serve`'s log
@@ -50,12 +51,19 @@ class KVStoreConnector(KVConnectorBase_V1):
         self.config = ConnectorConfig.from_extra(extra)
         layout, layer_names = kv_layout(kv_cache_config)
         model_id = namespace_model_id(vllm_config, layout, self.config.model_id)
+        model_ids = rank_model_ids(vllm_config, model_id)
         is_scheduler = role == KVConnectorRole.SCHEDULER
+        rank = 0
         if is_scheduler:
             self._recompute_failed_loads()
+        elif len(model_ids) > 1:
+            from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+            rank = get_tensor_model_parallel_rank()
         link = NodeLink(
             self.config,
-            model_id,
+            # The scheduler looks up and pins every rank's blocks; a worker its own.
+            model_ids if is_scheduler else model_ids[rank],
             layout,
             client_name=f"vllm-{'scheduler' if is_scheduler else 'worker'}",
             map_pool=not is_scheduler,
@@ -68,6 +76,7 @@ class KVStoreConnector(KVConnectorBase_V1):
                 layout.block_size,
                 load=self.config.load,
                 save=self.config.save,
+                save_decode=self.config.save_decode,
                 extra_keys=generate_block_hash_extra_keys,
             )
         else:
@@ -77,12 +86,13 @@ class KVStoreConnector(KVConnectorBase_V1):
                 layer_names,
                 fail_loads=self.config.fail_loads,
                 max_pending_save_bytes=self.config.max_pending_save_bytes,
+                rank=rank,
             )
         # End the leases at once on SIGTERM, SIGINT or exit (docs/vllm.md, "Stopping").
         on_stop(self.shutdown)
         log.info(
             "kvstore connector (%s) for %s, block %d tokens, node %s",
-            "scheduler" if is_scheduler else "worker",
+            "scheduler" if is_scheduler else f"worker {rank} of {len(model_ids)}",
             model_id,
             layout.block_size,
             self.config.target,
@@ -140,15 +150,16 @@ class KVStoreConnector(KVConnectorBase_V1):
         """Saves are done whole in `wait_for_save`, after the forward."""
 
     def wait_for_save(self) -> None:
-        """Copy out this step's newly completed full prompt blocks; stored in the background."""
+        """Copy out this step's newly completed full blocks; stored in the background."""
         if self.has_connector_metadata():
             self._worker_side().save(self._meta())
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        """Requests whose loads finished (done or failed); saves never hold vLLM's blocks."""
+        """Finished requests whose last blocks were copied out (vLLM may free them now),
+        and requests whose loads finished (done or failed)."""
         if self._worker is None:
             return None, None
-        return None, (self._worker.take_finished() or None)
+        return (self._worker.take_sent() or None), (self._worker.take_finished() or None)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         """vLLM block ids of the loads `get_finished` reported failed: vLLM recomputes them."""
@@ -197,7 +208,6 @@ class KVStoreConnector(KVConnectorBase_V1):
     def request_finished(
         self, request: Any, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
-        """Drop what the request still pins; vLLM may free its blocks at once (saves are
-        copied out, and vLLM itself holds the blocks of a load until it is reported)."""
-        self._scheduler_side().request_finished(request.request_id)
-        return False, None
+        """Drop what the request still pins. vLLM frees its blocks at once, unless full
+        blocks are still to be copied out (True: freed when `get_finished` reports it)."""
+        return self._scheduler_side().request_finished(request, block_ids), None

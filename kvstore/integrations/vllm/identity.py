@@ -13,8 +13,12 @@ namespace names everything that changes the bytes of a block:
 - the **KV bytes**: the resolved KV dtype (``cache_dtype=auto`` resolved to
   the tensor dtype vLLM allocated) and vLLM's block size, which becomes the
   namespace's block size, plus the layout (layers, KV heads, head size);
-- the tensor-parallel shape (only 1 x 1 is supported: with TP each worker
-  holds other heads).
+- the **tensor-parallel shape**: with ``tensor_parallel_size`` N > 1 each
+  rank holds its share of the KV heads and gets a namespace of its own,
+  ``<model id>#tp-N.<rank>`` (`rank_model_ids`): engines with the same model
+  and N share block by block, engines with another N never do (their
+  namespaces differ; their KV also differs in rounding, the all-reduce sums
+  in another order). Pipeline parallelism is refused.
 
 All of it is in the model id, not only in the layout: the node keeps one
 layout per model id, so two engines that differ in any of it get two
@@ -73,19 +77,35 @@ def kv_layout(kv_cache_config: Any) -> tuple[KVLayout, list[str]]:
     return layout, names
 
 
+def rank_model_ids(vllm_config: Any, model_id: str) -> list[str]:
+    """One model id per tensor-parallel rank, in rank order (``model_id`` alone at TP 1)."""
+    tp = int(getattr(vllm_config.parallel_config, "tensor_parallel_size", 1))
+    if tp == 1:
+        return [model_id]
+    return [f"{model_id}#tp-{tp}.{rank}" for rank in range(tp)]
+
+
 def namespace_model_id(vllm_config: Any, layout: KVLayout, configured: str = "") -> str:
-    """The namespace's model id for an engine (see the module docstring).
+    """The namespace's model id for an engine, before its rank (see the module docstring).
 
     Raises:
-        InvalidArgument: tensor or pipeline parallelism above 1.
+        InvalidArgument: pipeline parallelism above 1 (or data/context parallel
+            shapes the connector cannot split by rank).
     """
     parallel = vllm_config.parallel_config
-    tp = int(getattr(parallel, "tensor_parallel_size", 1))
     pp = int(getattr(parallel, "pipeline_parallel_size", 1))
-    if tp != 1 or pp != 1:
+    if pp != 1:
         raise InvalidArgument(
-            f"the kvstore connector supports tensor and pipeline parallel size 1, got {tp} x {pp}"
+            f"the kvstore connector does not support pipeline parallelism (size {pp}): "
+            "each stage holds other layers"
         )
+    for name in ("decode_context_parallel_size", "prefill_context_parallel_size"):
+        size = int(getattr(parallel, name, 1) or 1)
+        if size != 1:
+            raise InvalidArgument(
+                f"the kvstore connector does not support {name} {size}: "
+                "each rank holds other tokens of a block"
+            )
     model = vllm_config.model_config
     name = configured or f"{model.model}@{model.revision or 'default'}"
     cache_dtype = str(vllm_config.cache_config.cache_dtype)

@@ -8,6 +8,8 @@ the worker's background threads):
 
 - `namespace` answers at once: the registered namespace, or ``None`` while
   it is being registered (in the background) or while the node is down;
+  a link may hold several namespaces registered together (`namespaces`: the
+  scheduler of a tensor-parallel engine looks up each rank's);
 - after any failed call (`failed`) the node is left alone for
   ``retry_interval`` seconds, so a dead node costs one timeout per
   interval, not one per request;
@@ -31,7 +33,7 @@ import concurrent.futures
 import logging
 import threading
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Sequence
 from typing import Any, TypeVar
 
 from kvstore.client import Hit, Namespace, SyncClient
@@ -57,12 +59,12 @@ def default_client(config: ConnectorConfig, client_name: str) -> SyncClient:
 
 
 class NodeLink:
-    """One client and one namespace on the cache node, made lazily, with a back-off."""
+    """One client and its namespaces on the cache node, made lazily, with a back-off."""
 
     def __init__(
         self,
         config: ConnectorConfig,
-        model_id: str,
+        model_ids: str | Sequence[str],
         layout: KVLayout,
         *,
         client_name: str,
@@ -70,9 +72,17 @@ class NodeLink:
         factory: ClientFactory = default_client,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        """Nothing is contacted here; the first `namespace` call starts connecting."""
+        """Nothing is contacted here; the first `namespace` call starts connecting.
+
+        Args:
+            model_ids: the namespace's model id, or several (one per tensor-parallel
+                rank, in rank order), registered together with one ``layout``.
+        """
         self.config = config
-        self.model_id = model_id
+        self.model_ids = (model_ids,) if isinstance(model_ids, str) else tuple(model_ids)
+        if not self.model_ids:
+            raise ValueError("a NodeLink needs at least one model id")
+        self.model_id = self.model_ids[0]
         self.layout = layout
         self.client_name = client_name
         self.map_pool = map_pool
@@ -81,8 +91,8 @@ class NodeLink:
         self._lock = threading.Lock()
         """Guards the fields below: the worker's threads share the link."""
         self._client: SyncClient | None = None
-        self._namespace: Namespace | None = None
-        self._connecting: concurrent.futures.Future[Namespace] | None = None
+        self._namespaces: tuple[Namespace, ...] | None = None
+        self._connecting: concurrent.futures.Future[list[Namespace]] | None = None
         self._down_until = 0.0
         self._warned = False
         self._closed = False
@@ -95,14 +105,23 @@ class NodeLink:
     # --- the namespace -------------------------------------------------------------------
 
     def namespace(self) -> Namespace | None:
-        """The registered namespace (pool mapped), or None while it is not ready; never waits."""
+        """The registered namespace (pool mapped), or None while it is not ready; never waits.
+
+        With several model ids: the first one's (rank 0).
+        """
+        namespaces = self.namespaces()
+        return namespaces[0] if namespaces is not None else None
+
+    def namespaces(self) -> tuple[Namespace, ...] | None:
+        """Every model id's namespace, in order, or None while any is not ready; never waits."""
         with self._lock:
-            ns = self._namespace
-            if ns is not None and not ns.stale:
-                return ns
+            if self._ready():
+                return self._namespaces
             self._advance_connect()
-            ns = self._namespace
-            return ns if ns is not None and not ns.stale else None
+            return self._namespaces if self._ready() else None
+
+    def _ready(self) -> bool:
+        return self._namespaces is not None and not any(ns.stale for ns in self._namespaces)
 
     @property
     def connecting(self) -> bool:
@@ -131,14 +150,14 @@ class NodeLink:
                 return
             self._connecting = None
             try:
-                ns = future.result()
+                namespaces = future.result()
             except (KVStoreError, concurrent.futures.CancelledError, OSError) as exc:
                 self._failed("connect", exc)
                 return
-            if self.map_pool and ns.mapping is None:
+            if self.map_pool and any(ns.mapping is None for ns in namespaces):
                 self._failed("map the pool of", KVStoreError("no pool mapping"))
                 return
-            self._namespace = ns
+            self._namespaces = tuple(namespaces)
             if self._warned:
                 log.warning("kvstore node %s is back; reusing cached prefixes", self.config.target)
                 self._warned = False
@@ -146,7 +165,7 @@ class NodeLink:
                 log.info(
                     "kvstore: %s registered namespace %s on node %s",
                     self.client_name,
-                    self.model_id,
+                    ", ".join(self.model_ids),
                     self.config.target,
                 )
             return
@@ -155,17 +174,21 @@ class NodeLink:
         try:
             if self._client is None:
                 self._client = self._factory(self.config, self.client_name)
-            client = self._client
-            self._connecting = client.submit(
-                client.client.register_namespace(
-                    self.model_id,
-                    self.layout,
-                    capacity_bytes=self.config.capacity_bytes,
-                    timeout=self.config.connect_timeout,
-                )
-            )
+            self._connecting = self._client.submit(self._register(self._client))
         except KVStoreError as exc:
             self._failed("connect", exc)
+
+    async def _register(self, client: SyncClient) -> list[Namespace]:
+        calls = [
+            client.client.register_namespace(
+                model_id,
+                self.layout,
+                capacity_bytes=self.config.capacity_bytes,
+                timeout=self.config.connect_timeout,
+            )
+            for model_id in self.model_ids
+        ]
+        return list(await asyncio.gather(*calls))
 
     # --- calls -------------------------------------------------------------------------
 
@@ -239,7 +262,7 @@ class NodeLink:
         """Close the client (ends its lease: pins dropped, writes aborted); idempotent."""
         with self._lock:
             self._closed = True
-            client, self._client, self._namespace = self._client, None, None
+            client, self._client, self._namespaces = self._client, None, None
             connecting, self._connecting = self._connecting, None
         if connecting is not None:
             connecting.cancel()

@@ -42,6 +42,8 @@ class LoadSpec:
     a copy that did not finish before it is reported failed, never used."""
     pool_version: int = 0
     """The pool's arena set at the lookup: the worker maps at least this one first."""
+    rank: int = 0
+    """The tensor-parallel rank whose namespace holds the slots (the only worker to copy)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,6 +58,11 @@ class SaveSpec:
     first_new: int
     """Index of the first block copied out (the likely writes); the node should have the
     blocks before it. If it lost one, the save is given up and planned again from 0."""
+    frees_blocks: bool = False
+    """The request has finished and vLLM keeps its blocks until this save is copied out:
+    the worker reports it in ``finished_sending`` (whether it copied, skipped or failed)."""
+    rank: int = 0
+    """The tensor-parallel rank whose namespace the hashes are of (the only worker to save)."""
 
 
 @dataclass(slots=True)
@@ -81,8 +88,8 @@ class KVStoreWorkerReport(KVConnectorWorkerMetadata):
     """vLLM block ids whose load failed: no request holding one is saved until recomputed."""
     failure_seq: int = 0
     """Number of the worker's latest load failure (0: none yet)."""
-    saved: dict[str, int] = field(default_factory=dict)
-    """Per request: leading full blocks the node now has (a confirmed commit)."""
+    saved: dict[tuple[str, int], int] = field(default_factory=dict)
+    """Per (request, rank): leading full blocks the node now has (a confirmed commit)."""
     unsaved: dict[str, bool] = field(default_factory=dict)
     """Per request: a save that did not happen; True when it must start again from block 0."""
     poisoned: set[str] = field(default_factory=set)
@@ -92,15 +99,15 @@ class KVStoreWorkerReport(KVConnectorWorkerMetadata):
         """Union of two workers' reports."""
         if not isinstance(other, KVStoreWorkerReport):
             return self
-        saved = dict(self.saved)
-        for req_id, blocks in other.saved.items():
-            saved[req_id] = min(blocks, saved.get(req_id, blocks))
+        unsaved = dict(self.unsaved)
+        for req_id, restage in other.unsaved.items():
+            unsaved[req_id] = restage or unsaved.get(req_id, False)
         return KVStoreWorkerReport(
             loaded=self.loaded | other.loaded,
             failed_loads=self.failed_loads | other.failed_loads,
             failed_blocks=self.failed_blocks | other.failed_blocks,
             failure_seq=max(self.failure_seq, other.failure_seq),
-            saved=saved,
-            unsaved={**self.unsaved, **other.unsaved},
+            saved=self.saved | other.saved,  # each rank reports its own keys
+            unsaved=unsaved,
             poisoned=self.poisoned | other.poisoned,
         )

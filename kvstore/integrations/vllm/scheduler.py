@@ -16,8 +16,10 @@ must never wait on the node (`docs/vllm.md`, "Never stalls vLLM"):
    and its blocks: a load is planned, or the pins released.
 3. ``build_connector_meta``: every planned load goes to the workers with the
    time until which its pins are surely held (`NodeLink.pins_held_until`);
-   each scheduled request's newly computed full prompt blocks are planned as
-   saves.
+   each scheduled request's newly computed full blocks are planned as saves:
+   the prompt's, and with ``save_decode`` the output's too, as they fill, under
+   the chain hashes a later prompt repeating that text gets (a chat's next
+   turn). Only blocks whose tokens are all known and computed are saved.
 4. ``update_connector_output``: the workers' report. A load's pins are
    released only once the worker reported that load finished, whatever
    happened to the request meanwhile (finished, aborted: vLLM schedules a
@@ -25,21 +27,28 @@ must never wait on the node (`docs/vllm.md`, "Never stalls vLLM"):
    advance only on a confirmed commit; a save that did not happen is
    planned again; a request whose blocks touched a failed load is never
    saved.
-5. Releases go out in the background (`NodeLink.release`); closing the
+5. ``request_finished``: a request whose last full blocks were not planned yet
+   (none with vLLM's synchronous scheduling, where a block is saved in the
+   step that fills it) keeps its blocks (``delay_free``) until the workers
+   have copied them out, the next step; they report it in ``finished_sending``.
+   A preempted request's blocks were saved as they filled: when it resumes,
+   its lookup covers its output too.
+6. Releases go out in the background (`NodeLink.release`); closing the
    client at shutdown ends the lease, dropping whatever is still pinned.
 """
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import dataclasses
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvstore.client import Hit
+from kvstore.client import Hit, Namespace, SyncClient
 from kvstore.errors import KVStoreError
 from kvstore.hashing import Extra, cbor_encode
 from kvstore.integrations.vllm.link import NodeLink
@@ -61,23 +70,31 @@ ExtraKeysFn = Any
 class _Tracked:
     """What the scheduler side knows about one request."""
 
-    hashes: list[BlockHash]
-    """Chain hashes of the prompt's full blocks."""
+    request: Any
+    """vLLM's request: its ``all_token_ids`` grow as it decodes."""
+    chains: list[list[BlockHash]]
+    """Per tensor-parallel rank (its own namespace, its own chain root): chain hashes of
+    the request's full blocks hashed so far (the tokens known at the first ask, then the
+    output's as blocks are saved)."""
+    prompt_blocks: int
+    """Full blocks of the prompt (the save limit without ``save_decode``)."""
     asked_at: float
     """When vLLM first asked for this admission (the lookup's time budget starts)."""
-    lookup: concurrent.futures.Future[Hit] | None = None
-    """The Lookup in flight, if any."""
+    lookup: concurrent.futures.Future[list[Hit]] | None = None
+    """The Lookups in flight (one per rank, answered together), if any."""
     looked_up: bool = False
     """The lookup of this admission is answered or given up (never two)."""
-    hit: Hit | None = None
-    """The pinned hit, until a load is planned with it or it is dropped."""
+    hits: list[Hit] | None = None
+    """The pinned hits (one per rank), until a load is planned with them or they are dropped."""
     local_tokens: int = 0
     """vLLM's (block-aligned) local hit when the hit was counted."""
     block_ids: list[int] = field(default_factory=list)
     """vLLM block ids of the request (first KV group), as allocated so far."""
     saved_blocks: int = 0
-    """Leading full blocks the node is known to have (at lookup, or a confirmed commit):
-    saving starts after them."""
+    """Leading full blocks the node is known to have for every rank (at lookup, or
+    confirmed commits): saving starts after them."""
+    saved_by_rank: dict[int, int] = field(default_factory=dict)
+    """Confirmed commits per rank (the workers report them in different steps)."""
     planned_blocks: int = 0
     """Leading full blocks saved or planned for saving."""
     poisoned: bool = False
@@ -94,6 +111,7 @@ class SchedulerSide:
         *,
         load: bool,
         save: bool,
+        save_decode: bool = True,
         extra_keys: ExtraKeysFn,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -102,12 +120,15 @@ class SchedulerSide:
         self.block_size = block_size
         self.load = load
         self.save = save
+        self.save_decode = save_decode
         self._extra_keys = extra_keys
         self._clock = clock
         self._requests: dict[str, _Tracked] = {}
-        self._pending_loads: dict[str, tuple[LoadSpec, Hit]] = {}
+        self._pending_loads: dict[str, tuple[list[LoadSpec], list[Hit]]] = {}
         """Loads planned by `after_alloc`, sent with the next step (always: vLLM waits)."""
-        self._loading: dict[str, Hit] = {}
+        self._final_saves: list[SaveSpec] = []
+        """Saves of finished requests whose blocks vLLM keeps until the workers report them."""
+        self._loading: dict[str, list[Hit]] = {}
         """Pinned hits whose load was sent to the workers, until they report it finished."""
         self._failures_seen = 0
         self._first_ask: dict[str, float] = {}
@@ -133,10 +154,11 @@ class SchedulerSide:
             return 0
         if not tracked.looked_up and not self._answer_lookup(tracked):
             return None
-        hit = tracked.hit
-        if hit is None or hit.released:
+        hits = tracked.hits
+        if not hits or any(hit.released for hit in hits):
             return 0
-        usable = min(hit.hit_blocks, (int(request.num_tokens) - 1) // self.block_size)
+        hit_blocks = min(hit.hit_blocks for hit in hits)
+        usable = min(hit_blocks, (int(request.num_tokens) - 1) // self.block_size)
         external = usable * self.block_size - num_computed_tokens
         tracked.local_tokens = num_computed_tokens
         return max(external, 0)
@@ -147,14 +169,14 @@ class SchedulerSide:
         if tracked is None:
             return
         tracked.block_ids = list(block_ids)
-        hit = tracked.hit
-        if num_external_tokens <= 0 or hit is None:
+        hits = tracked.hits
+        if num_external_tokens <= 0 or not hits:
             self._drop_hit(tracked)
             return
         first = tracked.local_tokens // self.block_size
         last = first + num_external_tokens // self.block_size
-        tracked.hit = None
-        self._pending_loads[request.request_id] = (
+        tracked.hits = None
+        loads = [
             LoadSpec(
                 request_id=request.request_id,
                 block_ids=tuple(block_ids[first:last]),
@@ -162,30 +184,33 @@ class SchedulerSide:
                 epoch=hit.epoch,
                 pins_until=0.0,
                 pool_version=hit.pool_version,
-            ),
-            hit,
-        )
+                rank=rank,
+            )
+            for rank, hit in enumerate(hits)
+        ]
+        self._pending_loads[request.request_id] = (loads, hits)
 
     def build_meta(self, scheduler_output: Any) -> KVStoreConnectorMetadata:
         """This step's loads and saves; forgets preempted requests."""
         meta = KVStoreConnectorMetadata(failures_seen=self._failures_seen)
         for req_id in getattr(scheduler_output, "preempted_req_ids", None) or ():
             self._forget(req_id)
-        for req_id, (load, hit) in self._pending_loads.items():
-            # Read now, as late as possible: the keeper renews the lease meanwhile.
-            pins_until = self.link.pins_held_until(hit)
-            meta.loads.append(dataclasses.replace(load, pins_until=pins_until))
-            self._loading[req_id] = hit
+        for req_id, (loads, hits) in self._pending_loads.items():
+            for load, hit in zip(loads, hits, strict=True):
+                # Read now, as late as possible: the keeper renews the lease meanwhile.
+                pins_until = self.link.pins_held_until(hit)
+                meta.loads.append(dataclasses.replace(load, pins_until=pins_until))
+            self._loading[req_id] = hits
         self._pending_loads.clear()
+        meta.saves.extend(self._final_saves)
+        self._final_saves.clear()
         scheduled = scheduler_output.num_scheduled_tokens
         for new in scheduler_output.scheduled_new_reqs:
             tracked = self._requests.get(new.req_id)
             if tracked is None:
                 continue
             tracked.block_ids = list(new.block_ids[0])
-            self._plan_save(
-                meta, new.req_id, tracked, new.num_computed_tokens + scheduled[new.req_id]
-            )
+            self._plan_save(meta.saves, tracked, new.num_computed_tokens + scheduled[new.req_id])
         cached = scheduler_output.scheduled_cached_reqs
         resumed: set[str] = getattr(cached, "resumed_req_ids", set())
         for i, req_id in enumerate(cached.req_ids):
@@ -197,9 +222,7 @@ class SchedulerSide:
                 tracked.block_ids = list(new_ids[0]) if new_ids is not None else []
             elif new_ids is not None:
                 tracked.block_ids.extend(new_ids[0])
-            self._plan_save(
-                meta, req_id, tracked, cached.num_computed_tokens[i] + scheduled[req_id]
-            )
+            self._plan_save(meta.saves, tracked, cached.num_computed_tokens[i] + scheduled[req_id])
         return meta
 
     def on_worker_output(self, connector_output: Any) -> None:
@@ -209,31 +232,47 @@ class SchedulerSide:
             return
         self._failures_seen = max(self._failures_seen, report.failure_seq)
         for req_id in report.loaded:
-            hit = self._loading.pop(req_id, None)
-            if hit is not None:
+            for hit in self._loading.pop(req_id, ()):
                 self.link.release(hit)
         for req_id in report.poisoned:
             tracked = self._requests.get(req_id)
             if tracked is not None:
                 tracked.poisoned = True
-        for req_id, blocks in report.saved.items():
+        for (req_id, rank), blocks in report.saved.items():
             tracked = self._requests.get(req_id)
-            if tracked is not None:
-                tracked.saved_blocks = max(tracked.saved_blocks, blocks)
+            if tracked is None:
+                continue
+            by_rank = tracked.saved_by_rank
+            by_rank[rank] = max(by_rank.get(rank, 0), blocks)
+            everywhere = min(by_rank.get(r, 0) for r in range(len(tracked.chains)))
+            tracked.saved_blocks = max(tracked.saved_blocks, everywhere)
         for req_id, restage in report.unsaved.items():
             tracked = self._requests.get(req_id)
             if tracked is None:
                 continue
             if restage:  # the node lost an older block: copy them all out next time
                 tracked.saved_blocks = 0
+                tracked.saved_by_rank.clear()
             tracked.planned_blocks = tracked.saved_blocks  # planned again next step
 
-    def request_finished(self, request_id: str) -> None:
+    def request_finished(self, request: Any, block_ids: list[int]) -> bool:
         """The request is done (finished or aborted): drop what it still pins.
 
         A load already sent to the workers keeps its pins until they report it.
+
+        Returns:
+            True when vLLM must keep the request's blocks until the workers report it
+            in ``finished_sending``: its last full blocks are to be copied out next step.
         """
+        request_id = request.request_id
+        tracked = self._requests.get(request_id)
+        delay = False
+        if tracked is not None and block_ids:
+            tracked.block_ids = list(block_ids)
+            computed = int(getattr(request, "num_computed_tokens", 0))
+            delay = self._plan_save(self._final_saves, tracked, computed, frees_blocks=True)
         self._forget(request_id)
+        return delay
 
     def shutdown(self) -> None:
         """Close the client: its lease ends on the node, dropping every pin.
@@ -248,6 +287,8 @@ class SchedulerSide:
         self._requests.clear()
         self._loading.clear()
         self.link.close()
+        # Saves of finished requests are still sent (the workers skip them but report
+        # them), or vLLM would hold their blocks for ever.
 
     @property
     def pins_in_use(self) -> int:
@@ -255,7 +296,7 @@ class SchedulerSide:
         held = sum(
             1
             for t in self._requests.values()
-            if t.lookup is not None or (t.hit is not None and not t.hit.released)
+            if t.lookup is not None or any(not hit.released for hit in t.hits or ())
         )
         return held + len(self._pending_loads) + len(self._loading)
 
@@ -270,16 +311,17 @@ class SchedulerSide:
             if self.link.down:  # a call failed lately: compute without asking (back-off)
                 tracked.looked_up = True
                 return True
-            ns = self.link.namespace()
-            if ns is None:
+            namespaces = self.link.namespaces()
+            if namespaces is None:
                 if self.link.connecting and not overdue:
                     return False
                 tracked.looked_up = True
                 return True
             client = self.link.client
             if client is not None:
-                lookup = client.client.lookup(ns, hashes=tracked.hashes, pin=True, timeout=budget)
-                future = self.link.submit(lookup)
+                future = self.link.submit(
+                    self._lookup_ranks(client, namespaces, tracked.chains, budget)
+                )
             if future is None:
                 tracked.looked_up = True
                 return True
@@ -295,22 +337,51 @@ class SchedulerSide:
         tracked.lookup = None
         tracked.looked_up = True
         try:
-            hit = future.result()
+            hits = future.result()
         except (KVStoreError, concurrent.futures.CancelledError) as exc:
             self.link.failed("look up on", exc)
             return True
-        if hit.hit_blocks:
-            tracked.hit = hit
-            tracked.saved_blocks = tracked.planned_blocks = hit.hit_blocks
+        hit_blocks = min(hit.hit_blocks for hit in hits)
+        if hit_blocks:
+            tracked.hits = hits
+            tracked.saved_blocks = tracked.planned_blocks = hit_blocks
+        else:
+            for hit in hits:
+                self.link.release(hit)
         return True
 
-    def _abandon(self, future: concurrent.futures.Future[Hit]) -> None:
+    async def _lookup_ranks(
+        self,
+        client: SyncClient,
+        namespaces: Sequence[Namespace],
+        chains: Sequence[list[BlockHash]],
+        budget: float,
+    ) -> list[Hit]:
+        """Look up and pin each rank's chain in its namespace, together: all hits, or
+        the first error (what the others pinned is released)."""
+        answers = await asyncio.gather(
+            *(
+                client.client.lookup(ns, hashes=chain, pin=True, timeout=budget)
+                for ns, chain in zip(namespaces, chains, strict=True)
+            ),
+            return_exceptions=True,
+        )
+        hits = [a for a in answers if isinstance(a, Hit)]
+        for answer in answers:
+            if isinstance(answer, BaseException):
+                for hit in hits:
+                    self.link.release(hit)
+                raise answer
+        return hits
+
+    def _abandon(self, future: concurrent.futures.Future[list[Hit]]) -> None:
         """Give up a lookup in flight: whatever it pins when it lands is released."""
         future.cancel()  # the SDK releases what a cancelled pinned lookup pinned
 
-        def release_late(done: concurrent.futures.Future[Hit]) -> None:
+        def release_late(done: concurrent.futures.Future[list[Hit]]) -> None:
             if not done.cancelled() and done.exception() is None:
-                self.link.release(done.result())
+                for hit in done.result():
+                    self.link.release(hit)
 
         future.add_done_callback(release_late)
 
@@ -318,31 +389,52 @@ class SchedulerSide:
         tracked = self._requests.get(request.request_id)
         if tracked is not None:
             return tracked
-        hashes = self._hash_prompt(request)
-        if hashes is None:
+        prompt = request.prompt_token_ids
+        if prompt is None or getattr(request, "prompt_embeds", None) is not None:
+            return None  # prompt embeddings have no tokens to key them by
+        # All tokens, not just the prompt: a request resumed after preemption finds
+        # the output blocks it saved before.
+        n_blocks = int(request.num_tokens) // self.block_size
+        if n_blocks == 0:
+            return None
+        chains = self._hash_blocks(request, None, n_blocks)
+        if chains is None:
             return None
         asked_at = self._first_ask.pop(request.request_id, None) or self._clock()
-        tracked = _Tracked(hashes=hashes, asked_at=asked_at)
+        tracked = _Tracked(
+            request=request,
+            chains=chains,
+            prompt_blocks=len(prompt) // self.block_size,
+            asked_at=asked_at,
+        )
         self._requests[request.request_id] = tracked
         return tracked
 
-    def _hash_prompt(self, request: Any) -> list[BlockHash] | None:
-        tokens = request.prompt_token_ids
-        if tokens is None or getattr(request, "prompt_embeds", None) is not None:
-            return None  # prompt embeddings have no tokens to key them by
-        n_blocks = len(tokens) // self.block_size
-        if n_blocks == 0:
+    def _hash_blocks(
+        self, request: Any, chains: list[list[BlockHash]] | None, n_blocks: int
+    ) -> list[list[BlockHash]] | None:
+        """Each rank's chain (the request's leading full blocks; None: none yet) extended
+        to ``n_blocks``; None when the request cannot be keyed (no namespace yet, an extra
+        key kvstore cannot encode)."""
+        namespaces = self.link.namespaces()
+        if namespaces is None:
             return None
-        ns = self.link.namespace()
-        if ns is None:
-            return None
+        chains = chains or [[] for _ in namespaces]
+        start = len(chains[0])
+        if n_blocks <= start:
+            return chains
+        tokens = request.all_token_ids[start * self.block_size : n_blocks * self.block_size]
         try:
-            return ns.hash(tokens[: n_blocks * self.block_size], self._extras(request, n_blocks))
-        except Exception as exc:  # an extra key kvstore cannot encode: do not cache it
+            extras = self._extras(request, start, n_blocks)
+            return [
+                chain + ns.hash(tokens, extras, parent=chain[-1] if chain else None)
+                for ns, chain in zip(namespaces, chains, strict=True)
+            ]
+        except Exception as exc:
             log.warning("kvstore: request %s is not cached: %s", request.request_id, exc)
             return None
 
-    def _extras(self, request: Any, n_blocks: int) -> list[Extra] | None:
+    def _extras(self, request: Any, start: int, end: int) -> list[Extra] | None:
         """Per-block extra hash input (LoRA name, multimodal hashes, cache salt) as bytes."""
         if not (
             getattr(request, "lora_request", None)
@@ -351,8 +443,8 @@ class SchedulerSide:
         ):
             return None
         extras: list[Extra] = []
-        mm_index = 0
-        for i in range(n_blocks):
+        mm_index = 0  # vLLM skips the inputs before a block's start itself
+        for i in range(start, end):
             keys, mm_index = self._extra_keys(
                 request, i * self.block_size, (i + 1) * self.block_size, mm_index
             )
@@ -360,26 +452,48 @@ class SchedulerSide:
         return extras
 
     def _plan_save(
-        self, meta: KVStoreConnectorMetadata, req_id: str, tracked: _Tracked, computed: int
-    ) -> None:
+        self,
+        saves: list[SaveSpec],
+        tracked: _Tracked,
+        computed: int,
+        *,
+        frees_blocks: bool = False,
+    ) -> bool:
+        """Plan the save of the request's new full blocks whose KV is ``computed``; True
+        when one was planned."""
         if not self.save or tracked.poisoned:
-            return
-        full = min(computed // self.block_size, len(tracked.hashes), len(tracked.block_ids))
+            return False
+        request = tracked.request
+        # Known tokens only: with asynchronous scheduling the token a step computes
+        # may not be sampled into the request yet.
+        full = min(computed, int(request.num_tokens)) // self.block_size
+        if not self.save_decode:
+            full = min(full, tracked.prompt_blocks)
+        full = min(full, len(tracked.block_ids))
         if full <= tracked.planned_blocks:
-            return
-        meta.saves.append(
+            return False
+        chains = self._hash_blocks(request, tracked.chains, full)
+        if chains is None:
+            tracked.poisoned = True  # cannot be keyed: never saved
+            return False
+        tracked.chains = chains
+        saves.extend(
             SaveSpec(
-                request_id=req_id,
-                hashes=tuple(tracked.hashes[:full]),
+                request_id=request.request_id,
+                hashes=tuple(chain[:full]),
                 block_ids=tuple(tracked.block_ids[:full]),
                 first_new=tracked.planned_blocks,
+                frees_blocks=frees_blocks,
+                rank=rank,
             )
+            for rank, chain in enumerate(chains)
         )
         tracked.planned_blocks = full
+        return True
 
     def _drop_hit(self, tracked: _Tracked) -> None:
-        hit, tracked.hit = tracked.hit, None
-        if hit is not None:
+        hits, tracked.hits = tracked.hits, None
+        for hit in hits or ():
             self.link.release(hit)
 
     def _forget(self, req_id: str) -> None:

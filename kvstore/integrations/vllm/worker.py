@@ -97,10 +97,17 @@ class WorkerSide:
         *,
         fail_loads: bool,
         max_pending_save_bytes: int,
+        rank: int = 0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        """Nothing is contacted here; `register_kv_caches` starts connecting."""
+        """Nothing is contacted here; `register_kv_caches` starts connecting.
+
+        Args:
+            rank: this worker's tensor-parallel rank: it copies only the loads and
+                saves of its rank (its own namespace, holding its share of the heads).
+        """
         self.link = link
+        self.rank = rank
         self.layout = layout
         self.layer_names = list(layer_names)
         self.fail_loads = fail_loads
@@ -111,6 +118,9 @@ class WorkerSide:
         self._saver = ThreadPoolExecutor(1, thread_name_prefix="kvstore-save")
         self._lock = threading.Lock()
         """Guards what the threads hand back: `_done_loads`, `_report`, `_pending_bytes`."""
+        self._sent: set[str] = set()
+        """Finished requests whose last blocks were copied out (or skipped): vLLM may
+        free their blocks (`take_sent`)."""
         self._done_loads: list[tuple[str, tuple[int, ...]]] = []
         """(request, its failed block ids: empty when the load worked), as finished."""
         self._load_errors: set[int] = set()
@@ -140,6 +150,8 @@ class WorkerSide:
         """Hand this step's loads to the load thread (vLLM waits for `take_finished`)."""
         self._forget_seen_failures(meta.failures_seen)
         for load in meta.loads:
+            if load.rank != self.rank:
+                continue
             if self._closed:  # vLLM may still drain requests after a stop signal
                 with self._lock:
                     self._done_loads.append((load.request_id, load.block_ids))
@@ -226,18 +238,32 @@ class WorkerSide:
     def save(self, meta: KVStoreConnectorMetadata) -> None:
         """Copy out this step's new full blocks and hand them to the save thread."""
         self._forget_seen_failures(meta.failures_seen)
-        if self._closed:
-            return
         for save in meta.saves:
-            if self._tainted and not self._tainted.keys().isdisjoint(save.block_ids):
-                log.warning(
-                    "kvstore: request %s is not saved: its blocks include a failed load's",
-                    save.request_id,
-                )
-                with self._lock:
-                    self._report.poisoned.add(save.request_id)
+            if save.rank != self.rank:
                 continue
-            self._stage(save)
+            try:
+                if not self._closed:
+                    self._save(save)
+            finally:
+                if save.frees_blocks:  # copied out or not, vLLM must get its blocks back
+                    self._sent.add(save.request_id)
+
+    def _save(self, save: SaveSpec) -> None:
+        if self._tainted and not self._tainted.keys().isdisjoint(save.block_ids):
+            log.warning(
+                "kvstore: request %s is not saved: its blocks include a failed load's",
+                save.request_id,
+            )
+            with self._lock:
+                self._report.poisoned.add(save.request_id)
+            return
+        self._stage(save)
+
+    def take_sent(self) -> set[str]:
+        """Finished requests whose blocks vLLM may free now (their last save was copied
+        out, or skipped), since the last call."""
+        sent, self._sent = self._sent, set()
+        return sent
 
     def _stage(self, save: SaveSpec) -> None:
         new_ids = save.block_ids[save.first_new :]
@@ -302,7 +328,7 @@ class WorkerSide:
             if isinstance(outcome, bool):
                 self._report.unsaved[save.request_id] = outcome
             else:
-                self._report.saved[save.request_id] = outcome
+                self._report.saved[(save.request_id, self.rank)] = outcome
                 self._report.unsaved.pop(save.request_id, None)
 
     # --- reports and life cycle --------------------------------------------------------

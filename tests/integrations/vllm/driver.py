@@ -60,6 +60,9 @@ def build(spec: dict[str, Any]) -> Any:
         kwargs["num_gpu_blocks_override"] = spec["num_gpu_blocks_override"]
     if spec.get("max_num_seqs"):
         kwargs["max_num_seqs"] = spec["max_num_seqs"]
+    if spec.get("tensor_parallel_size", 1) > 1:  # one worker process per rank
+        kwargs["tensor_parallel_size"] = spec["tensor_parallel_size"]
+        kwargs["distributed_executor_backend"] = "mp"
     if spec.get("connector") is not None:
         kwargs["kv_transfer_config"] = {
             "kv_connector": "KVStoreConnector",

@@ -195,3 +195,38 @@ def test_failed_or_unpinned_loads_report_their_blocks() -> None:
         assert poisoned is not None and poisoned.poisoned == {"t"}
     finally:
         worker.shutdown()
+
+
+def test_a_finished_requests_blocks_are_given_back_whatever_its_last_save_does() -> None:
+    cache = cpu_layers()
+    names = [f"l{i}" for i in range(LAYOUT.num_layers)]
+    worker = WorkerSide(
+        _Link(None),  # type: ignore[arg-type]
+        LAYOUT,
+        names,
+        fail_loads=False,
+        max_pending_save_bytes=LAYOUT.block_bytes,
+    )
+    worker.register_kv_caches(dict(zip(names, cache, strict=True)))
+    hashes = (b"h" * 32,) * 2
+    # Copied out (the store then fails: no node), over the byte budget, tainted by
+    # a failed load, or after shutdown: vLLM gets its blocks back each time.
+    worker.save(
+        KVStoreConnectorMetadata(
+            saves=[
+                SaveSpec("copied", hashes, (0, 1), 1, True),
+                SaveSpec("theirs", hashes, (0, 1), 1, True, rank=1),  # rank 1 saves it
+            ]
+        )
+    )
+    assert worker.take_sent() == {"copied"}
+    worker.save(KVStoreConnectorMetadata(saves=[SaveSpec("big", hashes, (2, 3), 0, True)]))
+    worker.start_load(KVStoreConnectorMetadata(loads=[LoadSpec("l", (4,), (0,), 1, HELD)]))
+    assert finish(worker, "l") == {4}
+    worker.save(KVStoreConnectorMetadata(saves=[SaveSpec("tainted", hashes, (4, 5), 0, True)]))
+    worker.save(KVStoreConnectorMetadata(saves=[SaveSpec("running", hashes, (2, 3), 1)]))
+    assert worker.take_sent() == {"big", "tainted"}
+    worker.shutdown()
+    worker.save(KVStoreConnectorMetadata(saves=[SaveSpec("late", hashes, (0, 1), 0, True)]))
+    assert worker.take_sent() == {"late"}
+    assert worker.take_sent() == set()

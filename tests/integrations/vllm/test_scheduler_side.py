@@ -30,7 +30,9 @@ def request(req_id: str, tokens: list[int]) -> Any:
     return SimpleNamespace(
         request_id=req_id,
         prompt_token_ids=tokens,
+        all_token_ids=list(tokens),
         num_tokens=len(tokens),
+        num_computed_tokens=0,
         prompt_embeds=None,
         lora_request=None,
         mm_features=None,
@@ -61,10 +63,10 @@ def answer(side: SchedulerSide, req: Any) -> int:
     return tokens
 
 
-def store_prompt(address: str, tokens: list[int]) -> int:
+def store_prompt(address: str, tokens: list[int], model: str = MODEL) -> int:
     """Store the full blocks of ``tokens`` as tenant acme; the blocks committed."""
     with SyncClient(address, tenant="acme", timeout=5.0) as c:
-        ns = c.register_namespace(MODEL, LAYOUT, timeout=5.0)
+        ns = c.register_namespace(model, LAYOUT, timeout=5.0)
         n = len(tokens) // BS
         blocks = np.ones((n, *LAYOUT.block_shape), dtype=np.float16)
         return c.store(ns, tokens, blocks, timeout=5.0).committed
@@ -96,7 +98,7 @@ async def test_pins_of_a_sent_load_outlive_the_request_until_the_worker_reports(
             assert load.block_ids == (10, 11, 12)
             assert time.monotonic() < load.pins_until  # the worker may copy until then
             # vLLM schedules a step ahead: the request ends while its copy is queued.
-            side.request_finished("r1")
+            assert side.request_finished(req, []) is False
             side.build_meta(step())
             assert pinned(address) == 3, "pins dropped while the worker may still copy"
             side.on_worker_output(
@@ -135,6 +137,165 @@ async def test_a_hit_vllm_does_not_take_is_released_and_never_loaded(
             while pinned(address) and time.monotonic() < deadline:
                 time.sleep(0.02)
             assert pinned(address) == 0
+        finally:
+            side.shutdown()
+
+    await asyncio.to_thread(scenario)
+
+
+def decode_step(req: Any, computed: int, new_block_ids: list[int] | None = None) -> Any:
+    """A step scheduling one token of ``req`` (a decode), ``computed`` tokens before it."""
+    cached = SimpleNamespace(
+        req_ids=[req.request_id],
+        new_block_ids=[(new_block_ids,) if new_block_ids else None],
+        num_computed_tokens=[computed],
+        resumed_req_ids=set(),
+    )
+    return step(num_scheduled_tokens={req.request_id: 1}, scheduled_cached_reqs=cached)
+
+
+def prefill_step(req: Any, block_ids: list[int]) -> Any:
+    """A step scheduling the whole prompt of ``req`` into ``block_ids``."""
+    new = SimpleNamespace(req_id=req.request_id, block_ids=(block_ids,), num_computed_tokens=0)
+    return step(num_scheduled_tokens={req.request_id: req.num_tokens}, scheduled_new_reqs=[new])
+
+
+def sample(req: Any, token: int) -> None:
+    """The request's next output token, as vLLM appends it after a step."""
+    req.all_token_ids.append(token)
+    req.num_tokens += 1
+
+
+async def test_output_blocks_are_saved_under_the_hashes_a_next_turn_prompt_gets(
+    kv_server: Server,  # noqa: F811
+) -> None:
+    address = kv_server.address
+
+    def scenario(save_decode: bool) -> list[tuple[int, int]]:
+        link = NodeLink(
+            ConnectorConfig(target=address, tenant="acme"), MODEL, LAYOUT, client_name="t"
+        )
+        link.map_pool = False
+        side = SchedulerSide(
+            link, BS, load=True, save=True, save_decode=save_decode, extra_keys=None
+        )
+        try:
+            prompt = [*range(200, 200 + 2 * BS), 9, 9]  # 2 full blocks and 2 tokens
+            req = request(f"chat-{save_decode}", prompt)
+            assert answer(side, req) == 0
+            side.after_alloc(req, [7, 8, 9], 0)
+            planned = [
+                (s.first_new, len(s.hashes))
+                for s in side.build_meta(prefill_step(req, [7, 8, 9])).saves
+            ]
+            sample(req, 11)  # the first output token, sampled by the prefill
+            out = 11
+            while req.num_tokens < 3 * BS + 3:  # decode past the third block's end
+                computed = req.num_tokens - 1
+                new_ids = [10] if computed == 3 * BS else None
+                meta = side.build_meta(decode_step(req, computed, new_ids))
+                planned += [(s.first_new, len(s.hashes)) for s in meta.saves]
+                for save in meta.saves:
+                    # The chain a later prompt repeating this text (a next turn) gets.
+                    next_turn = link.namespace().hash([*req.all_token_ids, 42, 43])  # type: ignore[union-attr]
+                    assert list(save.hashes) == next_turn[: len(save.hashes)]
+                    assert save.block_ids == (7, 8, 9, 10)[: len(save.hashes)]
+                out += 1
+                sample(req, out)
+            # Everything full was planned in the step that filled it: nothing held back.
+            req.num_computed_tokens = req.num_tokens - 1
+            assert side.request_finished(req, [7, 8, 9, 10]) is False
+            assert side.build_meta(step()).saves == []
+            return planned
+        finally:
+            side.shutdown()
+
+    # Block 2 fills in the decode step that computes token 3 * BS - 1.
+    assert await asyncio.to_thread(scenario, True) == [(0, 2), (2, 3)]
+    assert await asyncio.to_thread(scenario, False) == [(0, 2)]
+
+
+async def test_a_finished_request_keeps_its_blocks_until_its_last_full_blocks_are_copied_out(
+    kv_server: Server,  # noqa: F811
+) -> None:
+    address = kv_server.address
+
+    def scenario() -> None:
+        link = NodeLink(
+            ConnectorConfig(target=address, tenant="acme"), MODEL, LAYOUT, client_name="t"
+        )
+        link.map_pool = False
+        side = SchedulerSide(link, BS, load=True, save=True, extra_keys=None)
+        try:
+            req = request("async", [*range(300, 300 + BS), 1, 2])
+            assert answer(side, req) == 0
+            side.after_alloc(req, [4, 5], 0)
+            (first,) = side.build_meta(prefill_step(req, [4, 5])).saves
+            assert len(first.hashes) == 1 and not first.frees_blocks
+            # With asynchronous scheduling the step that completed block 1 ran before
+            # its last token was known: nothing could be planned then.
+            for token in range(BS):
+                sample(req, 500 + token)
+            req.num_computed_tokens = 2 * BS + 1
+            assert side.request_finished(req, [4, 5]) is True  # vLLM keeps the blocks
+            (last,) = side.build_meta(step()).saves
+            assert last.frees_blocks and last.request_id == "async"
+            assert (last.first_new, last.block_ids) == (1, (4, 5))
+            assert list(last.hashes) == link.namespace().hash(req.all_token_ids)[:2]  # type: ignore[union-attr]
+            assert side.build_meta(step()).saves == []
+        finally:
+            side.shutdown()
+
+    await asyncio.to_thread(scenario)
+
+
+async def test_a_tensor_parallel_engine_looks_up_every_ranks_namespace_and_loads_the_shortest(
+    kv_server: Server,  # noqa: F811
+) -> None:
+    address = kv_server.address
+    ranks = [f"{MODEL}#tp-2.0", f"{MODEL}#tp-2.1"]
+
+    def scenario() -> None:
+        tokens = [*range(400, 400 + 3 * BS), 1]
+        assert store_prompt(address, tokens, ranks[0]) == 3
+        assert store_prompt(address, tokens[: 2 * BS], ranks[1]) == 2  # rank 1 has 2
+        link = NodeLink(
+            ConnectorConfig(target=address, tenant="acme"), ranks, LAYOUT, client_name="t"
+        )
+        link.map_pool = False
+        side = SchedulerSide(link, BS, load=True, save=True, extra_keys=None)
+        try:
+            req = request("tp", tokens)
+            assert answer(side, req) == 2 * BS  # the blocks every rank has
+            assert pinned(address) == 5  # both ranks' hits, pinned until the load ends
+            side.after_alloc(req, [20, 21, 22, 23], 2 * BS)
+            meta = side.build_meta(prefill_step(req, [20, 21, 22, 23]))
+            assert [(load.rank, load.block_ids) for load in meta.loads] == [
+                (0, (20, 21)),
+                (1, (20, 21)),
+            ]
+            # Each rank saves block 2 under its own namespace's chain.
+            namespaces = link.namespaces()
+            assert namespaces is not None
+            saves = {save.rank: save for save in meta.saves}
+            for rank, ns in enumerate(namespaces):
+                assert list(saves[rank].hashes) == ns.hash(tokens)[:3]
+                assert saves[rank].first_new == 2
+            assert saves[0].hashes[0] != saves[1].hashes[0]
+            # A commit counts once every rank confirmed it (reports come step by step).
+            side.on_worker_output(
+                SimpleNamespace(
+                    kv_connector_worker_meta=KVStoreWorkerReport(
+                        loaded={"tp"}, saved={("tp", 0): 3}
+                    )
+                )
+            )
+            tracked = side._requests["tp"]
+            assert tracked.saved_blocks == 2
+            side.on_worker_output(
+                SimpleNamespace(kv_connector_worker_meta=KVStoreWorkerReport(saved={("tp", 1): 3}))
+            )
+            assert tracked.saved_blocks == 3
         finally:
             side.shutdown()
 

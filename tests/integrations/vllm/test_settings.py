@@ -9,7 +9,7 @@ import pytest
 
 from kvstore.errors import InvalidArgument
 from kvstore.integrations.vllm.config import ConnectorConfig
-from kvstore.integrations.vllm.identity import namespace_model_id
+from kvstore.integrations.vllm.identity import namespace_model_id, rank_model_ids
 from kvstore.layout import KVLayout
 
 
@@ -77,8 +77,26 @@ def test_everything_that_changes_the_kv_bytes_changes_the_namespace() -> None:
     assert namespace_model_id(vllm_config(), LAYOUT) == base  # deterministic
 
 
-def test_tensor_parallel_engines_are_refused() -> None:
+def test_each_tensor_parallel_rank_gets_its_own_namespace_and_sizes_never_mix() -> None:
+    one = vllm_config()
+    base = namespace_model_id(one, LAYOUT)
+    assert rank_model_ids(one, base) == [base]  # TP 1: the id as before
+    two, four = vllm_config(), vllm_config()
+    two.parallel_config.tensor_parallel_size = 2
+    four.parallel_config.tensor_parallel_size = 4
+    assert namespace_model_id(two, LAYOUT) == base  # the rank split comes after
+    ids_2, ids_4 = rank_model_ids(two, base), rank_model_ids(four, base)
+    assert ids_2 == [f"{base}#tp-2.0", f"{base}#tp-2.1"]
+    assert len(ids_4) == 4
+    assert len({base, *ids_2, *ids_4}) == 7  # no two ranks or sizes share a namespace
+
+
+def test_pipeline_and_context_parallel_engines_are_refused() -> None:
     config = vllm_config()
-    config.parallel_config.tensor_parallel_size = 2
-    with pytest.raises(InvalidArgument, match="tensor and pipeline parallel"):
+    config.parallel_config.pipeline_parallel_size = 2
+    with pytest.raises(InvalidArgument, match="pipeline parallelism"):
+        namespace_model_id(config, LAYOUT)
+    config = vllm_config()
+    config.parallel_config.decode_context_parallel_size = 2
+    with pytest.raises(InvalidArgument, match="decode_context_parallel_size 2"):
         namespace_model_id(config, LAYOUT)

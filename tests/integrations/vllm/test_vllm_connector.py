@@ -32,8 +32,12 @@ from tests.integrations.vllm.common import (
     run,
     system,
     tokens,
+    wait_for,
 )
 from tests.integrations.vllm.engines import Engine, Node, running
+
+ANSWER_TOKENS = 70
+"""Tokens each chat turn generates: over two blocks of answer."""
 
 pytestmark = [pytest.mark.vllm, pytest.mark.e2e, pytest.mark.timeout(900)]
 
@@ -92,6 +96,45 @@ def test_different_system_prompt_gets_no_external_hit(engines, node) -> None:
     assert got["external_hits"] == 0
     assert got["tokens"] == run(ref, system(3) + USER_1)["tokens"]
     assert_nothing_pinned(node)
+
+
+def test_a_chat_alternating_engines_loads_each_earlier_answer(engines, node) -> None:
+    """Turn n+1 repeats turn n's prompt and answer: on the other engine, every full block
+    of them (answer included) comes from the node, and the outputs are exact."""
+    a, b, ref = engines["a"], engines["b"], engines["ref"]
+    history = system(30)
+    for turn, (engine, question) in enumerate([(a, USER_1), (b, USER_2), (a, USER_3)]):
+        prompt = history + question
+        before = stored_blocks(node)
+        engine.command(reset_prefix_cache=True)  # only the node can supply a hit
+        got = engine.generate([prompt], max_tokens=ANSWER_TOKENS)
+        (out,) = got["results"]
+        ref.command(reset_prefix_cache=True)
+        assert (
+            out["tokens"]
+            == ref.generate([prompt], max_tokens=ANSWER_TOKENS)["results"][0]["tokens"]
+        ), f"turn {turn + 1}"
+        # The earlier turn's KV was computed for all its tokens but its last (sampled,
+        # never fed back): its full blocks of those, the answer's included, are loaded.
+        want = 0 if turn == 0 else (len(history) - 1) // BLOCK * BLOCK
+        assert got["external_hits"] == want, f"turn {turn + 1}"
+        history = prompt + out["tokens"]
+        # The last blocks are stored in the background: wait (bounded) until they are.
+        new_blocks = (len(history) - 1) // BLOCK - want // BLOCK
+        wait_for(
+            f"turn {turn + 1}'s {new_blocks} new blocks on the node",
+            lambda: stored_blocks(node) - before >= new_blocks,  # noqa: B023
+            within=30,
+            tail=engine.tail,
+        )
+    assert_nothing_pinned(node)
+
+
+def stored_blocks(node: Node) -> int:
+    """Blocks tenant acme has stored on the node so far (a counter)."""
+    return sum(
+        t.stored_blocks for ns in node.stats().namespaces for t in ns.tenants if t.tenant == "acme"
+    )
 
 
 def test_switched_system_prompt_still_hits_until_evicted(engines, node) -> None:

@@ -175,3 +175,15 @@ def test_a_preempting_batch_is_exact_and_leaves_nothing_pinned(engines, node) ->
     for g, w in zip(got["results"], want["results"], strict=True):
         assert g["tokens"] == w["tokens"]
     assert_nothing_pinned(node)
+    # The batch's answers were saved as their blocks filled, preempted or not: the
+    # requests that ran last (the preempted ones, resumed last; the newest on the
+    # node) are continued on another engine, which loads their answers' blocks.
+    follow = [q + g["tokens"] + USER_2 for q, g in zip(prompts, got["results"], strict=True)][-4:]
+    loaded = 0
+    for prompt in follow:
+        g, w = run(a, prompt), run(ref, prompt)
+        assert_exact(g, w)
+        loaded += g["external_hits"]
+    answered = [(len(q) - len(USER_2) - 1) // BLOCK * BLOCK for q in follow]
+    assert loaded == sum(answered), (loaded, answered)
+    assert_nothing_pinned(node)

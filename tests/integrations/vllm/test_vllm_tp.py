@@ -1,0 +1,101 @@
+"""Tensor-parallel engines share prefixes rank by rank (real vLLM at TP=2, no mocks).
+
+vLLM's CPU build runs ``tensor_parallel_size=2`` with its multiprocessing
+executor (one worker process per rank; ``VLLM_CPU_OMP_THREADS_BIND`` gives
+each rank one core, as this host has one NUMA node). Four engines share one
+node: ``a2`` and ``b2`` at TP=2 with the connector, ``ref2`` at TP=2
+without it (the reference outputs), and ``one`` at TP=1 with the connector.
+Each rank stores its share of the KV heads in a namespace of its own
+(``<model id>#tp-2.<rank>``), so TP=2 engines share with each other and
+never with a TP=1 engine.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.integrations.vllm.common import (
+    BLOCK,
+    SYSTEM_HIT,
+    USER_1,
+    USER_2,
+    USER_3,
+    assert_nothing_pinned,
+    connector,
+    max_logprob_diff,
+    run,
+    system,
+)
+from tests.integrations.vllm.engines import Engine, Node, running
+
+pytestmark = [pytest.mark.vllm, pytest.mark.e2e, pytest.mark.timeout(900)]
+
+TP2: dict[str, Any] = {"tensor_parallel_size": 2, "env": {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}}
+ENGINE_DIFF = 1e-5
+"""Logprob difference between an engine with the connector and one without, measured
+(test_vllm_connector): merely enabling a connector moves float32 rounding a few ulps."""
+
+
+@pytest.fixture(scope="module")
+def engines(
+    vllm_py: str, tiny_model: Path, node: Node, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[dict[str, Engine]]:
+    logs = tmp_path_factory.mktemp("tp-engines")
+    specs: dict[str, dict[str, Any]] = {
+        "a2": {"connector": connector(node), **TP2},
+        "b2": {"connector": connector(node), **TP2},
+        "ref2": {"connector": None, **TP2},
+        "one": {"connector": connector(node)},
+    }
+    started = {
+        name: Engine(vllm_py, tiny_model, log_dir=logs, name=name, **spec)
+        for name, spec in specs.items()
+    }
+    with running(started) as ready:
+        yield ready
+
+
+def rank_blocks(node: Node) -> dict[str, int]:
+    """Ready blocks per tensor-parallel rank namespace (by model id suffix)."""
+    return {
+        ns.model_id.rsplit("#", 1)[1]: int(ns.ready)
+        for ns in node.stats().namespaces
+        if "#tp-" in ns.model_id
+    }
+
+
+def test_tp2_engines_share_a_prefix_and_an_answer_exactly(engines, node) -> None:
+    a2, b2, ref2 = engines["a2"], engines["b2"], engines["ref2"]
+    first = run(a2, system(60) + USER_1)
+    assert first["external_hits"] == 0
+    assert first["tokens"] == run(ref2, system(60) + USER_1)["tokens"]
+    blocks = rank_blocks(node)
+    assert set(blocks) == {"tp-2.0", "tp-2.1"}
+    assert blocks["tp-2.0"] == blocks["tp-2.1"] > 0  # each rank stored its share
+    got = run(b2, system(60) + USER_2)
+    assert got["external_hits"] == SYSTEM_HIT  # every rank's blocks loaded
+    want = run(ref2, system(60) + USER_2)
+    assert got["tokens"] == want["tokens"]
+    assert max_logprob_diff(got, want) <= ENGINE_DIFF
+    # A chat's next turn on the other engine loads the answer's blocks too.
+    history = system(60) + USER_2 + got["tokens"]
+    turn2 = run(a2, history + USER_3)
+    assert turn2["external_hits"] == (len(history) - 1) // BLOCK * BLOCK
+    assert turn2["tokens"] == run(ref2, history + USER_3)["tokens"]
+    assert_nothing_pinned(node)
+
+
+def test_tp1_and_tp2_engines_never_share(engines, node) -> None:
+    a2, one = engines["a2"], engines["one"]
+    run(one, system(61) + USER_1)
+    assert run(a2, system(61) + USER_2)["external_hits"] == 0
+    run(a2, system(62) + USER_1)
+    assert run(one, system(62) + USER_2)["external_hits"] == 0
+    # Each engine still hits its own kind.
+    assert run(one, system(61) + USER_3)["external_hits"] == SYSTEM_HIT
+    assert run(a2, system(62) + USER_3)["external_hits"] == SYSTEM_HIT
+    assert_nothing_pinned(node)
