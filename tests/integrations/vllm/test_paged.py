@@ -162,7 +162,8 @@ def test_gpu_path_loads_cuda_pool_slots_into_a_flash_cache() -> None:
         pool.close()
 
 
-def test_failed_or_unpinned_loads_report_their_blocks() -> None:
+def unreachable_worker(max_pending_save_bytes: int) -> tuple[WorkerSide, list[torch.Tensor]]:
+    """A worker over CPU paged layers (registered) whose node cannot be reached."""
     cache = cpu_layers()
     names = [f"l{i}" for i in range(LAYOUT.num_layers)]
     worker = WorkerSide(
@@ -170,10 +171,15 @@ def test_failed_or_unpinned_loads_report_their_blocks() -> None:
         LAYOUT,
         names,
         fail_loads=False,
-        max_pending_save_bytes=1 << 20,
+        max_pending_save_bytes=max_pending_save_bytes,
     )
+    worker.register_kv_caches(dict(zip(names, cache, strict=True)))
+    return worker, cache
+
+
+def test_failed_or_unpinned_loads_report_their_blocks() -> None:
+    worker, cache = unreachable_worker(1 << 20)
     try:
-        worker.register_kv_caches(dict(zip(names, cache, strict=True)))
         before = [t.clone() for t in cache]
         worker.start_load(KVStoreConnectorMetadata(loads=[LoadSpec("r", (0, 1), (0, 1), 1, HELD)]))
         assert finish(worker, "r") == {0, 1}  # node unreachable
@@ -198,16 +204,7 @@ def test_failed_or_unpinned_loads_report_their_blocks() -> None:
 
 
 def test_a_finished_requests_blocks_are_given_back_whatever_its_last_save_does() -> None:
-    cache = cpu_layers()
-    names = [f"l{i}" for i in range(LAYOUT.num_layers)]
-    worker = WorkerSide(
-        _Link(None),  # type: ignore[arg-type]
-        LAYOUT,
-        names,
-        fail_loads=False,
-        max_pending_save_bytes=LAYOUT.block_bytes,
-    )
-    worker.register_kv_caches(dict(zip(names, cache, strict=True)))
+    worker, _ = unreachable_worker(LAYOUT.block_bytes)
     hashes = (b"h" * 32,) * 2
     # Copied out (the store then fails: no node), over the byte budget, tainted by
     # a failed load, or after shutdown: vLLM gets its blocks back each time.

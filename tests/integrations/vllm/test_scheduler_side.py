@@ -40,6 +40,20 @@ def request(req_id: str, tokens: list[int]) -> Any:
     )
 
 
+def scheduler_side(
+    address: str, models: str | list[str] = MODEL, save_decode: bool = True, **config: Any
+) -> SchedulerSide:
+    """A scheduler side (as vLLM's engine core makes it) on the node at ``address``."""
+    link = NodeLink(
+        ConnectorConfig(target=address, tenant="acme", **config),
+        models,
+        LAYOUT,
+        client_name="test",
+        map_pool=False,
+    )
+    return SchedulerSide(link, BS, load=True, save=True, save_decode=save_decode, extra_keys=None)
+
+
 def step(**fields: Any) -> Any:
     """A scheduler output that schedules nothing (loads are sent whatever is scheduled)."""
     cached = SimpleNamespace(
@@ -85,9 +99,7 @@ async def test_pins_of_a_sent_load_outlive_the_request_until_the_worker_reports(
     def scenario() -> None:
         tokens = [*range(3, 3 + 3 * BS), 7]
         assert store_prompt(address, tokens) == 3
-        config = ConnectorConfig(target=address, tenant="acme", lookup_timeout=5.0)
-        link = NodeLink(config, MODEL, LAYOUT, client_name="test", map_pool=False)
-        side = SchedulerSide(link, BS, load=True, save=True, extra_keys=None)
+        side = scheduler_side(address, lookup_timeout=5.0)
         try:
             req = request("r1", tokens)
             assert answer(side, req) == 3 * BS
@@ -123,11 +135,7 @@ async def test_a_hit_vllm_does_not_take_is_released_and_never_loaded(
     def scenario() -> None:
         tokens = [*range(100, 100 + 2 * BS), 5]
         assert store_prompt(address, tokens) == 2
-        link = NodeLink(
-            ConnectorConfig(target=address, tenant="acme"), MODEL, LAYOUT, client_name="t"
-        )
-        link.map_pool = False
-        side = SchedulerSide(link, BS, load=True, save=True, extra_keys=None)
+        side = scheduler_side(address)
         try:
             req = request("r2", tokens)
             assert answer(side, req) == 2 * BS
@@ -172,13 +180,8 @@ async def test_output_blocks_are_saved_under_the_hashes_a_next_turn_prompt_gets(
     address = kv_server.address
 
     def scenario(save_decode: bool) -> list[tuple[int, int]]:
-        link = NodeLink(
-            ConnectorConfig(target=address, tenant="acme"), MODEL, LAYOUT, client_name="t"
-        )
-        link.map_pool = False
-        side = SchedulerSide(
-            link, BS, load=True, save=True, save_decode=save_decode, extra_keys=None
-        )
+        side = scheduler_side(address, save_decode=save_decode)
+        link = side.link
         try:
             prompt = [*range(200, 200 + 2 * BS), 9, 9]  # 2 full blocks and 2 tokens
             req = request(f"chat-{save_decode}", prompt)
@@ -221,11 +224,8 @@ async def test_a_finished_request_keeps_its_blocks_until_its_last_full_blocks_ar
     address = kv_server.address
 
     def scenario() -> None:
-        link = NodeLink(
-            ConnectorConfig(target=address, tenant="acme"), MODEL, LAYOUT, client_name="t"
-        )
-        link.map_pool = False
-        side = SchedulerSide(link, BS, load=True, save=True, extra_keys=None)
+        side = scheduler_side(address)
+        link = side.link
         try:
             req = request("async", [*range(300, 300 + BS), 1, 2])
             assert answer(side, req) == 0
@@ -259,11 +259,8 @@ async def test_a_tensor_parallel_engine_looks_up_every_ranks_namespace_and_loads
         tokens = [*range(400, 400 + 3 * BS), 1]
         assert store_prompt(address, tokens, ranks[0]) == 3
         assert store_prompt(address, tokens[: 2 * BS], ranks[1]) == 2  # rank 1 has 2
-        link = NodeLink(
-            ConnectorConfig(target=address, tenant="acme"), ranks, LAYOUT, client_name="t"
-        )
-        link.map_pool = False
-        side = SchedulerSide(link, BS, load=True, save=True, extra_keys=None)
+        side = scheduler_side(address, ranks)
+        link = side.link
         try:
             req = request("tp", tokens)
             assert answer(side, req) == 2 * BS  # the blocks every rank has
