@@ -22,20 +22,12 @@ Design decisions (also in ``docs/pools.md``):
   ``slots_per_arena = max(1, arena_bytes // block_bytes)``,
   ``ceil(capacity / slots_per_arena)`` arenas, the last one possibly smaller.
   A runner opens and maps each arena once.
-* **Pre-faulting.** With ``prefault`` the server allocates (and the kernel
-  zeroes) every page of a new arena with ``posix_fallocate``: a full tmpfs
-  is a clear `LimitExceeded` when the arena is made, not a SIGBUS at the
-  first write, and no runner's copy pays for fresh pages. The server does
-  not fill its *own* page tables: it rarely touches the bytes itself
-  (streamed reads and writes only), and doing so would double an arena's
-  build time (18 ms more per 64 MiB on the 2-core test machine, on top of
-  fallocate's 14 ms). Where ``posix_fallocate`` is not supported, and for huge page
-  pools (where faulting in is what gets the huge pages), the server faults
-  its mapping in with ``madvise(MADV_POPULATE_WRITE)`` (Linux 5.14+),
-  falling back to touching one byte per page. A runner maps with
-  ``MAP_POPULATE`` where the platform has it (its own page table entries,
-  about 5 ms per 64 MiB; ``MADV_POPULATE_WRITE`` measured twice that), else
-  ``madvise(MADV_WILLNEED)``.
+* **Pre-faulting.** With ``prefault`` the server reserves the pages with
+  ``posix_fallocate`` (so a full tmpfs is a clear `LimitExceeded` at start,
+  not a SIGBUS at the first write) and populates its page tables with
+  ``madvise(MADV_POPULATE_WRITE)`` (Linux 5.14+), falling back to touching
+  one byte per page. A runner maps with ``MAP_POPULATE`` where the platform
+  has it, else ``madvise(MADV_WILLNEED)``.
 * **Huge pages where offered**: see `kvstore.pool.host_pages`.
 * **Closing is memory safe.** ``mmap.close`` refuses while a view exported
   from it is alive; such an arena stays mapped until the last view is
@@ -239,10 +231,8 @@ def _create_arena(
                 os.fchown(fd, -1, group)  # before fchmod: chown may clear mode bits
             os.fchmod(fd, mode)  # os.open's mode is filtered by the umask; make it exact
             os.ftruncate(fd, size)
-            # A huge page pool reserves once it is populated; a small page one
-            # needs only the allocation: the node's own page tables are filled
-            # only where fallocate could not allocate (see the module docstring).
-            reserved = prefault and not huge and pages.reserve(fd, path, size)
+            if prefault and not huge:  # a huge page pool reserves once it is populated
+                pages.reserve(fd, path, size)
             prot = mmap.PROT_READ | mmap.PROT_WRITE
             mapped = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=prot)
         except BaseException:
@@ -251,11 +241,11 @@ def _create_arena(
         if huge:
             pages.advise(mapped)  # before the first fault: pages faulted small stay small
         huge_bytes = 0
-        if prefault and (huge or not reserved):
+        if prefault:
             pages.populate(mapped, write=True)
             if huge:
                 pages.reserve(fd, path, size)
-                huge_bytes = pages.mapped_huge_bytes(mapped) or 0
+            huge_bytes = pages.mapped_huge_bytes(mapped) or 0
     except BaseException:
         _unlink(path)
         raise

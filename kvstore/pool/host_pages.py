@@ -1,9 +1,8 @@
 """How a host arena's pages are allocated and faulted in: reserve, populate, huge pages.
 
 `reserve` allocates a new arena file's pages (so a full tmpfs fails at
-once, not with a SIGBUS at a later write, and no runner's copy allocates
-and zeroes fresh pages) and `populate` faults a mapping's pages in. The rest
-of this module is about their size.
+once, not with a SIGBUS at a later write) and `populate` faults a mapping's
+pages in. The rest of this module is about their size.
 
 Copies out of a pool mapped with 4 KiB pages run at about half the speed of
 copies between huge-page-backed arrays (TLB misses). A pool file on tmpfs
@@ -245,23 +244,10 @@ def populate(mapped: mmap.mmap, *, write: bool) -> None:
             mapped.madvise(mmap.MADV_WILLNEED)
 
 
-def reserve(fd: int, path: str, size: int) -> bool:
-    """Allocate (and zero) the pages of a file now so that a full tmpfs fails here, loudly.
-
-    On tmpfs ``posix_fallocate`` allocates every page of the file, so no
-    process that maps it later faults in *new* memory (only its own page
-    table entries, which `populate` or ``MAP_POPULATE`` fill).
-
-    Returns:
-        True when the pages are allocated; False where the file system
-        cannot (no ``posix_fallocate``, EOPNOTSUPP): `populate` the mapping
-        writable instead.
-
-    Raises:
-        LimitExceeded: no room (ENOSPC), with what to change.
-    """
+def reserve(fd: int, path: str, size: int) -> None:
+    """Allocate the pages of a file now so that a full tmpfs fails here, loudly."""
     if not hasattr(os, "posix_fallocate"):
-        return False
+        return
     try:
         os.posix_fallocate(fd, 0, size)
     except OSError as exc:
@@ -272,5 +258,3 @@ def reserve(fd: int, path: str, size: int) -> bool:
             ) from exc
         if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
             raise
-        return False
-    return True
