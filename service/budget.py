@@ -9,11 +9,12 @@ and the store's block tables (the slots):
   answers, so the runner maps those arenas with the first.
 - **Headroom, ahead of need**: a pool keeps ``pool_headroom_bytes`` of free
   slots (in whole arenas) ready, so a store finds allocated memory and
-  already mapped arenas instead of waiting for an arena to be built. After
-  a Reserve leaves fewer free slots, the next arenas are built in a
-  background task (one at a time, off the event loop), never blocking that
-  Reserve or the next. Growth ahead of need spends only free budget: it
-  never takes arenas back from other namespaces, and it stops at the pool's
+  already mapped arenas instead of waiting for an arena to be built. When a
+  commit leaves fewer free slots, the next arenas are built in a background
+  task (one at a time, off the event loop), never blocking a Reserve; after
+  the commit, not the Reserve, so the build does not compete with the
+  runner's copy. Growth ahead of need spends only free budget: it never
+  takes arenas back from other namespaces, and it stops at the pool's
   ceiling. The node never allocates its whole budget up front.
 - **Growth on demand**: before a Reserve, a namespace whose free slots fall
   short of the chain's missing blocks gets more arenas, up to its ceiling,
@@ -145,11 +146,7 @@ class NamespaceMemory:
     async def make_room(
         self, table: BlockTable, tenant: TenantId, chain: Sequence[BlockHash]
     ) -> None:
-        """Grow ``table``'s pool before a reserve of ``chain`` if its free slots fall short.
-
-        Then (whether or not it grew) start building headroom in the
-        background if the reserve may leave fewer free slots than that.
-        """
+        """Grow ``table``'s pool before a reserve of ``chain`` if its free slots fall short."""
         namespace = table.namespace
         now = self.clock()
         self._active[namespace] = now
@@ -163,18 +160,29 @@ class NamespaceMemory:
                 grown = await self._grow(table, plan, table.shortfall(tenant, chain))
             if not grown:
                 self._retry_at[namespace] = self.clock() + RETRY_SECONDS
-                return
-        # The reserve runs before this task does (no await in between): it
-        # sees the free slots the reserve left.
-        if self._headroom_need(table, plan, taking=len(chain)) > 0:
+
+    def keep_ahead(self, table: BlockTable) -> None:
+        """After a commit: build headroom in the background if the free slots are under it.
+
+        Not after the Reserve: the runner copies its blocks between the two,
+        and an arena built meanwhile (the kernel zeroing its pages) would
+        compete with that copy for the CPU and memory bandwidth; after the
+        commit it competes with nothing of this store's.
+        """
+        if not self.headroom_bytes or not self._registered(table):
+            return
+        if self._retry_at.get(table.namespace, 0.0) > self.clock():
+            return
+        plan = self.pools.plan_of(table.namespace)
+        if self._headroom_need(table, plan) > 0:
             self._grow_ahead(table, plan)
 
-    def _headroom_need(self, table: BlockTable, plan: PoolPlan, taking: int = 0) -> int:
-        """Slots the pool lacks to keep its headroom after ``taking`` more (0 if none or full)."""
+    def _headroom_need(self, table: BlockTable, plan: PoolPlan) -> int:
+        """Slots the pool lacks to keep its headroom (0 when it has it or is at its ceiling)."""
         if not self.headroom_bytes or self.pools.arenas(table.namespace) >= plan.max_arenas:
             return 0
         headroom = -(-self.headroom_bytes // plan.block_bytes)
-        return max(0, headroom - (table.free_slots - taking))
+        return max(0, headroom - table.free_slots)
 
     def _grow_ahead(self, table: BlockTable, plan: PoolPlan) -> None:
         """Build headroom in a background task, one per namespace at a time."""

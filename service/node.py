@@ -243,6 +243,10 @@ class Node:
         """Grow the namespace's pool before a reserve if it lacks free slots (`NamespaceMemory`)."""
         await self.memory.make_room(table, tenant, chain)
 
+    def committed(self, namespace: NamespaceId) -> None:
+        """Blocks of ``namespace`` were committed: keep its headroom (`NamespaceMemory`)."""
+        self.memory.keep_ahead(self.store.table(namespace))
+
     async def drop(self, namespace: NamespaceId, force: bool) -> tuple[DropReport, int]:
         """Drop a namespace (`Store.drop_namespace`) and give its pool back to the budget.
 

@@ -214,7 +214,12 @@ class BlockRpcs(ServicerBase):
     @guard_unary("Commit")
     async def Commit(self, request: pb.CommitRequest, context: Any) -> pb.CommitResponse:
         """Make written blocks READY."""
-        committed = self._on_hashes(request, context, self.node.store.commit)
+        node = self.node
+        named = self._named_blocks(request, context, node.config.max_chain_blocks)
+        committed = node.store.commit(*named, node.now())
+        node.publish_events()
+        if committed:
+            node.committed(named[0])  # the pool's headroom, after the runner's copy
         return pb.CommitResponse(committed=committed)
 
     @guard_unary("Abort")

@@ -95,4 +95,5 @@ class DataRpcs(ServicerBase):
         if header.commit and written:
             committed = node.store.commit(namespace, tenant, lease_id, list(written), node.now())
             node.publish_events()
+            node.committed(namespace)
         return pb.WriteBlocksResponse(written=len(written), committed=committed)

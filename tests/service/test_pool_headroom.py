@@ -1,9 +1,10 @@
 """Pools keep free memory ready ahead of their stores (``pool_headroom_bytes``, service/budget.py).
 
-RegisterNamespace builds the headroom with the first arena; a Reserve that
-eats into it starts building the next arena in the background, never on
-that Reserve's path; growth ahead of need spends only free budget and stops
-at the pool's ceiling; a failure to build is logged, never fatal.
+RegisterNamespace builds the headroom with the first arena; a commit that
+leaves less starts building the next arena in the background, never on a
+Reserve's path (nor during the runner's copy); growth ahead of need spends
+only free budget and stops at the pool's ceiling; a failure to build is
+logged, never fatal.
 """
 
 from __future__ import annotations
@@ -95,18 +96,21 @@ async def eventually(check: Callable[[], Any], within: float = 5.0) -> None:
         await asyncio.sleep(0.01)
 
 
-def hold_builds(server: Server) -> threading.Event:
-    """Make every arena build wait (in its worker thread) until the returned event is set."""
-    pools = server.node.pools
-    real = pools.build_arena
-    go = threading.Event()
+class HeldBuilds:
+    """Every arena build waits (in its worker thread) until `go` is set; counts the builds begun."""
 
-    def build(*args: Any) -> Any:
-        assert go.wait(10), "the test never let the build finish"
-        return real(*args)
+    def __init__(self, server: Server) -> None:
+        pools = server.node.pools
+        real = pools.build_arena
+        self.go = threading.Event()
+        self.begun = 0
 
-    pools.build_arena = build  # type: ignore[method-assign]
-    return go
+        def build(*args: Any) -> Any:
+            self.begun += 1
+            assert self.go.wait(10), "the test never let the build finish"
+            return real(*args)
+
+        pools.build_arena = build  # type: ignore[method-assign]
 
 
 async def test_a_new_pool_starts_with_its_headroom(node: Node) -> None:
@@ -123,22 +127,45 @@ async def test_the_headroom_stops_at_the_pools_ceiling(tmp_path: Any) -> None:
         assert node.server.node.pools.free_bytes == (1 << 20) - 4 * ARENA_BLOCKS * BLOCK_BYTES
 
 
-async def test_a_reserve_into_the_headroom_grows_the_pool_in_the_background(node: Node) -> None:
+async def test_a_commit_into_the_headroom_grows_the_pool_in_the_background(node: Node) -> None:
     reg = await node.register("m")
     ns, lid = reg.namespace_id, await node.lease()
     before = await node.stub.AttachPool(pb.AttachPoolRequest(namespace_id=ns))
-    go = hold_builds(node.server)
-    # 20 of the 32 free slots: 12 left, under the headroom of 32. The Reserve answers
-    # while the next arena is still being built (held): nothing waits for it.
-    res = await asyncio.wait_for(store(node.stub, ns, lid, tokens_of(20, 1)), 5)
+    held = HeldBuilds(node.server)
+    # 20 of the 32 free slots: 12 left, under the headroom of 32. Nothing is built
+    # while the runner copies (between its Reserve and its commit) ...
+    res = await node.stub.Reserve(
+        pb.ReserveRequest(namespace_id=ns, lease_id=lid, tokens=tokens_of(20, 1))
+    )
     assert all(e.status == pb.RESERVE_STATUS_RESERVED for e in res.entries)
     assert res.pool_version == before.pool_version  # no arena was added on its path
+    await asyncio.sleep(0.05)
+    assert held.begun == 0
+    # ... the commit starts it, and answers while the arena is still being built.
+    commit = await asyncio.wait_for(
+        node.stub.Commit(
+            pb.CommitRequest(namespace_id=ns, lease_id=lid, hashes=[e.hash for e in res.entries])
+        ),
+        5,
+    )
+    assert commit.committed == 20
+    await eventually(lambda: _begun(held))
     assert await node.arenas(ns) == 2
-    go.set()
-    # 64 slots (the ceiling) hold 44 free: the headroom is back.
+    # A Reserve that fits the free slots never waits for the arena being built.
+    more = await asyncio.wait_for(
+        node.stub.Reserve(pb.ReserveRequest(namespace_id=ns, lease_id=lid, tokens=tokens_of(4, 9))),
+        5,
+    )
+    assert all(e.status == pb.RESERVE_STATUS_RESERVED for e in more.entries)
+    held.go.set()
+    # 64 slots (the ceiling) hold 40 free: the headroom is back.
     await eventually(lambda: _has_arenas(node, ns, 4))
     after = await node.stub.AttachPool(pb.AttachPoolRequest(namespace_id=ns))
     assert after.arenas[:2] == before.arenas[:2]  # arenas are added at the end
+
+
+async def _begun(held: HeldBuilds) -> bool:
+    return held.begun > 0
 
 
 async def _has_arenas(node: Node, ns: str, n: int) -> bool:
@@ -194,10 +221,10 @@ async def test_stopping_the_node_while_headroom_is_built_leaves_no_files(tmp_pat
     config = small_config(tmp_path)
     async for node in _start(config):
         reg = await node.register("m")
-        go = hold_builds(node.server)
+        held = HeldBuilds(node.server)
         await store(node.stub, reg.namespace_id, await node.lease(), tokens_of(20, 5))
-        await asyncio.sleep(0.05)  # the background growth is waiting in its thread
-        asyncio.get_running_loop().call_later(0.1, go.set)
+        await eventually(lambda h=held: _begun(h))  # the background growth waits in its thread
+        asyncio.get_running_loop().call_later(0.1, held.go.set)
         await node.server.stop(0.1)
     assert [p for p in tmp_path.iterdir() if p.name.startswith(config.pool_prefix)] == []
 
