@@ -1,7 +1,7 @@
 """vLLM time to first token with a long shared system prompt: cold, warm from kvstore,
 and vLLM's own in-process prefix-cache hit (the limit), in one run.
 
-    KVSTORE_VLLM_PYTHON=... python -m benchmarks.bench_vllm [--lengths 1024,2048,4096]
+    KVSTORE_VLLM_PYTHON=... python -m benchmarks.bench_vllm [--lengths 1024,2048,4096,8192]
         [--layers 6 --hidden 768] [--repeats 3] [--settle 2] [--quick]
 
 Makes a random Llama offline (float32), starts a cache node and two vLLM
@@ -51,7 +51,7 @@ def one(engine: Engine, tokens: list[int], *, cold: bool, settle: float = 0.0) -
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--lengths", default="1024,2048,4096")
+    parser.add_argument("--lengths", default="1024,2048,4096,8192")
     parser.add_argument("--layers", type=int, default=6)
     parser.add_argument("--hidden", type=int, default=768)
     parser.add_argument("--repeats", type=int, default=3)

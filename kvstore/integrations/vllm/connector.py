@@ -20,7 +20,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.v1.core.kv_cache_utils import generate_block_hash_extra_keys
 
 from kvstore.integrations.vllm.config import ConnectorConfig
-from kvstore.integrations.vllm.identity import kv_layout, namespace_model_id, rank_model_ids
+from kvstore.integrations.vllm.identity import (
+    block_order,
+    kv_layout,
+    namespace_model_id,
+    rank_model_ids,
+)
 from kvstore.integrations.vllm.link import NodeLink
 from kvstore.integrations.vllm.logs import follow_vllm_logging
 from kvstore.integrations.vllm.metadata import KVStoreConnectorMetadata
@@ -87,6 +92,7 @@ class KVStoreConnector(KVConnectorBase_V1):
                 fail_loads=self.config.fail_loads,
                 max_pending_save_bytes=self.config.max_pending_save_bytes,
                 rank=rank,
+                order=block_order(vllm_config),
             )
         # End the leases at once on SIGTERM, SIGINT or exit (docs/vllm.md, "Stopping").
         on_stop(self.shutdown)

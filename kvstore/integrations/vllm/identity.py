@@ -24,8 +24,10 @@ All of it is in the model id, not only in the layout: the node keeps one
 layout per model id, so two engines that differ in any of it get two
 namespaces (never a shared one, never a refused registration).
 
-Blocks are stored in kvstore's canonical order whatever vLLM's attention
-backend (`kvstore.integrations.vllm.paged`), so the backend is not part of it.
+- the **block order** in the pool (`block_order`): CPU engines store their
+  backend's own page order (``#order-cpu``), GPU engines the canonical one
+  (`kvstore.integrations.vllm.paged`), so a CPU and a GPU engine never
+  read each other's bytes in the wrong order.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ import json
 from typing import Any
 
 from kvstore.errors import InvalidArgument
+from kvstore.integrations.vllm.paged import BlockOrder
 from kvstore.layout import DTYPE_BYTES, KVLayout
 
 _RUNTIME_KEYS = frozenset({"transformers_version", "torch_dtype", "dtype", "_name_or_path"})
@@ -77,6 +80,12 @@ def kv_layout(kv_cache_config: Any) -> tuple[KVLayout, list[str]]:
     return layout, names
 
 
+def block_order(vllm_config: Any) -> BlockOrder:
+    """The pool order of an engine's blocks: its own page order on a CPU engine."""
+    device = getattr(getattr(vllm_config, "device_config", None), "device_type", "")
+    return "cpu" if device == "cpu" else "canonical"
+
+
 def rank_model_ids(vllm_config: Any, model_id: str) -> list[str]:
     """One model id per tensor-parallel rank, in rank order (``model_id`` alone at TP 1)."""
     tp = int(getattr(vllm_config.parallel_config, "tensor_parallel_size", 1))
@@ -115,9 +124,11 @@ def namespace_model_id(vllm_config: Any, layout: KVLayout, configured: str = "")
         weights += f"-q-{quantization}"
     if len(name) > 160:  # a long local path: keep its end, and a digest of all of it
         name = name[-120:] + "~" + hashlib.sha256(name.encode()).hexdigest()[:16]
+    order = block_order(vllm_config)
     return (
         f"vllm:{name}#cfg-{config_fingerprint(model.hf_config)}#w-{weights}"
         f"#kv-{cache_dtype}-{layout.dtype}#bs-{layout.block_size}"
+        + ("" if order == "canonical" else f"#order-{order}")
     )
 
 

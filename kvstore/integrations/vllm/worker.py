@@ -51,7 +51,9 @@ from kvstore.integrations.vllm.metadata import (
     SaveSpec,
 )
 from kvstore.integrations.vllm.paged import (
+    BlockOrder,
     PagedLayer,
+    as_canonical,
     gather_blocks,
     paged_layer,
     scatter_blocks,
@@ -98,6 +100,7 @@ class WorkerSide:
         fail_loads: bool,
         max_pending_save_bytes: int,
         rank: int = 0,
+        order: BlockOrder = "canonical",
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """Nothing is contacted here; `register_kv_caches` starts connecting.
@@ -105,9 +108,11 @@ class WorkerSide:
         Args:
             rank: this worker's tensor-parallel rank: it copies only the loads and
                 saves of its rank (its own namespace, holding its share of the heads).
+            order: how the namespace's blocks are ordered in the pool (`paged`).
         """
         self.link = link
         self.rank = rank
+        self.order = order
         self.layout = layout
         self.layer_names = list(layer_names)
         self.fail_loads = fail_loads
@@ -198,7 +203,10 @@ class WorkerSide:
             mapping = ns.mapping
             if mapping is None or mapping.closed or mapping.descriptor.version < load.pool_version:
                 raise LoadFailed("the pool mapping could not follow the node's arenas")
-        views = [mapping.torch_view(SlotId(slot), self.layout) for slot in load.slots]
+        views = [
+            as_canonical(mapping.torch_view(SlotId(slot), self.layout), self.layout, self.order)
+            for slot in load.slots
+        ]
         scatter_blocks(self.layers, load.block_ids, views)
         if self.layers and self.layers[0].tensor.is_cuda:
             torch.cuda.synchronize(self.layers[0].tensor.device)
@@ -274,7 +282,9 @@ class WorkerSide:
                 return
             self._pending_bytes += nbytes
         try:
-            staged = gather_blocks(self.layers, new_ids, self.layout) if new_ids else None
+            staged = (
+                gather_blocks(self.layers, new_ids, self.layout, self.order) if new_ids else None
+            )
             ready: Any = None
             if staged is not None and staged.is_cuda:
                 ready = torch.cuda.Event()  # type: ignore[no-untyped-call]

@@ -16,7 +16,13 @@ import torch
 
 from kvstore.errors import InvalidArgument
 from kvstore.integrations.vllm.metadata import KVStoreConnectorMetadata, LoadSpec, SaveSpec
-from kvstore.integrations.vllm.paged import gather_blocks, paged_layer, scatter_blocks
+from kvstore.integrations.vllm.paged import (
+    as_canonical,
+    gather_blocks,
+    paged_layer,
+    scatter_blocks,
+    stored_shape,
+)
 from kvstore.integrations.vllm.worker import WorkerSide
 from kvstore.layout import KVLayout
 from kvstore.pool import CudaMapping, CudaPool
@@ -79,6 +85,28 @@ def test_scatter_after_gather_gives_back_the_exact_bytes(make) -> None:
     assert torch.equal(again, blocks)
     untouched = gather_blocks(target, [1, 2, 4], LAYOUT)
     assert not untouched.any()
+
+
+@pytest.mark.parametrize("make", [cpu_layers, flash_layers])
+def test_cpu_order_holds_the_same_elements_and_round_trips(make) -> None:
+    source = [paged_layer(t, LAYOUT) for t in make()]
+    stored = gather_blocks(source, [0, 2, 5], LAYOUT, "cpu")
+    assert stored.shape == (3, *stored_shape(LAYOUT, "cpu")) and stored.is_contiguous()
+    canonical = gather_blocks(source, [0, 2, 5], LAYOUT)
+    assert torch.equal(as_canonical(stored, LAYOUT, "cpu"), canonical)
+    # Loads read pool slots one by one, through canonical-shaped views.
+    target = [paged_layer(torch.zeros_like(p.tensor), LAYOUT) for p in source]
+    views = [as_canonical(row, LAYOUT, "cpu") for row in stored]
+    scatter_blocks(target, [5, 0, 3], views)
+    assert torch.equal(gather_blocks(target, [5, 0, 3], LAYOUT), canonical)
+
+
+def test_in_cpu_order_a_block_is_the_cpu_backends_own_pages() -> None:
+    layers = cpu_layers()
+    stored = gather_blocks([paged_layer(t, LAYOUT) for t in layers], [4, 1], LAYOUT, "cpu")
+    for i, block in enumerate([4, 1]):
+        for layer in range(LAYOUT.num_layers):  # byte for byte: one contiguous copy
+            assert torch.equal(stored[i, layer].reshape(-1), layers[layer][block].reshape(-1))
 
 
 def test_an_unknown_backend_shape_is_refused() -> None:

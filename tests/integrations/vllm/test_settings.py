@@ -9,7 +9,7 @@ import pytest
 
 from kvstore.errors import InvalidArgument
 from kvstore.integrations.vllm.config import ConnectorConfig
-from kvstore.integrations.vllm.identity import namespace_model_id, rank_model_ids
+from kvstore.integrations.vllm.identity import block_order, namespace_model_id, rank_model_ids
 from kvstore.layout import KVLayout
 
 
@@ -60,6 +60,9 @@ LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=32, block_size=32, dtyp
 
 def test_everything_that_changes_the_kv_bytes_changes_the_namespace() -> None:
     base = namespace_model_id(vllm_config(), LAYOUT)
+    cpu_engine = vllm_config()
+    cpu_engine.device_config = SimpleNamespace(device_type="cpu")
+    assert block_order(cpu_engine) == "cpu" and block_order(vllm_config()) == "canonical"
     variants = {
         "weights dtype": namespace_model_id(vllm_config(dtype="torch.float16"), LAYOUT),
         "quantization": namespace_model_id(vllm_config(quantization="fp8"), LAYOUT),
@@ -72,6 +75,7 @@ def test_everything_that_changes_the_kv_bytes_changes_the_namespace() -> None:
         "config": namespace_model_id(
             vllm_config(hf_config=SimpleNamespace(hidden_size=16)), LAYOUT
         ),
+        "block order (a CPU engine's pages)": namespace_model_id(cpu_engine, LAYOUT),
     }
     assert len({base, *variants.values()}) == len(variants) + 1, variants
     assert namespace_model_id(vllm_config(), LAYOUT) == base  # deterministic
