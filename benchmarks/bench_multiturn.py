@@ -57,7 +57,6 @@ import argparse
 import concurrent.futures
 import json
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -71,14 +70,7 @@ from kvstore.integrations.vllm.config import ConnectorConfig
 from tests.integrations.vllm.common import tokens
 from tests.integrations.vllm.engines import Node, vllm_python
 from tests.integrations.vllm.models import make_llama
-from tests.integrations.vllm.test_vllm_serve import (
-    CLI,
-    MODEL_NAME,
-    SHUTDOWN_TIMEOUT,
-    Server,
-    environment,
-    free_port,
-)
+from tests.integrations.vllm.serve import MODEL_NAME, ServeProcess
 
 WAYS: dict[str, dict[str, Any] | None] = {
     "plain": None,
@@ -122,46 +114,8 @@ class Workload:
         return self.system + self.rounds * (self.question + self.answer)
 
 
-class ServeEngine(Server):
-    """One `vllm serve` of `test_vllm_serve.Server`, with or without the connector."""
-
-    def __init__(
-        self,
-        python: str,
-        model: Path,
-        *,
-        log_dir: Path,
-        name: str,
-        kv_transfer: dict[str, Any] | None,
-        block_size: int,
-        max_model_len: int,
-    ) -> None:
-        # Server.__init__ always configures its test's connector: set what its methods
-        # (url, healthy, wait_ready, tail, stop) use, with this benchmark's command line.
-        self.name = name
-        self.port = free_port()
-        self.log_path = log_dir / f"{name}.log"
-        args = [
-            *("serve", str(model), "--served-model-name", MODEL_NAME),
-            *("--host", "127.0.0.1", "--port", str(self.port)),
-            *("--block-size", str(block_size), "--dtype", "float32", "--enforce-eager"),
-            *("--max-model-len", str(max_model_len)),
-            *("--max-num-batched-tokens", str(max_model_len)),  # a prompt's prefill in one step
-            *("--shutdown-timeout", str(SHUTDOWN_TIMEOUT)),
-        ]
-        if kv_transfer is not None:
-            args += ["--kv-transfer-config", json.dumps(kv_transfer)]
-        cache = tempfile.mkdtemp(prefix="vllm-cache-", dir=log_dir)
-        with open(self.log_path, "w") as out:
-            self.proc = subprocess.Popen(
-                [python, *CLI, *args],
-                cwd=log_dir,
-                env=environment(cache),
-                stdin=subprocess.DEVNULL,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
+class ServeEngine(ServeProcess):
+    """One `vllm serve` (`tests.integrations.vllm.serve`), read the way this benchmark needs."""
 
     def counters(self) -> dict[str, float]:
         """`COUNTERS` read from ``/metrics`` in one request (absent ones are 0)."""
@@ -265,20 +219,23 @@ def run_way(
     folder = work / way
     folder.mkdir()
     node: Node | None = None
-    kv_transfer: dict[str, Any] | None = None
+    connector: dict[str, Any] | None = None
     if extra is not None:
         node = Node(folder, namespace_capacity="256MiB").start()
-        kv_transfer = {
-            "kv_connector": "KVStoreConnector",
-            "kv_connector_module_path": "kvstore.integrations.vllm",
-            "kv_role": "kv_both",
-            "kv_connector_extra_config": {"target": node.target, "tenant": "bench", **extra},
-        }
+        connector = {"target": node.target, "tenant": "bench", **extra}
     engines = [
-        ServeEngine(python, model, log_dir=folder, name=f"engine{i}", kv_transfer=kv_transfer,
-               block_size=block_size, max_model_len=workload.max_model_len)
+        ServeEngine(
+            python,
+            model,
+            log_dir=folder,
+            name=f"engine{i}",
+            connector=connector,
+            block_size=block_size,
+            max_model_len=workload.max_model_len,
+            max_num_batched_tokens=workload.max_model_len,  # a prompt's prefill in one step
+        )
         for i in range(2)
-    ]  # fmt: skip
+    ]
     try:
         for engine in engines:
             engine.wait_ready()
@@ -312,7 +269,7 @@ def run_way(
             rounds.append({"round": r, **summarise(requests)})
             everything += requests
         return {
-            "connector": kv_transfer["kv_connector_extra_config"] if kv_transfer else None,
+            "connector": connector,
             "rounds": rounds,
             "all_rounds": summarise(everything),
             "engines_start_s": round(ready - started, 1),

@@ -12,16 +12,9 @@ Two server starts in all (each 30-90 s on a 2-core machine).
 
 from __future__ import annotations
 
-import contextlib
-import json
-import os
-import signal
-import socket
 import subprocess
 import tempfile
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -37,136 +30,18 @@ from tests.integrations.vllm.common import (
     wait_for,
 )
 from tests.integrations.vllm.engines import Node, vllm_environment
+from tests.integrations.vllm.serve import CLI, ServeProcess
 
 pytestmark = [pytest.mark.vllm, pytest.mark.e2e, pytest.mark.timeout(900)]
 
-CLI = ("-m", "kvstore.integrations.vllm.cli")
-MODEL_NAME = "tiny"
 HIT_COUNTER = "vllm:external_prefix_cache_hits_total"
-START_TIMEOUT = 400.0  # the box is shared with other engines' tests
-STOP_TIMEOUT = 60.0
-SHUTDOWN_TIMEOUT = 10  # `--shutdown-timeout`: EngineCore gets this long after SIGTERM
 SYSTEM = system(7)
 LEASE_TTL = 30.0  # the node's default: what a connector that never closed would leave behind
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def environment(cache: str) -> dict[str, str]:
-    return vllm_environment(cache)
-
-
-class Server:
-    """One `vllm serve` process (its own process group), logging to a file."""
-
-    def __init__(self, python: str, model: Path, node: Node, log_dir: Path, name: str) -> None:
-        self.name = name
-        self.port = free_port()
-        self.log_path = log_dir / f"{name}.log"
-        kv_transfer = {
-            "kv_connector": "KVStoreConnector",
-            "kv_connector_module_path": "kvstore.integrations.vllm",
-            "kv_role": "kv_both",
-            "kv_connector_extra_config": {
-                "target": node.target,
-                "tenant": "serve",
-                "retry_interval": 1.0,
-            },
-        }
-        args = [
-            *("serve", str(model), "--served-model-name", MODEL_NAME),
-            *("--host", "127.0.0.1", "--port", str(self.port)),
-            *("--block-size", "32", "--dtype", "float32", "--enforce-eager"),
-            *("--max-model-len", "2048", "--shutdown-timeout", str(SHUTDOWN_TIMEOUT)),
-            *("--kv-transfer-config", json.dumps(kv_transfer)),
-        ]
-        cache = tempfile.mkdtemp(prefix="vllm-cache-", dir=log_dir)
-        with open(self.log_path, "w") as log:
-            self.proc = subprocess.Popen(
-                [python, *CLI, *args],
-                cwd=log_dir,
-                env=environment(cache),
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def tail(self, lines: int = 60) -> str:
-        return "".join(self.log_path.read_text(errors="replace").splitlines(True)[-lines:])
-
-    def healthy(self) -> bool:
-        if self.proc.poll() is not None:
-            raise RuntimeError(
-                f"server {self.name} exited ({self.proc.returncode}):\n{self.tail()}"
-            )
-        try:
-            with urllib.request.urlopen(f"{self.url}/health", timeout=5) as answer:
-                return bool(answer.status == 200)
-        except (urllib.error.URLError, OSError):
-            return False
-
-    def wait_ready(self) -> Server:
-        wait_for(
-            f"server {self.name} healthy", self.healthy, START_TIMEOUT, tail=self.tail, poll=0.5
-        )
-        return self
-
-    def complete(self, prompt: list[int]) -> str:
-        body = {
-            "model": MODEL_NAME,
-            "prompt": prompt,
-            "max_tokens": 8,
-            "temperature": 0.0,
-            "ignore_eos": True,
-        }
-        request = urllib.request.Request(
-            f"{self.url}/v1/completions",
-            data=json.dumps(body).encode(),
-            headers={"Content-Type": "application/json"},
-        )
-        with urllib.request.urlopen(request, timeout=300) as answer:
-            choice = json.load(answer)["choices"][0]
-        assert choice["finish_reason"] == "length", choice
-        return str(choice["text"])
-
-    def counter(self, name: str, *, required: bool = True) -> float:
-        """The sum of a counter over its label sets on ``/metrics`` (0 if absent and not
-        ``required``)."""
-        with urllib.request.urlopen(f"{self.url}/metrics", timeout=30) as answer:
-            text = answer.read().decode()
-        values = [
-            float(line.rsplit(" ", 1)[1])
-            for line in text.splitlines()
-            if line.startswith((f"{name}{{", f"{name} "))
-        ]
-        assert values or not required, f"{name} not on /metrics"
-        return sum(values)
-
-    def stop(self) -> int | None:
-        """SIGTERM to the API server (as an operator stops it), bounded; then SIGKILL the group.
-
-        Returns the API server's exit code, None if it had to be killed.
-        """
-        code: int | None = None
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                code = self.proc.wait(STOP_TIMEOUT)
-        else:
-            code = self.proc.returncode
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.proc.pid, signal.SIGKILL)  # EngineCore and anything left behind
-        self.proc.wait()
-        return code
+def start_server(python: str, model: Path, node: Node, log_dir: Path, name: str) -> ServeProcess:
+    settings = {"target": node.target, "tenant": "serve", "retry_interval": 1.0}
+    return ServeProcess(python, model, log_dir=log_dir, name=name, connector=settings)
 
 
 @pytest.fixture(scope="module")
@@ -177,7 +52,7 @@ def log_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def first(vllm_py: str, tiny_model: Path, node: Node, log_dir: Path) -> Iterator[dict[str, Any]]:
     """The first server's answers; it stored the system prompt, then was stopped."""
-    server = Server(vllm_py, tiny_model, node, log_dir, "first")
+    server = start_server(vllm_py, tiny_model, node, log_dir, "first")
     try:
         server.wait_ready()
         answers: dict[str, Any] = {"user_1": server.complete(SYSTEM + USER_1)}
@@ -205,7 +80,7 @@ def test_help_exits_0(vllm_py: str, log_dir: Path) -> None:
     done = subprocess.run(
         [vllm_py, *CLI, "serve", "--help"],
         cwd=log_dir,
-        env=environment(tempfile.mkdtemp(dir=log_dir)),
+        env=vllm_environment(tempfile.mkdtemp(dir=log_dir)),
         capture_output=True,
         text=True,
         timeout=300,
@@ -236,7 +111,7 @@ def test_second_server_takes_the_system_prompt_from_kvstore(
     vllm_py: str, tiny_model: Path, node: Node, log_dir: Path, first: dict[str, Any]
 ) -> None:
     """A fresh server (own prefix cache empty) loads the 96 stored tokens, exact output."""
-    server = Server(vllm_py, tiny_model, node, log_dir, "second")
+    server = start_server(vllm_py, tiny_model, node, log_dir, "second")
     try:
         server.wait_ready()
         before = server.counter(HIT_COUNTER, required=False)
