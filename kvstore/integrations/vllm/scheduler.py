@@ -50,7 +50,7 @@ from typing import Any
 
 from kvstore.client import Hit, Namespace, SyncClient
 from kvstore.errors import KVStoreError
-from kvstore.hashing import Extra, cbor_encode
+from kvstore.integrations.vllm.chains import ExtraKeysFn, RequestChains
 from kvstore.integrations.vllm.link import NodeLink
 from kvstore.integrations.vllm.metadata import (
     KVStoreConnectorMetadata,
@@ -61,9 +61,6 @@ from kvstore.integrations.vllm.metadata import (
 from kvstore.types import BlockHash
 
 log = logging.getLogger(__name__)
-
-ExtraKeysFn = Any
-"""vLLM's ``generate_block_hash_extra_keys(request, start, end, mm_index)``."""
 
 
 @dataclass(slots=True)
@@ -121,7 +118,7 @@ class SchedulerSide:
         self.load = load
         self.save = save
         self.save_decode = save_decode
-        self._extra_keys = extra_keys
+        self._chains = RequestChains(link, block_size, extra_keys)
         self._clock = clock
         self._requests: dict[str, _Tracked] = {}
         self._pending_loads: dict[str, tuple[list[LoadSpec], list[Hit]]] = {}
@@ -397,7 +394,7 @@ class SchedulerSide:
         n_blocks = int(request.num_tokens) // self.block_size
         if n_blocks == 0:
             return None
-        chains = self._hash_blocks(request, None, n_blocks)
+        chains = self._chains.extend(request, None, n_blocks)
         if chains is None:
             return None
         asked_at = self._first_ask.pop(request.request_id, None) or self._clock()
@@ -409,47 +406,6 @@ class SchedulerSide:
         )
         self._requests[request.request_id] = tracked
         return tracked
-
-    def _hash_blocks(
-        self, request: Any, chains: list[list[BlockHash]] | None, n_blocks: int
-    ) -> list[list[BlockHash]] | None:
-        """Each rank's chain (the request's leading full blocks; None: none yet) extended
-        to ``n_blocks``; None when the request cannot be keyed (no namespace yet, an extra
-        key kvstore cannot encode)."""
-        namespaces = self.link.namespaces()
-        if namespaces is None:
-            return None
-        chains = chains or [[] for _ in namespaces]
-        start = len(chains[0])
-        if n_blocks <= start:
-            return chains
-        tokens = request.all_token_ids[start * self.block_size : n_blocks * self.block_size]
-        try:
-            extras = self._extras(request, start, n_blocks)
-            return [
-                chain + ns.hash(tokens, extras, parent=chain[-1] if chain else None)
-                for ns, chain in zip(namespaces, chains, strict=True)
-            ]
-        except Exception as exc:
-            log.warning("kvstore: request %s is not cached: %s", request.request_id, exc)
-            return None
-
-    def _extras(self, request: Any, start: int, end: int) -> list[Extra] | None:
-        """Per-block extra hash input (LoRA name, multimodal hashes, cache salt) as bytes."""
-        if not (
-            getattr(request, "lora_request", None)
-            or getattr(request, "mm_features", None)
-            or getattr(request, "cache_salt", None)
-        ):
-            return None
-        extras: list[Extra] = []
-        mm_index = 0  # vLLM skips the inputs before a block's start itself
-        for i in range(start, end):
-            keys, mm_index = self._extra_keys(
-                request, i * self.block_size, (i + 1) * self.block_size, mm_index
-            )
-            extras.append(cbor_encode(keys) if keys else None)
-        return extras
 
     def _plan_save(
         self,
@@ -472,7 +428,7 @@ class SchedulerSide:
         full = min(full, len(tracked.block_ids))
         if full <= tracked.planned_blocks:
             return False
-        chains = self._hash_blocks(request, tracked.chains, full)
+        chains = self._chains.extend(request, tracked.chains, full)
         if chains is None:
             tracked.poisoned = True  # cannot be keyed: never saved
             return False
