@@ -194,8 +194,8 @@ class NamespaceMemory:
             try:
                 async with self.lock:
                     need = self._headroom_need(table, plan)
-                    grown = need and self._registered(table)
-                    if grown and not await self._grow(table, plan, need, ahead=True):
+                    wanted = need > 0 and self._registered(table)
+                    if wanted and not await self._grow(table, plan, need, ahead=True):
                         self._retry_at[namespace] = self.clock() + RETRY_SECONDS
             except Exception:  # a bug; never leave the task's exception unretrieved
                 log.exception("namespace %s: growing ahead of need failed", namespace)
