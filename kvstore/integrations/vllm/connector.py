@@ -43,7 +43,7 @@ class KVStoreConnector(KVConnectorBase_V1):
     """Loads cached prefixes from a kvstore node and saves new full blocks to it."""
 
     def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None) -> None:
-        """Read the config and derive the namespace; the node is contacted on first use.
+        """Read the config and derive the namespace; registering it starts in the background.
 
         Raises:
             InvalidArgument: an unknown or ill-typed setting, or a model the
@@ -84,6 +84,9 @@ class KVStoreConnector(KVConnectorBase_V1):
                 save_decode=self.config.save_decode,
                 extra_keys=generate_block_hash_extra_keys,
             )
+            # Register now, in the background: the first request must not pay for it
+            # (on a busy host it can take longer than `lookup_timeout`).
+            link.namespace()
         else:
             self._worker = WorkerSide(
                 link,
