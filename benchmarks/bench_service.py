@@ -414,14 +414,19 @@ def machine() -> dict[str, Any]:
     }
 
 
-async def run(args: argparse.Namespace, target: str) -> dict[str, Any]:
-    layout = KVLayout(
+def layout_of(args: argparse.Namespace) -> KVLayout:
+    """The KV layout the command line asks for."""
+    return KVLayout(
         num_layers=args.layers,
         num_kv_heads=args.kv_heads,
         head_dim=args.head_dim,
         block_size=args.block_size,
         dtype=args.dtype,
     )
+
+
+async def run(args: argparse.Namespace, target: str) -> dict[str, Any]:
+    layout = layout_of(args)
     pool_bytes = layout.block_bytes * args.blocks
     async with (
         Client(target, tenant=TENANT, timeout=60.0, lease_ttl=120.0) as client,
@@ -513,14 +518,7 @@ def main(argv: list[str] | None = None) -> None:
             status = server.stop()
         report["server_exit_status"] = status
     if args.fresh_nodes > 0:
-        layout = KVLayout(
-            num_layers=args.layers,
-            num_kv_heads=args.kv_heads,
-            head_dim=args.head_dim,
-            block_size=args.block_size,
-            dtype=args.dtype,
-        )
-        first = bench_first_fill(args, layout, args.shm_dir)
+        first = bench_first_fill(args, layout_of(args), args.shm_dir)
         reused = report["bandwidth"]
         report["first_fill_vs_reused_store"] = {
             "first_fill_store": first,
