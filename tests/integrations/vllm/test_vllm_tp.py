@@ -35,6 +35,12 @@ from tests.integrations.vllm.engines import Engine, Node, running
 pytestmark = [pytest.mark.vllm, pytest.mark.e2e, pytest.mark.timeout(900)]
 
 TP2: dict[str, Any] = {"tensor_parallel_size": 2, "env": {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}}
+LOOKUP_TIMEOUT = 60.0
+"""Eleven vLLM processes share this module's 2-core host and busy-poll after each request.
+A TP=2 engine's scheduler, whose engine-core loop steps its two workers over shared memory
+while a request waits for its lookup, answered lookups in 0.01-0.04 s mostly but up to
+11 s (over 15 s twice) here, its client thread starved of CPU. These tests are about
+what is shared, not how fast (bench_vllm measures that): a lookup may take its time."""
 ENGINE_DIFF = 1e-5
 """Logprob difference between an engine with the connector and one without, measured
 (test_vllm_connector): merely enabling a connector moves float32 rounding a few ulps."""
@@ -46,10 +52,10 @@ def engines(
 ) -> Iterator[dict[str, Engine]]:
     logs = tmp_path_factory.mktemp("tp-engines")
     specs: dict[str, dict[str, Any]] = {
-        "a2": {"connector": connector(node), **TP2},
-        "b2": {"connector": connector(node), **TP2},
+        "a2": {"connector": connector(node, lookup_timeout=LOOKUP_TIMEOUT), **TP2},
+        "b2": {"connector": connector(node, lookup_timeout=LOOKUP_TIMEOUT), **TP2},
         "ref2": {"connector": None, **TP2},
-        "one": {"connector": connector(node)},
+        "one": {"connector": connector(node, lookup_timeout=LOOKUP_TIMEOUT)},
     }
     started = {
         name: Engine(vllm_py, tiny_model, log_dir=logs, name=name, **spec)
