@@ -70,7 +70,7 @@ from kvstore.integrations.vllm.config import ConnectorConfig
 from tests.integrations.vllm.common import tokens
 from tests.integrations.vllm.engines import Node, vllm_python
 from tests.integrations.vllm.models import make_llama
-from tests.integrations.vllm.serve import MODEL_NAME, ServeProcess
+from tests.integrations.vllm.serve import MODEL_NAME, ServeProcess, samples
 
 WAYS: dict[str, dict[str, Any] | None] = {
     "plain": None,
@@ -119,16 +119,8 @@ class ServeEngine(ServeProcess):
 
     def counters(self) -> dict[str, float]:
         """`COUNTERS` read from ``/metrics`` in one request (absent ones are 0)."""
-        with urllib.request.urlopen(f"{self.url}/metrics", timeout=30) as answer:
-            text = answer.read().decode()
-        values = dict.fromkeys(COUNTERS, 0.0)
-        for line in text.splitlines():
-            head, _, value = line.rpartition(" ")
-            name = head.partition("{")[0]
-            for key, (counter, label) in COUNTERS.items():
-                if name == counter and label in head:
-                    values[key] += float(value)
-        return values
+        text = self.metrics()
+        return {key: sum(samples(text, name, label)) for key, (name, label) in COUNTERS.items()}
 
     def stream(self, prompt: list[int], answer_tokens: int) -> tuple[float, list[int]]:
         """Stream one greedy completion of exactly ``answer_tokens`` tokens.

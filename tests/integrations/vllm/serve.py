@@ -45,6 +45,17 @@ def kv_transfer(extra: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def samples(metrics: str, name: str, label: str = "") -> list[float]:
+    """The values of metric ``name`` on a ``/metrics`` page, one per label set whose
+    labels contain ``label`` (e.g. ``source="local_compute"``)."""
+    values = []
+    for line in metrics.splitlines():
+        head, _, value = line.rpartition(" ")
+        if head.partition("{")[0] == name and label in head:
+            values.append(float(value))
+    return values
+
+
 class ServeProcess:
     """One `vllm serve` process (its own process group), logging to a file."""
 
@@ -129,16 +140,15 @@ class ServeProcess:
         assert choice["finish_reason"] == "length", choice
         return str(choice["text"])
 
+    def metrics(self) -> str:
+        """The server's ``/metrics`` page (Prometheus text)."""
+        with urllib.request.urlopen(f"{self.url}/metrics", timeout=30) as answer:
+            return str(answer.read().decode())
+
     def counter(self, name: str, *, required: bool = True) -> float:
         """The sum of a counter over its label sets on ``/metrics`` (0 if absent and not
         ``required``)."""
-        with urllib.request.urlopen(f"{self.url}/metrics", timeout=30) as answer:
-            text = answer.read().decode()
-        values = [
-            float(line.rsplit(" ", 1)[1])
-            for line in text.splitlines()
-            if line.startswith((f"{name}{{", f"{name} "))
-        ]
+        values = samples(self.metrics(), name)
         assert values or not required, f"{name} not on /metrics"
         return sum(values)
 
