@@ -18,16 +18,15 @@ namespace names everything that changes the bytes of a block:
   ``<model id>#tp-N.<rank>`` (`rank_model_ids`): engines with the same model
   and N share block by block, engines with another N never do (their
   namespaces differ; their KV also differs in rounding, the all-reduce sums
-  in another order). Pipeline parallelism is refused.
-
-All of it is in the model id, not only in the layout: the node keeps one
-layout per model id, so two engines that differ in any of it get two
-namespaces (never a shared one, never a refused registration).
-
+  in another order). Pipeline parallelism is refused;
 - the **block order** in the pool (`block_order`): CPU engines store their
   backend's own page order (``#order-cpu``), GPU engines the canonical one
   (`kvstore.integrations.vllm.paged`), so a CPU and a GPU engine never
   read each other's bytes in the wrong order.
+
+All of it is in the model id, not only in the layout: the node keeps one
+layout per model id, so two engines that differ in any of it get two
+namespaces (never a shared one, never a refused registration).
 """
 
 from __future__ import annotations

@@ -19,8 +19,8 @@ order** (`BlockOrder`), part of its model id:
 ``cpu``       ``[layers, kv_heads, 2, block_size, head_dim]``: CPU engines. This is
               the CPU backend's own page, layer after layer, so a load or a save
               is one contiguous copy per block and layer (about half the time of
-              the permuting copy from the canonical order, 7 ms against 17 ms
-              for 8k tokens of a 6-layer model on this 2-core host).
+              the permuting copy from the canonical order, 9 ms against 17 ms
+              for 8k tokens of a 6-layer model on a 2-core host).
 
 Copies go through `as_canonical`, a view with the canonical shape whatever
 the order, so every layout pair is handled by the same code; when the
