@@ -21,7 +21,7 @@ from kvstore.layout import NamespaceSpec
 from kvstore.pool.base import BlockPool
 from kvstore.results import ExpiryReport, NamespaceStats
 from kvstore.store import DropReport, Store, StoreLimits, StoreStats
-from kvstore.types import SHARED_SCOPE, BlockHash, NamespaceId, TenantId
+from kvstore.types import SHARED_SCOPE, BlockHash, LeaseId, NamespaceId, TenantId
 from kvstore.v1 import kvstore_pb2 as pb
 from service.api import convert
 from service.budget import NamespaceMemory
@@ -243,9 +243,20 @@ class Node:
         """Grow the namespace's pool before a reserve if it lacks free slots (`NamespaceMemory`)."""
         await self.memory.make_room(table, tenant, chain)
 
-    def committed(self, namespace: NamespaceId) -> None:
-        """Blocks of ``namespace`` were committed: keep its headroom (`NamespaceMemory`)."""
-        self.memory.keep_ahead(self.store.table(namespace))
+    def commit(
+        self, namespace: NamespaceId, tenant: TenantId, lease: LeaseId, hashes: Sequence[BlockHash]
+    ) -> int:
+        """Make written blocks READY (`Store.commit`) and publish the events; then keep the
+        pool's headroom (`NamespaceMemory.keep_ahead`: after the runner's copy, not during).
+
+        Returns:
+            Blocks committed.
+        """
+        committed = self.store.commit(namespace, tenant, lease, hashes, self.now())
+        self.publish_events()
+        if committed:
+            self.memory.keep_ahead(self.store.table(namespace))
+        return committed
 
     async def drop(self, namespace: NamespaceId, force: bool) -> tuple[DropReport, int]:
         """Drop a namespace (`Store.drop_namespace`) and give its pool back to the budget.

@@ -216,11 +216,7 @@ class BlockRpcs(ServicerBase):
         """Make written blocks READY."""
         node = self.node
         named = self._named_blocks(request, context, node.config.max_chain_blocks)
-        committed = node.store.commit(*named, node.now())
-        node.publish_events()
-        if committed:
-            node.committed(named[0])  # the pool's headroom, after the runner's copy
-        return pb.CommitResponse(committed=committed)
+        return pb.CommitResponse(committed=node.commit(*named))
 
     @guard_unary("Abort")
     async def Abort(self, request: pb.AbortRequest, context: Any) -> pb.AbortResponse:

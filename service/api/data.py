@@ -93,7 +93,5 @@ class DataRpcs(ServicerBase):
             written[hash_] = None
         committed = 0
         if header.commit and written:
-            committed = node.store.commit(namespace, tenant, lease_id, list(written), node.now())
-            node.publish_events()
-            node.committed(namespace)
+            committed = node.commit(namespace, tenant, lease_id, list(written))
         return pb.WriteBlocksResponse(written=len(written), committed=committed)
