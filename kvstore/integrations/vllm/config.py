@@ -48,6 +48,10 @@ class ConnectorConfig:
     """Names the exact weights (``org/model@revision``); default: vLLM's model and revision."""
     lookup_timeout: float = 2.0
     """Seconds a lookup may take before the request is computed without the cache."""
+    allow_remote: bool = True
+    """Where the node has a cluster (Redis), a lookup that stops short may fetch the rest
+    of the prefix from a peer node first (``Lookup.allow_remote``); a node without one
+    ignores it. A fetch that fails or outlives ``lookup_timeout`` is a miss."""
     store_timeout: float = 5.0
     """Seconds a store (reserve, copy, commit) may take before it is given up."""
     connect_timeout: float = 5.0

@@ -358,7 +358,13 @@ class SchedulerSide:
         the first error (what the others pinned is released)."""
         answers = await asyncio.gather(
             *(
-                client.client.lookup(ns, hashes=chain, pin=True, timeout=budget)
+                client.client.lookup(
+                    ns,
+                    hashes=chain,
+                    pin=True,
+                    allow_remote=self.link.config.allow_remote,
+                    timeout=budget,
+                )
                 for ns, chain in zip(namespaces, chains, strict=True)
             ),
             return_exceptions=True,

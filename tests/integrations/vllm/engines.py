@@ -74,9 +74,12 @@ def running(engines: dict[str, Engine]) -> Iterator[dict[str, Engine]]:
 class Node:
     """A cache node (`benchmarks._server.ServerProcess`) that comes back on the same port."""
 
-    def __init__(self, workdir: Path, *, namespace_capacity: str = "8MiB") -> None:
+    def __init__(
+        self, workdir: Path, *, namespace_capacity: str = "8MiB", extra_args: tuple[str, ...] = ()
+    ) -> None:
         self.workdir = workdir
         self.namespace_capacity = namespace_capacity
+        self.extra_args = extra_args
         self.port = 0
         self.server: ServerProcess | None = None
 
@@ -91,7 +94,7 @@ class Node:
         self.server = ServerProcess.start(
             shm,
             capacity="256MiB",
-            extra_args=(*flags, "--pool-prefault", "false"),
+            extra_args=(*flags, "--pool-prefault", "false", *self.extra_args),
             ready_timeout=60.0,
         )
         self.port = int(self.server.address.rsplit(":", 1)[1])
