@@ -2,7 +2,7 @@
 and vLLM's own in-process prefix-cache hit (the limit), in one run.
 
     KVSTORE_VLLM_PYTHON=... python -m benchmarks.bench_vllm [--lengths 1024,2048,4096,8192]
-        [--layers 6 --hidden 768] [--repeats 3] [--settle 2] [--quick]
+        [--layers 6 --hidden 768] [--repeats 3] [--settle 2] [--quick] [--cluster]
 
 Makes a random Llama offline (float32), starts a cache node and two vLLM
 engines with the kvstore connector (`tests/integrations/vllm/driver.py`):
@@ -11,10 +11,17 @@ engines with the kvstore connector (`tests/integrations/vllm/driver.py`):
 - ``kvstore``: engine B, its prefix cache emptied, the system prompt A stored;
 - ``local``: engine A again on the same system prompt: vLLM's own prefix-cache hit.
 
+With ``--cluster`` the engines are on two hosts: two nodes share a private
+redis-server, A saves into node 1 and B looks up node 2, so B's first request
+(``remote``) fetches the system prompt from node 1 (peer fetch) before loading
+it, and B's second (``kvstore``, its prefix cache emptied again) loads it from
+its own node, where the fetch left it (`docs/cluster.md`).
+
 Each request is the system prompt plus a 16-token user prompt and one
 generated token. Prints one JSON object: per length, the median time to
 first token (vLLM's ``first_token_latency``) and the request's wall time, and
-the ratios the goal is stated in (kvstore / local, cold / kvstore).
+the ratios the goals are stated in (kvstore / local, cold / kvstore; with
+``--cluster`` also cold / remote and remote / kvstore).
 """
 
 from __future__ import annotations
@@ -31,6 +38,7 @@ from typing import Any
 
 from tests.integrations.vllm.engines import Engine, Node, vllm_python
 from tests.integrations.vllm.models import make_llama
+from tests.redis.server import RedisServer
 
 
 def prompt(seed: int, n: int) -> list[int]:
@@ -49,6 +57,35 @@ def one(engine: Engine, tokens: list[int], *, cold: bool, settle: float = 0.0) -
     return {**answer["results"][0], "external_hits": answer["external_hits"]}
 
 
+def start_node(workdir: Path, redis: RedisServer | None) -> Node:
+    """A node with a 1 GiB namespace; in the cluster on ``redis`` when given."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    flags: tuple[str, ...] = ()
+    if redis is not None:
+        flags = (
+            "--redis-url", redis.url, "--node-id", workdir.name, "--cluster-token", "bench",
+            "--heartbeat-seconds", "0.5", "--directory-flush-seconds", "0.01",
+        )  # fmt: skip
+    return Node(workdir, namespace_capacity="1GiB", extra_args=flags).start()
+
+
+def published(redis: RedisServer, node_id: str) -> int:
+    """Blocks the Redis directory lists under ``node_id`` (every namespace and tenant)."""
+    with redis.client() as r:
+        return sum(int(r.scard(key)) for key in r.scan_iter(match=f"*:n:{node_id}"))
+
+
+def wait_published(redis: RedisServer, node_id: str, at_least: int, timeout: float = 60) -> int:
+    """Wait until the directory lists ``at_least`` blocks of ``node_id`` (saves and directory
+    writes run in the background); returns the count."""
+    deadline = time.monotonic() + timeout
+    while (count := published(redis, node_id)) < at_least:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{node_id} did not publish {at_least} blocks in {timeout} s")
+        time.sleep(0.02)
+    return count
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--lengths", default="1024,2048,4096,8192")
@@ -61,6 +98,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument(
         "--quick", action="store_true", help="one 1k-token prompt on a 2-layer model (smoke run)"
+    )
+    parser.add_argument(
+        "--cluster", action="store_true", help="engines on two nodes sharing a Redis directory"
     )
     args = parser.parse_args(argv)
     if args.quick:
@@ -75,32 +115,45 @@ def main(argv: list[str] | None = None) -> int:
         work / "model", layers=args.layers, hidden=args.hidden, heads=args.hidden // 64,
         kv_heads=max(1, args.hidden // 256), max_positions=max(lengths) + 256,
     )  # fmt: skip
-    node = Node(work, namespace_capacity="1GiB").start()
-    conn = {"target": node.target, "tenant": "bench"}
+    redis = RedisServer(work / "redis").start() if args.cluster else None
+    nodes = [start_node(work / name, redis) for name in (("host-1", "host-2") if redis else ("n",))]
     spec = {"max_model_len": max(lengths) + 256, "max_num_batched_tokens": max(lengths) + 256}
     engines = [
-        Engine(python, model, connector=conn, block_size=args.block_size, log_dir=work,
-               name=name, **spec)
-        for name in ("a", "b")
+        Engine(python, model, connector={"target": node.target, "tenant": "bench"},
+               block_size=args.block_size, log_dir=work, name=name, **spec)
+        for name, node in zip(("a", "b"), (nodes[0], nodes[-1]), strict=True)
     ]  # fmt: skip
     out: dict[str, Any] = {
         "model": {"layers": args.layers, "hidden": args.hidden, "dtype": "float32"},
         "block_size": args.block_size,
         "settle_s": args.settle,
+        "cluster": args.cluster,
         "lengths": {},
     }
     try:
         a, b = (e.wait_ready() for e in engines)
         one(a, prompt(0, 64), cold=True)  # warm-up of both engines' kernels
         one(b, prompt(1, 64), cold=True)
+        listed = 0  # blocks of host-1 in the directory
         for length in lengths:
-            rows: dict[str, list[dict[str, Any]]] = {"cold": [], "kvstore": [], "local": []}
+            ways = (
+                ("cold", "remote", "kvstore", "local")
+                if args.cluster
+                else ("cold", "kvstore", "local")
+            )
+            rows: dict[str, list[dict[str, Any]]] = {way: [] for way in ways}
             for r in range(args.repeats):
                 system = prompt(10_000 + 100 * length + r, length)
                 settle = args.settle
-                # A computes the system prompt (and stores it), B loads it from the
-                # node, then A hits its own prefix cache.
+                # A computes the system prompt (and stores it), B loads it (from node 1
+                # through node 2 first with --cluster, then from node 2), then A hits its
+                # own prefix cache.
                 rows["cold"].append(one(a, system + prompt(1 + r, 16), cold=True, settle=settle))
+                if redis is not None:
+                    listed = wait_published(redis, "host-1", listed + length // args.block_size)
+                    rows["remote"].append(
+                        one(b, system + prompt(4 + r, 16), cold=True, settle=settle)
+                    )
                 rows["kvstore"].append(one(b, system + prompt(2 + r, 16), cold=True, settle=settle))
                 rows["local"].append(one(a, system + prompt(3 + r, 16), cold=False, settle=settle))
             summary: dict[str, Any] = {}
@@ -115,11 +168,18 @@ def main(argv: list[str] | None = None) -> int:
                 summary["kvstore"]["ttft_s"] / summary["local"]["ttft_s"]
             )
             summary["cold_over_kvstore"] = summary["cold"]["ttft_s"] / summary["kvstore"]["ttft_s"]
+            if args.cluster:
+                remote = summary["remote"]["ttft_s"]
+                summary["cold_over_remote"] = summary["cold"]["ttft_s"] / remote
+                summary["remote_over_kvstore"] = remote / summary["kvstore"]["ttft_s"]
             out["lengths"][str(length)] = summary
     finally:
         for engine in engines:
             engine.close()
-        node.stop()
+        for node in nodes:
+            node.stop()
+        if redis is not None:
+            redis.stop()
     print(json.dumps(out, indent=2))
     return 0
 

@@ -63,6 +63,10 @@ def build(spec: dict[str, Any]) -> Any:
     if spec.get("tensor_parallel_size", 1) > 1:  # one worker process per rank
         kwargs["tensor_parallel_size"] = spec["tensor_parallel_size"]
         kwargs["distributed_executor_backend"] = "mp"
+    if spec.get("kv_events_config"):  # vLLM's own KV events over ZMQ (docs/events.md)
+        from vllm.config import KVEventsConfig
+
+        kwargs["kv_events_config"] = KVEventsConfig(**spec["kv_events_config"])
     if spec.get("connector") is not None:
         kwargs["kv_transfer_config"] = {
             "kv_connector": "KVStoreConnector",
