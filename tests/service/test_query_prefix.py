@@ -12,6 +12,8 @@ from dataclasses import dataclass, replace
 import grpc
 import pytest
 
+from kvstore.client import Client, PrefixHolder
+from kvstore.errors import NotFound
 from kvstore.v1 import kvstore_pb2 as pb
 from service.config import Config
 from tests.redis.server import free_port
@@ -272,3 +274,19 @@ async def test_http_query_is_post_only_and_bounded(kv_server, namespace):
 
     status, doc = await asyncio.to_thread(announce_too_much)
     assert status == 413 and "max_request_bytes" in doc["error"]
+
+
+async def test_sdk_query_prefix(kv_server, stub, namespace):
+    chain = await store(stub, namespace.id, PROMPT[: 2 * BLOCK_SIZE])
+    async with Client(kv_server.address, map_pool=False) as client:
+        by_tokens = await client.query_prefix(model=MODEL, tokens=PROMPT)
+        by_hashes = await client.query_prefix(namespace_id=namespace.id, hashes=chain)
+        with pytest.raises(ValueError, match="exactly one"):
+            await client.query_prefix(model=MODEL)
+        with pytest.raises(NotFound):
+            await client.query_prefix(model="nope", tokens=PROMPT)
+    expected = PrefixHolder("test-node", "", "kvstore", "", 2, 2 * BLOCK_SIZE)
+    assert by_tokens.holders == (expected,) and by_hashes.holders == (expected,)
+    assert (by_tokens.query_blocks, by_tokens.query_tokens) == (6, len(PROMPT))
+    assert by_tokens.longest_matched == 8 and by_tokens.source == "local"
+    assert by_hashes.namespace_id == namespace.id and by_hashes.tenant_id == "default"
