@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import http.client
 import json
+import os
+import sys
 import urllib.error
 import urllib.request
 from dataclasses import dataclass, replace
@@ -290,3 +292,39 @@ async def test_sdk_query_prefix(kv_server, stub, namespace):
     assert (by_tokens.query_blocks, by_tokens.query_tokens) == (6, len(PROMPT))
     assert by_tokens.longest_matched == 8 and by_tokens.source == "local"
     assert by_hashes.namespace_id == namespace.id and by_hashes.tenant_id == "default"
+
+
+async def run_cli(*args: str, stdin: str = "") -> tuple[int, str, str]:
+    """``python -m kvstore.cli ARGS`` as a subprocess (the node serves on this loop)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVSTORE_")}
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "kvstore.cli", *args,
+        stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE, env=env,
+    )  # fmt: skip
+    out, err = await asyncio.wait_for(proc.communicate(stdin.encode()), 60)
+    return proc.returncode or 0, out.decode(), err.decode()
+
+
+async def test_cli_query(kv_server, stub, namespace, tmp_path):
+    chain = await store(stub, namespace.id, PROMPT[: 5 * BLOCK_SIZE])
+    tokens = tmp_path / "tokens.json"
+    tokens.write_text(json.dumps(PROMPT))
+    target = ("--target", kv_server.address)
+    code, out, err = await run_cli("query", "--model", MODEL, "--tokens-file", str(tokens),
+                                   "--json", *target)  # fmt: skip
+    assert code == 0, err
+    doc = json.loads(out)
+    assert [(h["node_id"], h["matched_blocks"]) for h in doc["holders"]] == [("test-node", 5)]
+    assert doc["query_blocks"] == 6 and doc["longest_matched"] == 5 * BLOCK_SIZE
+    # Hashes on stdin, a table for people.
+    hashes = "\n".join(h.hex() for h in chain[:2])
+    code, out, err = await run_cli("query", "--namespace", namespace.id, "--hashes-file", "-",
+                                   *target, stdin=hashes)  # fmt: skip
+    assert code == 0, err
+    assert "test-node" in out and "kvstore" in out and " 8" in out
+    code, out, err = await run_cli("query", "--model", "nope", "--tokens-file", "-", *target,
+                                   stdin="1 2 3 4")  # fmt: skip
+    assert code == 1 and "NOT_FOUND" in err and "nope" in err
+    code, _, err = await run_cli("query", "--model", MODEL, *target)
+    assert code == 2 and "exactly one" in err
