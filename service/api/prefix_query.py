@@ -163,6 +163,14 @@ def _tenant_name(node: Node, named: str) -> TenantId:
         raise FieldError("tenant_id", message) from None
 
 
+def _query_field(name: str) -> str:
+    """The query's name of a Lookup field in an error (``hashes[3]``: ``block_hashes[3]``)."""
+    for lookup, query in _FIELD_NAMES.items():
+        if name == lookup or name.startswith(f"{lookup}["):
+            return query + name[len(lookup) :]
+    return name
+
+
 def query_table(node: Node, model: str, namespace_id: str) -> BlockTable:
     """The namespace a query names, by id or by model id.
 
@@ -221,8 +229,7 @@ async def answer(node: Node, caller: Caller, query: PrefixQuery) -> PrefixAnswer
             hashes_checked=query.hashes_checked,
         )
     except FieldError as exc:
-        name = _FIELD_NAMES.get(exc.field, exc.field)
-        raise FieldError(name, exc.description) from None
+        raise FieldError(_query_field(exc.field), exc.description) from None
     scope = table.scope_of(tenant)
     found = await _from_directory(node, table.namespace, scope, chain)
     source = SOURCE_DIRECTORY

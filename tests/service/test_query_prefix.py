@@ -158,7 +158,7 @@ def code_and_field(exc: grpc.aio.AioRpcError) -> tuple[grpc.StatusCode, str]:
         (pb.QueryPrefixRequest(model=MODEL, token_ids=[1], block_hashes=[b"x" * 32]),
          grpc.StatusCode.INVALID_ARGUMENT, "token_ids"),
         (pb.QueryPrefixRequest(model=MODEL, block_hashes=[b"short"]),
-         grpc.StatusCode.INVALID_ARGUMENT, "hashes[0]"),
+         grpc.StatusCode.INVALID_ARGUMENT, "block_hashes[0]"),
         (pb.QueryPrefixRequest(model=MODEL, packed_hashes=b"x" * 33),
          grpc.StatusCode.INVALID_ARGUMENT, "packed_hashes"),
         (pb.QueryPrefixRequest(model=MODEL, packed_hashes=b"x" * 32 * 257),
