@@ -17,7 +17,7 @@ from typing import Annotated
 import typer
 
 import kvstore
-from kvstore.cli import admin, bench, drop, live, reads
+from kvstore.cli import admin, bench, drop, live, query, reads
 from kvstore.cli.common import TARGET_HELP, set_global_target
 
 app = typer.Typer(
@@ -56,7 +56,14 @@ def options(
     set_global_target(ctx, target)
 
 
-for _command in (*reads.COMMANDS, *admin.COMMANDS, *drop.COMMANDS, *bench.COMMANDS, *live.COMMANDS):
+for _command in (
+    *reads.COMMANDS,
+    *query.COMMANDS,
+    *admin.COMMANDS,
+    *drop.COMMANDS,
+    *bench.COMMANDS,
+    *live.COMMANDS,
+):
     app.command()(_command)
 
 

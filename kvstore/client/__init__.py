@@ -19,6 +19,7 @@ from kvstore.client.errors import (
 )
 from kvstore.client.handles import BlockLocation, Hit, Namespace, StoreResult
 from kvstore.client.lease import LeaseGrant, LeaseKeeper
+from kvstore.client.query import PrefixAnswer, PrefixHolder
 from kvstore.client.retry import Backoff, RetryPolicy
 from kvstore.client.sharded import ShardedClient, ShardedNamespace, shard_of
 from kvstore.client.sync import SyncClient
@@ -36,6 +37,8 @@ __all__ = [
     "LeaseKeeper",
     "Namespace",
     "PoolEpochChanged",
+    "PrefixAnswer",
+    "PrefixHolder",
     "RetryPolicy",
     "ServerError",
     "ServerUnavailable",

@@ -42,6 +42,7 @@ from kvstore.client.convert import hit_from_proto, request_fields
 from kvstore.client.errors import PoolEpochChanged
 from kvstore.client.handles import Hit, Namespace, StoreResult
 from kvstore.client.lease import LeaseKeeper
+from kvstore.client.query import PrefixQueries
 from kvstore.client.releases import Releases, new_release_id
 from kvstore.client.retry import RetryPolicy
 from kvstore.client.rpc import Rpc
@@ -57,7 +58,7 @@ from kvstore.v1 import kvstore_pb2 as pb
 __all__ = ["Client"]
 
 
-class Client:
+class Client(PrefixQueries):
     """Async gRPC client of one cache node; owns its channel, lease and mappings."""
 
     def __init__(

@@ -26,6 +26,7 @@ from typing import Any, TypeVar
 from kvstore.client.blocks import BlockSupplier
 from kvstore.client.client import Client
 from kvstore.client.handles import Hit, Namespace, StoreResult
+from kvstore.client.query import PrefixAnswer
 from kvstore.hashing import Extra, HashScheme, Tokens
 from kvstore.layout import KVLayout
 from kvstore.pool.cuda_caller import CallerCuda, calling_thread, capture
@@ -172,6 +173,10 @@ class SyncClient:
     def stats(self, *, timeout: float | None = None) -> pb.StatsResponse:
         """See `Client.stats`."""
         return self._run(self._client.stats(timeout=timeout))
+
+    def query_prefix(self, **query: Any) -> PrefixAnswer:
+        """See `Client.query_prefix` (the same keyword arguments)."""
+        return self._run(self._client.query_prefix(**query))
 
     def ping(self, payload: bytes = b"", *, timeout: float | None = None) -> bytes:
         """See `Client.ping`."""

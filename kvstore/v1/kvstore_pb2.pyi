@@ -1604,6 +1604,157 @@ class PingResponse(_message.Message):
 Global___PingResponse: _TypeAlias = PingResponse  # noqa: Y015
 
 @_typing.final
+class QueryPrefixRequest(_message.Message):
+    """---- prefix query for routers ----------------------------------------------------
+
+    Field names follow Mooncake Conductor's POST /query where they mean the same
+    (model, tenant_id, token_ids). Name the namespace by model (the one namespace
+    registered for it on this node) or by namespace_id; give the prompt as
+    token_ids (hashed here with the tenant's chain root, full blocks only) or
+    as block hashes (32 bytes each, as Lookup's hashes): exactly one form.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MODEL_FIELD_NUMBER: _builtins.int
+    NAMESPACE_ID_FIELD_NUMBER: _builtins.int
+    TENANT_ID_FIELD_NUMBER: _builtins.int
+    TOKEN_IDS_FIELD_NUMBER: _builtins.int
+    BLOCK_HASHES_FIELD_NUMBER: _builtins.int
+    PACKED_TOKEN_IDS_FIELD_NUMBER: _builtins.int
+    PACKED_HASHES_FIELD_NUMBER: _builtins.int
+    EXTRAS_FIELD_NUMBER: _builtins.int
+    model: _builtins.str
+    """model id; "" when namespace_id is given"""
+    namespace_id: _builtins.str
+    """"" when model is given (both: they must agree)"""
+    tenant_id: _builtins.str
+    """"" = the caller's tenant; another needs the admin token"""
+    packed_token_ids: _builtins.bytes
+    """token_ids as little-endian uint32, concatenated"""
+    packed_hashes: _builtins.bytes
+    """block_hashes concatenated (32 bytes each)"""
+    @_builtins.property
+    def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    @_builtins.property
+    def block_hashes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bytes]: ...
+    @_builtins.property
+    def extras(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bytes]:
+        """optional per-block extra hash input (token_ids only)"""
+
+    def __init__(
+        self,
+        *,
+        model: _builtins.str = ...,
+        namespace_id: _builtins.str = ...,
+        tenant_id: _builtins.str = ...,
+        token_ids: _abc.Iterable[_builtins.int] | None = ...,
+        block_hashes: _abc.Iterable[_builtins.bytes] | None = ...,
+        packed_token_ids: _builtins.bytes = ...,
+        packed_hashes: _builtins.bytes = ...,
+        extras: _abc.Iterable[_builtins.bytes] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_hashes", b"block_hashes", "extras", b"extras", "model", b"model", "namespace_id", b"namespace_id", "packed_hashes", b"packed_hashes", "packed_token_ids", b"packed_token_ids", "tenant_id", b"tenant_id", "token_ids", b"token_ids"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___QueryPrefixRequest: _TypeAlias = QueryPrefixRequest  # noqa: Y015
+
+@_typing.final
+class PrefixHolder(_message.Message):
+    """One holder of a prefix: a node's pool, or an engine attached to a node."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NODE_ID_FIELD_NUMBER: _builtins.int
+    ADDRESS_FIELD_NUMBER: _builtins.int
+    TIER_FIELD_NUMBER: _builtins.int
+    ENGINE_FIELD_NUMBER: _builtins.int
+    MATCHED_BLOCKS_FIELD_NUMBER: _builtins.int
+    MATCHED_TOKENS_FIELD_NUMBER: _builtins.int
+    node_id: _builtins.str
+    address: _builtins.str
+    """the node's gRPC address ("" when it advertises none)"""
+    tier: _builtins.str
+    """"kvstore" for the node pool; an engine's medium ("GPU", ...)"""
+    engine: _builtins.str
+    """"" for the node pool"""
+    matched_blocks: _builtins.int
+    """leading blocks of the query it holds"""
+    matched_tokens: _builtins.int
+    """matched_blocks * block_size"""
+    def __init__(
+        self,
+        *,
+        node_id: _builtins.str = ...,
+        address: _builtins.str = ...,
+        tier: _builtins.str = ...,
+        engine: _builtins.str = ...,
+        matched_blocks: _builtins.int = ...,
+        matched_tokens: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "engine", b"engine", "matched_blocks", b"matched_blocks", "matched_tokens", b"matched_tokens", "node_id", b"node_id", "tier", b"tier"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PrefixHolder: _TypeAlias = PrefixHolder  # noqa: Y015
+
+@_typing.final
+class QueryPrefixResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAMESPACE_ID_FIELD_NUMBER: _builtins.int
+    MODEL_FIELD_NUMBER: _builtins.int
+    TENANT_ID_FIELD_NUMBER: _builtins.int
+    BLOCK_SIZE_FIELD_NUMBER: _builtins.int
+    QUERY_BLOCKS_FIELD_NUMBER: _builtins.int
+    QUERY_TOKENS_FIELD_NUMBER: _builtins.int
+    HOLDERS_FIELD_NUMBER: _builtins.int
+    LONGEST_MATCHED_FIELD_NUMBER: _builtins.int
+    SOURCE_FIELD_NUMBER: _builtins.int
+    namespace_id: _builtins.str
+    model: _builtins.str
+    tenant_id: _builtins.str
+    """the tenant whose blocks were asked for"""
+    block_size: _builtins.int
+    query_blocks: _builtins.int
+    """full blocks in the query"""
+    query_tokens: _builtins.int
+    """tokens sent (full blocks' tokens for hashes)"""
+    longest_matched: _builtins.int
+    """the most matched_tokens of any holder (Conductor's name)"""
+    source: _builtins.str
+    """"directory" (Redis, the cluster) or "local" (this node only)"""
+    @_builtins.property
+    def holders(self) -> _containers.RepeatedCompositeFieldContainer[Global___PrefixHolder]:
+        """longest first; none when nobody holds block 0"""
+
+    def __init__(
+        self,
+        *,
+        namespace_id: _builtins.str = ...,
+        model: _builtins.str = ...,
+        tenant_id: _builtins.str = ...,
+        block_size: _builtins.int = ...,
+        query_blocks: _builtins.int = ...,
+        query_tokens: _builtins.int = ...,
+        holders: _abc.Iterable[Global___PrefixHolder] | None = ...,
+        longest_matched: _builtins.int = ...,
+        source: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "holders", b"holders", "longest_matched", b"longest_matched", "model", b"model", "namespace_id", b"namespace_id", "query_blocks", b"query_blocks", "query_tokens", b"query_tokens", "source", b"source", "tenant_id", b"tenant_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___QueryPrefixResponse: _TypeAlias = QueryPrefixResponse  # noqa: Y015
+
+@_typing.final
 class EvictRequest(_message.Message):
     """---- admin ---------------------------------------------------------------------------"""
 

@@ -119,6 +119,11 @@ class KVStoreStub:
                 request_serializer=kvstore_dot_v1_dot_kvstore__pb2.PingRequest.SerializeToString,
                 response_deserializer=kvstore_dot_v1_dot_kvstore__pb2.PingResponse.FromString,
                 _registered_method=True)
+        self.QueryPrefix = channel.unary_unary(
+                '/kvstore.v1.KVStore/QueryPrefix',
+                request_serializer=kvstore_dot_v1_dot_kvstore__pb2.QueryPrefixRequest.SerializeToString,
+                response_deserializer=kvstore_dot_v1_dot_kvstore__pb2.QueryPrefixResponse.FromString,
+                _registered_method=True)
         self.Evict = channel.unary_unary(
                 '/kvstore.v1.KVStore/Evict',
                 request_serializer=kvstore_dot_v1_dot_kvstore__pb2.EvictRequest.SerializeToString,
@@ -249,6 +254,15 @@ class KVStoreServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def QueryPrefix(self, request, context):
+        """For routers: where is the longest cached prefix of this prompt, per node,
+        per engine, per tier (docs/cluster.md, "Prefix query for routers"). A
+        query is no hit: it pins nothing, refreshes no LRU, counts no hit.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Evict(self, request, context):
         """Admin verbs (need the admin token when auth is configured).
         """
@@ -355,6 +369,11 @@ def add_KVStoreServicer_to_server(servicer, server):
                     servicer.Ping,
                     request_deserializer=kvstore_dot_v1_dot_kvstore__pb2.PingRequest.FromString,
                     response_serializer=kvstore_dot_v1_dot_kvstore__pb2.PingResponse.SerializeToString,
+            ),
+            'QueryPrefix': grpc.unary_unary_rpc_method_handler(
+                    servicer.QueryPrefix,
+                    request_deserializer=kvstore_dot_v1_dot_kvstore__pb2.QueryPrefixRequest.FromString,
+                    response_serializer=kvstore_dot_v1_dot_kvstore__pb2.QueryPrefixResponse.SerializeToString,
             ),
             'Evict': grpc.unary_unary_rpc_method_handler(
                     servicer.Evict,
@@ -831,6 +850,33 @@ class KVStore:
             '/kvstore.v1.KVStore/Ping',
             kvstore_dot_v1_dot_kvstore__pb2.PingRequest.SerializeToString,
             kvstore_dot_v1_dot_kvstore__pb2.PingResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def QueryPrefix(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvstore.v1.KVStore/QueryPrefix',
+            kvstore_dot_v1_dot_kvstore__pb2.QueryPrefixRequest.SerializeToString,
+            kvstore_dot_v1_dot_kvstore__pb2.QueryPrefixResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -65,6 +65,11 @@ class KVStoreStub:
     WatchEvents: _grpc.UnaryStreamMultiCallable[_kvstore_pb2.WatchEventsRequest, _kvstore_pb2.Event]
     Ping: _grpc.UnaryUnaryMultiCallable[_kvstore_pb2.PingRequest, _kvstore_pb2.PingResponse]
     """Echoes its payload: the baseline the benchmarks compare against."""
+    QueryPrefix: _grpc.UnaryUnaryMultiCallable[_kvstore_pb2.QueryPrefixRequest, _kvstore_pb2.QueryPrefixResponse]
+    """For routers: where is the longest cached prefix of this prompt, per node,
+    per engine, per tier (docs/cluster.md, "Prefix query for routers"). A
+    query is no hit: it pins nothing, refreshes no LRU, counts no hit.
+    """
     Evict: _grpc.UnaryUnaryMultiCallable[_kvstore_pb2.EvictRequest, _kvstore_pb2.EvictResponse]
     """Admin verbs (need the admin token when auth is configured)."""
     Clear: _grpc.UnaryUnaryMultiCallable[_kvstore_pb2.ClearRequest, _kvstore_pb2.ClearResponse]
@@ -99,6 +104,11 @@ class KVStoreAsyncStub(KVStoreStub):
     WatchEvents: _aio.UnaryStreamMultiCallable[_kvstore_pb2.WatchEventsRequest, _kvstore_pb2.Event]  # type: ignore[assignment]
     Ping: _aio.UnaryUnaryMultiCallable[_kvstore_pb2.PingRequest, _kvstore_pb2.PingResponse]  # type: ignore[assignment]
     """Echoes its payload: the baseline the benchmarks compare against."""
+    QueryPrefix: _aio.UnaryUnaryMultiCallable[_kvstore_pb2.QueryPrefixRequest, _kvstore_pb2.QueryPrefixResponse]  # type: ignore[assignment]
+    """For routers: where is the longest cached prefix of this prompt, per node,
+    per engine, per tier (docs/cluster.md, "Prefix query for routers"). A
+    query is no hit: it pins nothing, refreshes no LRU, counts no hit.
+    """
     Evict: _aio.UnaryUnaryMultiCallable[_kvstore_pb2.EvictRequest, _kvstore_pb2.EvictResponse]  # type: ignore[assignment]
     """Admin verbs (need the admin token when auth is configured)."""
     Clear: _aio.UnaryUnaryMultiCallable[_kvstore_pb2.ClearRequest, _kvstore_pb2.ClearResponse]  # type: ignore[assignment]
@@ -232,6 +242,17 @@ class KVStoreServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_kvstore_pb2.PingResponse, _abc.Awaitable[_kvstore_pb2.PingResponse]]:
         """Echoes its payload: the baseline the benchmarks compare against."""
+
+    @_abc_1.abstractmethod
+    def QueryPrefix(
+        self,
+        request: _kvstore_pb2.QueryPrefixRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_kvstore_pb2.QueryPrefixResponse, _abc.Awaitable[_kvstore_pb2.QueryPrefixResponse]]:
+        """For routers: where is the longest cached prefix of this prompt, per node,
+        per engine, per tier (docs/cluster.md, "Prefix query for routers"). A
+        query is no hit: it pins nothing, refreshes no LRU, counts no hit.
+        """
 
     @_abc_1.abstractmethod
     def Evict(

@@ -24,6 +24,7 @@ from service.api.blocks import BlockRpcs
 from service.api.data import DataRpcs
 from service.api.errors import FieldError, guard_unary
 from service.api.peer import PeerRpcs
+from service.api.query import QueryRpcs
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +37,9 @@ def new_lease_id() -> LeaseId:
             return LeaseId(value)
 
 
-class KVStoreServicer(BlockRpcs, DataRpcs, AdminRpcs, PeerRpcs, kvstore_pb2_grpc.KVStoreServicer):
+class KVStoreServicer(
+    BlockRpcs, DataRpcs, AdminRpcs, PeerRpcs, QueryRpcs, kvstore_pb2_grpc.KVStoreServicer
+):
     """The whole KVStore service of one node."""
 
     # --- leases -----------------------------------------------------------------

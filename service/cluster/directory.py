@@ -12,6 +12,12 @@ A dead node's entries therefore never win, even in the seconds before its
 sets expire (they carry the node TTL and are refreshed by its heartbeat).
 Every key a script touches is in the namespace's hash slot (see
 `service.cluster.keys`), so it runs unchanged on Redis Cluster.
+
+Routers' prefix queries are one round trip too: `Directory.query` runs
+`QUERY`, which is `LOCATE` for every live node (this one included) plus the
+engines attached to live nodes: ``{P:ns}:engines`` (HASH ``<node>:<engine>``
+-> JSON ``{"node", "engine", "medium"}``) names them, and each engine's
+``{P:ns}:e:<node>:<engine>`` SET holds members exactly like a node's set.
 """
 
 from __future__ import annotations
@@ -61,6 +67,60 @@ end
 return {total, out}
 """)
 
+QUERY = LuaScript("""
+-- KEYS[1] ns alive zset, KEYS[2] ns addr hash, KEYS[3] ns engines hash
+-- ARGV[1] node-set key prefix, ARGV[2] engine-set key prefix, ARGV[3..] chain members
+-- Returns {chain length, {node, address, held, engine, medium, ...}}; engine ''
+-- is the node's own pool. Only holders of at least the first block are listed.
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local function held(key)
+  local n = 0
+  local first = 3
+  while first <= #ARGV do
+    local last = math.min(first + 999, #ARGV)
+    local flags = redis.call('SMISMEMBER', key, unpack(ARGV, first, last))
+    local run = 0
+    for i = 1, #flags do
+      if flags[i] == 1 then run = run + 1 else break end
+    end
+    n = n + run
+    if run < #flags then break end
+    first = last + 1
+  end
+  return n
+end
+local out = {}
+local function add(id, n, engine, medium)
+  out[#out + 1] = id
+  out[#out + 1] = redis.call('HGET', KEYS[2], id) or ''
+  out[#out + 1] = n
+  out[#out + 1] = engine
+  out[#out + 1] = medium
+end
+local alive = {}
+for _, id in ipairs(redis.call('ZRANGEBYSCORE', KEYS[1], now, '+inf')) do
+  alive[id] = true
+  local n = held(ARGV[1] .. id)
+  if n > 0 then add(id, n, '', '') end
+end
+local engines = redis.call('HGETALL', KEYS[3])
+for i = 1, #engines, 2 do
+  local ok, info = pcall(cjson.decode, engines[i + 1])
+  if ok and type(info) == 'table' and type(info.node) == 'string' and alive[info.node] then
+    local n = held(ARGV[2] .. engines[i])
+    if n > 0 then
+      local engine = info.engine
+      if type(engine) ~= 'string' then engine = engines[i] end
+      local medium = info.medium
+      if type(medium) ~= 'string' then medium = '' end
+      add(info.node, n, engine, medium)
+    end
+  end
+end
+return {#ARGV - 2, out}
+""")
+
 NS_HEARTBEAT = LuaScript("""
 -- KEYS[1] ns alive zset, KEYS[2] ns addr hash, KEYS[3] this node's set
 -- ARGV[1] node id, ARGV[2] address, ARGV[3] ttl ms
@@ -89,6 +149,22 @@ class Holder:
     """Its gRPC address (where FetchBlocks goes)."""
     blocks: int
     """Length of the chain prefix it holds."""
+
+
+@dataclass(frozen=True, slots=True)
+class TierHolder:
+    """A live node's pool, or an engine attached to a live node, holding a prefix of a chain."""
+
+    node_id: str
+    """The node's id (the engine's node for an engine)."""
+    address: str
+    """The node's gRPC address."""
+    blocks: int
+    """Length of the chain prefix it holds."""
+    engine: str = ""
+    """The engine's name; "" for the node's own pool."""
+    medium: str = ""
+    """The engine's medium ("GPU", ...); "" for the node's own pool."""
 
 
 class Change(Enum):
@@ -238,6 +314,35 @@ class Directory:
             for i in range(0, len(flat), 3)
         ]
         holders.sort(key=lambda h: (-h.blocks, h.node_id))
+        return holders
+
+    async def query(
+        self, client: Any, namespace: NamespaceId, scope: TenantId, chain: Sequence[BlockHash]
+    ) -> list[TierHolder]:
+        """Every live holder (node pools and engines) of a prefix of ``chain``, longest first.
+
+        One round trip (`QUERY`); this node counts like any other, as the
+        directory has it (its last flush), so every node gives a router the
+        same answer.
+        """
+        if not chain:
+            return []
+        tag = self.keys.ns_tag(namespace)
+        keys = (self.keys.ns_alive(namespace), self.keys.ns_addr(namespace), f"{tag}:engines")
+        args: list[str | bytes] = [self.keys.ns_node_prefix(namespace), f"{tag}:e:"]
+        args.extend(member(h, scope) for h in chain)
+        flat = (await QUERY(client, keys, args))[1]
+        holders = [
+            TierHolder(
+                _text(flat[i]),
+                _text(flat[i + 1]),
+                int(flat[i + 2]),
+                _text(flat[i + 3]),
+                _text(flat[i + 4]),
+            )
+            for i in range(0, len(flat), 5)
+        ]
+        holders.sort(key=lambda h: (-h.blocks, h.node_id, h.engine))
         return holders
 
 

@@ -14,6 +14,8 @@ Routes:
   plus ``namespaces``; NS is an id, a model id or a unique prefix of either
   (`kvstore.ops.names`); no namespace = the busiest one (most tokens looked up).
 - ``POST /login`` — the page's sign-in form when auth is on (`web_auth`).
+- ``POST /query`` — the routers' prefix query as JSON (`service.ops.query_http`;
+  its own auth: a tenant's or the admin's token, not the page's).
 - ``GET /metrics`` — the Prometheus exposition, open to scrapers.
 - anything else — 404 (a JSON error under ``/api/``).
 
@@ -45,6 +47,7 @@ from kvstore.ops.prefix_tree import BlockRecord, build_tree, tree_json
 from kvstore.ops.summary import status_json, tenants_json
 from kvstore.types import NamespaceId
 from service.node import Node
+from service.ops import query_http
 from service.ops.metrics import WsgiApp
 from service.ops.web_auth import DISABLED_PAGE, LOGIN_PAGE, Verdict, WebAccess
 
@@ -174,6 +177,8 @@ class WebApp:
             return self.metrics(environ, start_response)
         if path == "/login":
             return self._login(environ, start_response, method)
+        if path == "/query":
+            return self._query(environ, start_response, method)
         page = path in ("/", "/index.html")
         api = path.startswith("/api/")
         if not page and not api:
@@ -201,6 +206,17 @@ class WebApp:
         except Exception as exc:  # the page must answer, whatever the node is doing
             log.exception("web request %s failed", path)
             return _json(start_response, "503 Service Unavailable", {"error": repr(exc)})
+
+    def _query(self, environ: dict[str, Any], start: StartResponse, method: str) -> list[bytes]:
+        if method != "POST":
+            return _json(start, "405 Method Not Allowed", {"error": "POST a JSON body"})
+        try:
+            status, doc = query_http.handle(self.node, environ)
+        except Exception as exc:  # a router must get an answer, whatever the node is doing
+            log.exception("web request /query failed")
+            return _json(start, "503 Service Unavailable", {"error": repr(exc)})
+        extra = [("WWW-Authenticate", "Bearer")] if status.startswith("401") else None
+        return _json(start, status, doc, extra)
 
     def _refuse(self, start: StartResponse, verdict: Verdict, page: bool) -> list[bytes]:
         if verdict is Verdict.DISABLED:
