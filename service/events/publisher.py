@@ -13,10 +13,10 @@ tier: it subscribes to ``kv_events_endpoint`` like to an engine.
   ``ExternalBlockHash`` is ``bytes | int``; bytes is its default). The node
   keys blocks by hash and never sees their tokens, so ``token_ids`` is
   empty; ``block_size`` is the namespace's; ``lora_id`` / ``lora_name`` nil.
-- The event loop only converts and enqueues (``put_nowait`` on a bounded
+- The event loop only converts to plain lists and dicts and enqueues (``put_nowait`` on a bounded
   queue: when the sender falls ``kv_events_buffer_batches`` behind, batches
   are dropped and counted, never waited for). A daemon thread owns the
-  sockets: it encodes, numbers (0, 1, 2, ... per node start, 8-byte
+  sockets: it encodes (msgpack), numbers (0, 1, 2, ... per node start, 8-byte
   big-endian), sends ``[topic, seq, payload]`` on the PUB socket, keeps the
   last ``kv_events_buffer_batches`` payloads, and answers replay requests on
   the ROUTER socket (``[identity, b"", start seq]`` -> every kept batch from
@@ -67,7 +67,10 @@ class KvEventPublisher:
         self._array = array_events
         self._block_size_of = block_size_of
         self._wall = wall
-        self._queue: queue.Queue[bytes | None] = queue.Queue(maxsize=buffer_batches)
+        # (ts, events): msgpack encoding happens on the sender thread, not the loop.
+        self._queue: queue.Queue[tuple[float, list[Any]] | None] = queue.Queue(
+            maxsize=buffer_batches
+        )
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_batches)
         self.dropped = 0
         """Batches dropped because the sender thread fell behind."""
@@ -113,8 +116,7 @@ class KvEventPublisher:
         if not wire_events:
             return
         try:
-            payload = wire.encode_batch(self._wall(), wire_events)
-            self._queue.put_nowait(payload)
+            self._queue.put_nowait((self._wall(), wire_events))
         except queue.Full:
             self.dropped += 1
             if self.dropped == 1:
@@ -144,12 +146,13 @@ class KvEventPublisher:
                 except Exception:
                     log.exception("KV-event replay request failed")
             try:
-                payload = self._queue.get(timeout=POLL_SECONDS)
+                item = self._queue.get(timeout=POLL_SECONDS)
             except queue.Empty:
                 continue
-            if payload is None:
+            if item is None:
                 return
             seq = self.sent
+            payload = wire.encode_batch(*item)
             try:
                 self._pub.send_multipart([self.topic, wire.seq_bytes(seq), payload])
             except Exception:

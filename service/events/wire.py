@@ -37,6 +37,7 @@ msgpack is imported on first use: it comes with the ``events`` extra.
 from __future__ import annotations
 
 import importlib
+from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -77,7 +78,7 @@ class Stored:
     block_hashes: tuple[EngineHash, ...]
     parent: EngineHash | None
     """The engine's hash of the block before the first one (None: a chain start)."""
-    token_ids: tuple[int, ...]
+    token_ids: array[int]
     """Every token of the blocks (block_size per block); may be empty from a publisher
     that does not know them (this node's own events)."""
     block_size: int
@@ -239,12 +240,14 @@ def _hash_or_none(value: Any) -> EngineHash | None:
     raise WireError(f"parent_block_hash must be bytes, an int or nil, got {value!r:.40}")
 
 
-def _tokens(value: Any) -> tuple[int, ...]:
-    if not isinstance(value, list) or not all(
-        isinstance(t, int) and not isinstance(t, bool) for t in value
-    ):
+def _tokens(value: Any) -> array[int]:
+    """Token ids as uint32, checked in C (a per-item check in Python was 80% of an ingest)."""
+    if not isinstance(value, list):
         raise WireError("token_ids must be a list of ints")
-    return tuple(value)
+    try:
+        return array("I", value)
+    except (TypeError, OverflowError):
+        raise WireError("token_ids must be a list of ints in [0, 2**32)") from None
 
 
 def _positive(value: Any, name: str) -> int:

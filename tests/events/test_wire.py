@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from array import array
 from pathlib import Path
 
 import msgpack
@@ -18,15 +19,15 @@ H = bytes(range(32))
 
 
 def test_published_batches_decode_in_both_encodings() -> None:
-    for array in (False, True):
+    for as_array in (False, True):
         events = [
-            wire.stored([H], None, 16, "CPU_kvstore", array=array),
-            wire.removed([H], "m", array=array),
+            wire.stored([H], None, 16, "CPU_kvstore", array=as_array),
+            wire.removed([H], "m", array=as_array),
         ]
         batch = decode_batch(wire.encode_batch(2.5, events))
         assert batch.ts == 2.5 and batch.data_parallel_rank is None
         first, second = batch.events
-        assert first == Stored((H,), None, (), 16, "CPU_kvstore", None, None, None)
+        assert first == Stored((H,), None, array("I"), 16, "CPU_kvstore", None, None, None)
         assert second == Removed((H,), "m", None)
 
 
