@@ -30,6 +30,7 @@ import logging
 from typing import Any
 
 from kvstore.extras import MissingExtra
+from service.config import ConfigError
 from service.config.engines import EngineSource
 from service.events.engine_index import EngineIndex
 from service.events.wire import END_SEQ, WireError, decode_batch, seq_bytes
@@ -69,11 +70,22 @@ class EngineSubscriber:
         return self.source.name
 
     def start(self) -> None:
-        """Connect and start reading (the engine may not be up yet: ZMQ reconnects)."""
+        """Connect and start reading (the engine may not be up yet: ZMQ reconnects).
+
+        Raises:
+            ConfigError: the endpoint is malformed.
+        """
         zmq = self._zmq
         self._sub = self._ctx.socket(zmq.SUB)
         self._sub.setsockopt(zmq.LINGER, 0)
-        self._sub.connect(self.source.endpoint)
+        try:
+            self._sub.connect(self.source.endpoint)
+        except zmq.ZMQError as exc:
+            self._sub.close(linger=0)
+            self._sub = None
+            raise ConfigError(
+                f"engine_kv_events {self.name}: endpoint {self.source.endpoint!r}: {exc}"
+            ) from None
         self._sub.setsockopt(zmq.SUBSCRIBE, self.source.topic.encode())
         self._task = asyncio.create_task(self._run(), name=f"kvstore-engine-{self.name}")
 
@@ -93,11 +105,12 @@ class EngineSubscriber:
             frames = await self._sub.recv_multipart()
             try:
                 self._on_message(frames)
+                if self._pending_gap is not None:
+                    await self._catch_up(*self._pending_gap)
             except Exception:  # never let one engine's input end the task
                 log.exception("bug: engine %s: ingesting a batch failed", self.name)
                 self.index.engines[self.name].count("errors")
-            if self._pending_gap is not None:
-                await self._catch_up(*self._pending_gap)
+                self._pending_gap = None
 
     def _on_message(self, frames: list[bytes]) -> None:
         """Ingest one ``[topic, seq, payload]`` message (or note a gap to replay first)."""

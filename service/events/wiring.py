@@ -13,7 +13,7 @@ from typing import Any
 
 from kvstore.events import CacheEvent
 from kvstore.types import NamespaceId
-from service.config import Config
+from service.config import Config, ConfigError
 from service.events.engine_index import EngineIndex
 from service.events.publisher import KvEventPublisher
 from service.events.subscriber import EngineSubscriber, zmq_modules
@@ -50,16 +50,7 @@ class KvEvents:
         """Bind the publisher and connect the subscribers (on the node's loop)."""
         config = self.config
         if config.kv_events_endpoint:
-            self.publisher = KvEventPublisher(
-                config.kv_events_endpoint,
-                replay_endpoint=config.kv_events_replay_endpoint,
-                topic=config.kv_events_topic,
-                medium=default_medium(config),
-                buffer_batches=config.kv_events_buffer_batches,
-                array_events=config.kv_events_encoding == "array",
-                block_size_of=self._block_size_of,
-                wall=self._wall,
-            )
+            self.publisher = self._bind_publisher()
             log.info(
                 "publishing KV events on %s (replay: %s)",
                 self.publisher.endpoint,
@@ -73,6 +64,27 @@ class KvEvents:
                 sub.start()
                 self.subscribers.append(sub)
                 log.info("ingesting KV events of engine %s from %s", source.name, source.endpoint)
+
+    def _bind_publisher(self) -> KvEventPublisher:
+        """The publisher on its endpoints; `ConfigError` naming them when they cannot be bound."""
+        config = self.config
+        zmq, _ = zmq_modules()
+        try:
+            return KvEventPublisher(
+                config.kv_events_endpoint,
+                replay_endpoint=config.kv_events_replay_endpoint,
+                topic=config.kv_events_topic,
+                medium=default_medium(config),
+                buffer_batches=config.kv_events_buffer_batches,
+                array_events=config.kv_events_encoding == "array",
+                block_size_of=self._block_size_of,
+                wall=self._wall,
+            )
+        except zmq.ZMQError as exc:
+            raise ConfigError(
+                f"kv_events_endpoint {config.kv_events_endpoint!r} / kv_events_replay_endpoint "
+                f"{config.kv_events_replay_endpoint!r} cannot be bound: {exc}"
+            ) from None
 
     def publish(self, events: Iterable[CacheEvent]) -> None:
         """Hand the node's block events to the publisher (no-op when off)."""

@@ -5,14 +5,17 @@ from __future__ import annotations
 import subprocess
 import sys
 from array import array
+from dataclasses import replace
 from pathlib import Path
 
 import msgpack
 import pytest
 
 from service.config import ConfigError, load_config
+from service.config.engines import EngineSource
 from service.events import wire
 from service.events.wire import Cleared, Removed, Stored, WireError, decode_batch
+from service.node import Node
 
 ROOT = Path(__file__).resolve().parents[2]
 H = bytes(range(32))
@@ -133,3 +136,16 @@ def test_the_node_runs_without_the_extra(tmp_path) -> None:
         check=True,
     )
     assert "pip install 'kvstore[events]'" in out.stdout
+
+
+async def test_endpoints_that_cannot_be_used_name_the_setting(server_config) -> None:
+    node = Node(replace(server_config, kv_events_endpoint="nonsense"))
+    with pytest.raises(ConfigError, match="kv_events_endpoint 'nonsense'"):
+        node.kv_events.start()
+    source = EngineSource(name="e1", endpoint="nowhere", model_id="m")
+    node = Node(replace(server_config, engine_kv_events=(source,)))
+    try:
+        with pytest.raises(ConfigError, match="engine_kv_events e1: endpoint 'nowhere'"):
+            node.kv_events.start()
+    finally:
+        await node.kv_events.stop()
