@@ -13,6 +13,7 @@ import concurrent.futures
 import logging
 import time
 from collections.abc import Callable, Sequence
+from typing import TypeVar
 
 import kvstore
 from kvstore.block_table import BlockTable
@@ -29,6 +30,7 @@ from service.cluster.agent import RedisAgent
 from service.cluster.peer_fetch import PeerFetcher
 from service.config import Config, ConfigError
 from service.events.engine_index import ChainStart, EngineIndex
+from service.events.metrics import EventsCollector
 from service.events.wiring import KvEvents
 from service.ops.event_hub import EventHub
 from service.ops.metrics import Metrics
@@ -38,6 +40,8 @@ from service.tenancy.callers import Caller, ChainRoots, TenantResolver
 from service.tenancy.tenants import TenantDirectory, TenantsFileError
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 Clock = Callable[[], float]
 """Monotonic seconds; injectable so tests can move time."""
@@ -109,6 +113,9 @@ class Node:
         """Blocks the engines in `engine_kv_events` hold (docs/events.md); None without any."""
         self.kv_events = KvEvents(config, self.engine_index, self._block_size_of, wall)
         """vLLM KV events: the node's own, published; its engines', ingested (`start`ed)."""
+        self.metrics.registry.register(
+            EventsCollector(lambda: self.on_loop(self.kv_events.figures))
+        )
 
     @property
     def epoch(self) -> int:
@@ -350,14 +357,18 @@ class Node:
 
     def snapshot(self) -> StoreStats | None:
         """A store snapshot; safe from any thread (hops onto the loop when needed)."""
+        return self.on_loop(self.store.stats)
+
+    def on_loop(self, read: Callable[[], T]) -> T | None:
+        """``read()`` on the loop, from any thread; None when the loop is gone or stuck (5 s)."""
         loop = self.loop
         if loop is None or _on_loop(loop):
-            return self.store.stats()
+            return read()
         if loop.is_closed():
             return None
 
-        async def take() -> StoreStats:
-            return self.store.stats()
+        async def take() -> T:
+            return read()
 
         future = asyncio.run_coroutine_threadsafe(take(), loop)
         try:

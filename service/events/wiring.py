@@ -15,6 +15,7 @@ from kvstore.events import CacheEvent
 from kvstore.types import NamespaceId
 from service.config import Config, ConfigError
 from service.events.engine_index import EngineIndex
+from service.events.metrics import EventFigures
 from service.events.publisher import KvEventPublisher
 from service.events.subscriber import EngineSubscriber, zmq_modules
 
@@ -85,6 +86,24 @@ class KvEvents:
                 f"kv_events_endpoint {config.kv_events_endpoint!r} / kv_events_replay_endpoint "
                 f"{config.kv_events_replay_endpoint!r} cannot be bound: {exc}"
             ) from None
+
+    def figures(self) -> EventFigures:
+        """The metrics' figures (`service.events.metrics`); call on the loop."""
+        publisher, index = self.publisher, self.index
+        blocks: dict[tuple[str, str], int] = {}
+        counts: dict[tuple[str, str], int] = {}
+        if index is not None:
+            for name, state in index.engines.items():
+                for medium, held in state.held.items():
+                    blocks[(name, medium)] = len(held)
+                for kind, n in state.counts.items():
+                    counts[(name, kind)] = n
+        return EventFigures(
+            published=publisher.sent if publisher is not None else None,
+            dropped=publisher.dropped if publisher is not None else 0,
+            blocks=blocks,
+            counts=counts,
+        )
 
     def publish(self, events: Iterable[CacheEvent]) -> None:
         """Hand the node's block events to the publisher (no-op when off)."""

@@ -11,6 +11,7 @@ import hashlib
 from dataclasses import replace
 
 import msgpack
+from prometheus_client import generate_latest
 
 from service.config.engines import EngineSource
 from service.events.engine_index import EngineMatch
@@ -94,6 +95,9 @@ async def test_chains_replay_gaps_restart_and_bad_input(server_config) -> None:
         seq += 4
         await until(lambda: state.last_seq == seq - 1, what="the batch after the bad ones")
         assert state.counts["malformed"] == 4
+        scrape = generate_latest(server.node.metrics.registry).decode()
+        assert 'kvstore_engine_events_total{engine="fake-0",kind="malformed"} 4.0' in scrape
+        assert 'kvstore_engine_blocks{engine="fake-0",medium="GPU"} 3.0' in scrape
         assert index.longest(ns, "default", chain) == [EngineMatch("fake-0", "GPU", 3)]
 
         # A restart (sequence numbers start over): the engine's blocks are dropped.

@@ -13,6 +13,7 @@ import time
 from dataclasses import replace
 
 import pytest
+from prometheus_client import generate_latest
 
 from kvstore.v1 import kvstore_pb2 as pb
 from service.server import Server
@@ -87,6 +88,8 @@ async def test_vllm_decodes_published_events(server_config) -> None:
                     removed.update(e["block_hashes"])
         assert seqs == list(range(seqs[0], seqs[0] + len(seqs)))
         assert publisher.dropped == 0
+        scrape = generate_latest(server.node.metrics.registry).decode()
+        assert f"kvstore_kv_events_published_batches_total {float(publisher.sent)}" in scrape
     finally:
         if proc is not None:
             stop(proc)
