@@ -19,10 +19,12 @@ import redis.asyncio as aioredis
 from service.cluster.keys import Keys, member
 from service.config.engines import EngineSource
 from service.server import Server
+from tests.events.conftest import until
 from tests.events.fake_engine import FakeEngine, batch, removed, stored
 from tests.events.test_ingest import join
 from tests.redis.conftest import node_config, redis_server  # noqa: F401  (a fixture)
 from tests.redis.rpc import MODEL, Rpc, prompt
+from tests.redis.server import RedisServer
 
 
 def eh(i: int) -> bytes:
@@ -76,3 +78,54 @@ async def test_engine_sets_on_redis(tmp_path, redis_server) -> None:  # noqa: F8
     assert not await client.exists(set_key)
     assert not await client.hexists(keys.ns_engines(ns), "n1:gpu-7")
     await client.aclose()
+
+
+async def test_engine_sets_come_back_after_a_redis_outage(tmp_path) -> None:
+    server_r = RedisServer(tmp_path / "redis").start()
+    engine = FakeEngine()
+    source = EngineSource(
+        name="gpu-8",
+        endpoint=engine.endpoint,
+        replay_endpoint=engine.replay_endpoint,
+        model_id=MODEL,
+    )
+    config = replace(node_config(tmp_path, server_r.url, "n2"), engine_kv_events=(source,))
+    server = Server(config)
+    await server.start()
+    rpc = Rpc(server.address)
+    keys = Keys("kvt")
+    try:
+        ns = await rpc.register()
+        chain = await rpc.store(seed=5, blocks=4)
+        tokens = prompt(5, 4)
+        index = server.node.engine_index
+        agent = server.node.cluster
+        assert index is not None and agent is not None
+        state = index.engines["gpu-8"]
+        engine.keep(0, batch([stored([eh(10), eh(11)], None, tokens[:8])]))
+        seq = await join(engine, state, 1)
+        set_key = keys.ns_engine(ns, "n2", "gpu-8")
+        await _until_members(server_r, set_key, {member(h, "default") for h in chain[:2]})
+
+        server_r.kill()
+        await until(lambda: not agent.connected, what="the outage noticed")
+        engine.send(seq, batch([stored([eh(12), eh(13)], eh(11), tokens[8:])]))
+        await until(lambda: len(index.blocks("gpu-8")) == 4, what="ingest during the outage")
+        server_r.start()  # empty: the engine set must come back from the index
+        await _until_members(server_r, set_key, {member(h, "default") for h in chain})
+    finally:
+        await rpc.close()
+        await server.stop(0.1)
+        engine.close()
+        server_r.stop()
+
+
+async def _until_members(redis_proc: RedisServer, key: str, expected: set[bytes]) -> None:
+    client = aioredis.Redis.from_url(redis_proc.url)
+    try:
+        deadline = time.monotonic() + 15
+        while (got := set(await client.smembers(key))) != expected:
+            assert time.monotonic() < deadline, f"{key} holds {got}, expected {expected}"
+            await asyncio.sleep(0.02)
+    finally:
+        await client.aclose()
