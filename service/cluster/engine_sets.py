@@ -14,9 +14,10 @@ Writes are batched like the node's directory: the engine index queues
 changes in a bounded `EngineSetQueue` (synchronous, on the loop); the Redis
 agent drains it in its flush pipeline. An overflow, a Redis outage or a start
 marks a resync: the node's engine entries are wiped and rewritten from the
-index. A graceful leave deletes them; a dead node's sets expire with its TTL
-(and its hash fields are stale but name a node that ``{P:ns}:alive`` no
-longer lists: readers check liveness there).
+index. A graceful leave deletes them; a dead node's sets expire with its TTL,
+and its hash fields are removed by the next heartbeat of any live node in the
+namespace (``NS_HEARTBEAT`` in `service.cluster.directory`); until then they
+name a node that ``{P:ns}:alive`` no longer lists as live, which readers check.
 """
 
 from __future__ import annotations
@@ -62,8 +63,8 @@ class EngineHoldings(Protocol):
     def entries(self) -> list[EngineEntry]:
         """Every engine's set in every namespace, for a resync."""
 
-    def live_sets(self) -> list[tuple[NamespaceId, str]]:
-        """The (namespace, engine) of every non-empty set, for the heartbeat's TTL refresh."""
+    def live_sets(self) -> list[tuple[NamespaceId, str, str]]:
+        """The (namespace, engine, medium) of every non-empty set, for the heartbeat."""
 
 
 class EngineSetQueue:
@@ -183,7 +184,10 @@ class EngineSets:
             pipe.hdel(self.keys.ns_engines(namespace), *mine)
             await pipe.execute()
 
-    def refresh(self, pipe: Any, live: Iterable[tuple[NamespaceId, str]]) -> None:
-        """Queue the TTL refresh of the given (namespace, engine) sets (heartbeat)."""
-        for namespace, engine in live:
+    def refresh(self, pipe: Any, live: Iterable[tuple[NamespaceId, str, str]]) -> None:
+        """Queue the heartbeat of the given (namespace, engine, medium) sets: their TTL, and
+        their hash field (another node's heartbeat may have swept it in the moment before
+        this node's first heartbeat made it live)."""
+        for namespace, engine, medium in live:
             pipe.pexpire(self.keys.ns_engine(namespace, self.node_id, engine), self.ttl_ms)
+            self._describe(pipe, namespace, engine, medium)

@@ -186,10 +186,10 @@ class EngineIndex:
             out.append(EngineEntry(state.start.namespace, name, state.medium, members))
         return out
 
-    def live_sets(self) -> list[tuple[NamespaceId, str]]:
-        """The (namespace, engine) of every engine holding blocks (heartbeat TTL refresh)."""
+    def live_sets(self) -> list[tuple[NamespaceId, str, str]]:
+        """The (namespace, engine, medium) of every engine holding blocks (heartbeat)."""
         return [
-            (state.start.namespace, name)
+            (state.start.namespace, name, state.medium)
             for name, state in self.engines.items()
             if state.start is not None and state.entries
         ]

@@ -70,6 +70,14 @@ async def test_engine_sets_on_redis(tmp_path, redis_server) -> None:  # noqa: F8
 
         engine.send(seq, batch([removed([eh(2)])]))
         await poll(want - {member(chain[2], "default")})
+
+        # A dead node's engine field is swept by a live node's heartbeat; ours stays.
+        await client.hset(keys.ns_engines(ns), "ghost-node:gpu-0", "{}")
+        deadline = time.monotonic() + 10
+        while await client.hexists(keys.ns_engines(ns), "ghost-node:gpu-0"):
+            assert time.monotonic() < deadline, "the dead node's engine field stayed"
+            await asyncio.sleep(0.02)
+        assert await client.hexists(keys.ns_engines(ns), "n1:gpu-7")
     finally:
         await rpc.close()
         await server.stop(0.1)
