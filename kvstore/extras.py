@@ -7,7 +7,8 @@ and the model integrations need extras (pyproject.toml):
 * ``torch``: torch views of blocks (``Hit.torch_views``, ``torch_view``);
 * ``cuda``: CUDA pools (cupy, and torch for their tensors);
 * ``hf``: ``kvstore.integrations.transformers`` and ``examples/chat_runner.py``;
-* ``vllm``: the vLLM connector.
+* ``vllm``: the vLLM connector;
+* ``events``: vLLM KV events, published and ingested (pyzmq, msgpack; `service.events`).
 """
 
 from __future__ import annotations

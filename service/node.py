@@ -13,10 +13,11 @@ import concurrent.futures
 import logging
 import time
 from collections.abc import Callable, Sequence
+from typing import TypeVar
 
 import kvstore
 from kvstore.block_table import BlockTable
-from kvstore.errors import PermissionDenied
+from kvstore.errors import PermissionDenied, UnknownNamespace
 from kvstore.layout import NamespaceSpec
 from kvstore.pool.base import BlockPool
 from kvstore.results import ExpiryReport, NamespaceStats
@@ -28,6 +29,9 @@ from service.budget import NamespaceMemory
 from service.cluster.agent import RedisAgent
 from service.cluster.peer_fetch import PeerFetcher
 from service.config import Config, ConfigError
+from service.events.engine_index import ChainStart, EngineIndex
+from service.events.metrics import EventsCollector
+from service.events.wiring import KvEvents
 from service.ops.event_hub import EventHub
 from service.ops.metrics import Metrics
 from service.pools import PoolManager
@@ -36,6 +40,8 @@ from service.tenancy.callers import Caller, ChainRoots, TenantResolver
 from service.tenancy.tenants import TenantDirectory, TenantsFileError
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 Clock = Callable[[], float]
 """Monotonic seconds; injectable so tests can move time."""
@@ -99,6 +105,17 @@ class Node:
             headroom_bytes=config.pool_headroom_bytes,
         )
         """Arenas in and out of namespace pools (growth, give-back, drop)."""
+        self.engine_index: EngineIndex | None = (
+            EngineIndex(config.engine_kv_events, self._chain_start, config.engine_max_blocks)
+            if config.engine_kv_events
+            else None
+        )
+        """Blocks the engines in `engine_kv_events` hold (docs/events.md); None without any."""
+        self.kv_events = KvEvents(config, self.engine_index, self._block_size_of, wall)
+        """vLLM KV events: the node's own, published; its engines', ingested (`start`ed)."""
+        self.metrics.registry.register(
+            EventsCollector(lambda: self.on_loop(self.kv_events.figures))
+        )
 
     @property
     def epoch(self) -> int:
@@ -291,11 +308,36 @@ class Node:
     # --- events, expiry, snapshots ------------------------------------------------
 
     def publish_events(self) -> None:
-        """Fan out the store's pending events to watchers and to the Redis agent (queued)."""
-        for ev in self.store.take_events():
+        """Fan out the store's pending events to watchers, the Redis agent and the
+        KV-event publisher (queued)."""
+        taken = self.store.take_events()
+        for ev in taken:
             self.events.publish(ev.namespace, convert.event(ev, self.node_id, self.to_unix))
             if self.cluster is not None:
                 self.cluster.publish(ev, self.to_unix(ev.at))
+        if taken:
+            self.kv_events.publish(taken)
+
+    def _block_size_of(self, namespace: NamespaceId) -> int | None:
+        """Tokens per block of a namespace (None once it is dropped)."""
+        try:
+            return self.store.table(namespace).spec.layout.block_size
+        except UnknownNamespace:
+            return None
+
+    def _chain_start(self, model_id: str, tenant: str) -> ChainStart | None:
+        """How an engine's blocks of ``model_id`` are keyed (`EngineIndex`); None: unregistered."""
+        for table in self.store.tables():
+            if table.spec.model_id == model_id:
+                scope = table.scope_of(TenantId(tenant))
+                return ChainStart(
+                    table.namespace,
+                    scope,
+                    self.root(table, TenantId(tenant)),
+                    table.spec.layout.block_size,
+                    table.spec.scheme,
+                )
+        return None
 
     def expire(self) -> ExpiryReport:
         """End every lease past its deadline; counts them and publishes events."""
@@ -315,14 +357,18 @@ class Node:
 
     def snapshot(self) -> StoreStats | None:
         """A store snapshot; safe from any thread (hops onto the loop when needed)."""
+        return self.on_loop(self.store.stats)
+
+    def on_loop(self, read: Callable[[], T]) -> T | None:
+        """``read()`` on the loop, from any thread; None when the loop is gone or stuck (5 s)."""
         loop = self.loop
         if loop is None or _on_loop(loop):
-            return self.store.stats()
+            return read()
         if loop.is_closed():
             return None
 
-        async def take() -> StoreStats:
-            return self.store.stats()
+        async def take() -> T:
+            return read()
 
         future = asyncio.run_coroutine_threadsafe(take(), loop)
         try:

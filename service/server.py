@@ -130,6 +130,7 @@ class Server:
                 name="kvstore-stats-sampler",
             )
             self._expiry = asyncio.create_task(self._expire_leases(), name="kvstore-lease-expiry")
+            node.kv_events.start()  # no-op without kv_events_endpoint / engine_kv_events
             await node.join_cluster(self.address)  # no-op without redis_url
         except BaseException:
             # Unbind and stop what started, or the port stays taken and the
@@ -236,6 +237,7 @@ class Server:
         grace = self.config.grace_seconds if grace is None else grace
         await self.health.enter_graceful_shutdown()
         await self.node.leave_cluster()  # leave the registry first: peers stop routing here
+        await self.node.kv_events.stop()
         self.node.events.close()
         if self._expiry is not None:
             self._expiry.cancel()

@@ -144,6 +144,7 @@ def block_json(b: pb.BlockInfo) -> dict[str, Any]:
         "generation": b.generation,
         "created": b.created,
         "last_used": b.last_used,
+        "engines": list(b.engines),
     }
 
 
@@ -195,6 +196,7 @@ def records(blocks: list[pb.BlockInfo]) -> list[BlockRecord]:
             pins=b.pins,
             tenant=b.tenant,
             writing=b.state == pb.BLOCK_STATE_WRITING,
+            engines=tuple(b.engines),
         )
         for b in blocks
     ]
@@ -204,10 +206,11 @@ def _label(run: Run) -> str:
     shared = f"shared by {run.requests}" if run.requests > 1 else "1 request"
     who = f" · tenant {run.tenant}" if run.tenant else ""
     pins = f" · {run.pins} pins" if run.pins else ""
+    engines = "".join(f" · engine {e} {n}/{run.blocks}" for e, n in sorted(run.engines.items()))
     start = run.depth * (run.tokens // run.blocks)
     return (
         f"[bold]{run.tokens} tokens[/] ({run.blocks} blocks from token {start}) "
-        f"· {shared} · {run.hits} hits{pins}{who} · [dim]{run.first.hex()[:12]}[/]"
+        f"· {shared} · {run.hits} hits{pins}{who}{engines} · [dim]{run.first.hex()[:12]}[/]"
     )
 
 

@@ -34,6 +34,8 @@ class BlockRecord:
     pins: int
     tenant: str
     writing: bool = False
+    engines: tuple[str, ...] = ()
+    """Serving engines of the node that hold this block too (ListBlocks ``engines``)."""
 
 
 @dataclass(slots=True)
@@ -54,6 +56,8 @@ class Run:
     tenant: str
     writing: int
     children: list[Run] = field(default_factory=list)
+    engines: dict[str, int] = field(default_factory=dict)
+    """Per engine holding some of the run's blocks too: how many."""
 
     def to_json(self) -> dict[str, Any]:
         """Nested plain objects (children included), hashes in hex."""
@@ -69,6 +73,7 @@ class Run:
             "pins": self.pins,
             "writing": self.writing,
             "tenant": self.tenant,
+            "engines": dict(sorted(self.engines.items())),
             "children": [child.to_json() for child in self.children],
         }
 
@@ -131,6 +136,8 @@ def _walk(
         run.hits += rec.hits
         run.pins += rec.pins
         run.writing += int(rec.writing)
+        for engine in rec.engines:
+            run.engines[engine] = run.engines.get(engine, 0) + 1
         nxt = kids.get(current, ())
         current = nxt[0] if len(nxt) == 1 else None
     run.tokens = run.blocks * block_size

@@ -1440,6 +1440,7 @@ class BlockInfo(_message.Message):
     DEPTH_FIELD_NUMBER: _builtins.int
     CREATED_FIELD_NUMBER: _builtins.int
     LAST_USED_FIELD_NUMBER: _builtins.int
+    ENGINES_FIELD_NUMBER: _builtins.int
     hash: _builtins.bytes
     parent: _builtins.bytes
     tenant: _builtins.str
@@ -1453,6 +1454,10 @@ class BlockInfo(_message.Message):
     created: _builtins.float
     """unix seconds"""
     last_used: _builtins.float
+    @_builtins.property
+    def engines(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """this node's engines (engine_kv_events) that hold it too"""
+
     def __init__(
         self,
         *,
@@ -1467,10 +1472,11 @@ class BlockInfo(_message.Message):
         depth: _builtins.int = ...,
         created: _builtins.float = ...,
         last_used: _builtins.float = ...,
+        engines: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["created", b"created", "depth", b"depth", "generation", b"generation", "hash", b"hash", "hits", b"hits", "last_used", b"last_used", "parent", b"parent", "pins", b"pins", "slot", b"slot", "state", b"state", "tenant", b"tenant"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["created", b"created", "depth", b"depth", "engines", b"engines", "generation", b"generation", "hash", b"hash", "hits", b"hits", "last_used", b"last_used", "parent", b"parent", "pins", b"pins", "slot", b"slot", "state", b"state", "tenant", b"tenant"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

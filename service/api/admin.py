@@ -85,8 +85,16 @@ class AdminRpcs(ServicerBase):
         total = table.resident(scope)
         page = list(islice(table.iter_blocks(scope), offset, offset + size))
         end = offset + len(page)
+        index = node.engine_index
         return pb.ListBlocksResponse(
-            blocks=[convert.block_info(info, node.to_unix) for info in page],
+            blocks=[
+                convert.block_info(
+                    info,
+                    node.to_unix,
+                    index.holders(namespace, info.scope, info.hash) if index is not None else (),
+                )
+                for info in page
+            ],
             next_page_token=validate.page_token(end) if end < total else "",
             total=total,
         )

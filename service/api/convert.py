@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from kvstore.api import wire
@@ -154,8 +154,8 @@ def attach_response(descriptor: PoolDescriptor, layout: KVLayout) -> pb.AttachPo
     )
 
 
-def block_info(info: BlockInfo, to_unix: ToUnix) -> pb.BlockInfo:
-    """An inspection snapshot of one block."""
+def block_info(info: BlockInfo, to_unix: ToUnix, engines: Sequence[str] = ()) -> pb.BlockInfo:
+    """An inspection snapshot of one block (``engines``: this node's engines holding it too)."""
     return pb.BlockInfo(
         hash=info.hash,
         parent=info.parent or b"",
@@ -168,6 +168,7 @@ def block_info(info: BlockInfo, to_unix: ToUnix) -> pb.BlockInfo:
         depth=info.depth,
         created=to_unix(info.created),
         last_used=to_unix(info.last_used),
+        engines=engines,
     )
 
 

@@ -39,6 +39,7 @@ from kvstore.types import BlockHash, NamespaceId, TenantId
 from kvstore.v1 import kvstore_pb2 as pb
 from service.cluster import events, link
 from service.cluster.directory import Change, Directory, DirectoryQueue, Holder
+from service.cluster.engine_sets import EngineEntry, EngineHoldings, EngineSetQueue, EngineSets
 from service.cluster.keys import Keys, member
 from service.cluster.link import REDIS_ERRORS, backoff_seconds, reconnect_backoff
 from service.cluster.local import LocalNode
@@ -79,6 +80,9 @@ class RedisAgent:
         self.directory = Directory(self.keys, node.node_id, ttl_ms)
         self.registry = Registry(self.keys, ttl_ms, config.event_stream_maxlen)
         self.queue = DirectoryQueue(config.directory_queue_blocks)
+        self.engine_sets = EngineSets(self.keys, node.node_id, ttl_ms)
+        self.engines: EngineHoldings | None = getattr(node, "engine_index", None)
+        """The node's engine index, mirrored like the directory (docs/events.md)."""
         self.backoff = backoff or reconnect_backoff()
         self._connect = connect or (lambda: link.connect(config))
         self._events: deque[dict[str, bytes]] = deque()
@@ -93,6 +97,8 @@ class RedisAgent:
         self.client: Any = None
         self._synced = asyncio.Event()
         self._wake = asyncio.Event()
+        if self.engines is not None:
+            self.engines.queue = EngineSetQueue(config.directory_queue_blocks, self._wake.set)
         self._task: asyncio.Task[None] | None = None
         self._stopping = False
 
@@ -136,9 +142,12 @@ class RedisAgent:
         try:
             async with asyncio.timeout(grace):
                 await self.registry.leave(self.client, self.node.node_id)
+                namespaces = [t.namespace for t in self.node.store.tables()]
                 pipe = self.client.pipeline(transaction=False)
-                self.directory.wipe(pipe, [t.namespace for t in self.node.store.tables()])
+                self.directory.wipe(pipe, namespaces)
                 await pipe.execute()
+                if self.engines is not None:
+                    await self.engine_sets.wipe(self.client, namespaces)
         except REDIS_ERRORS as exc:
             log.info("could not leave the registry cleanly (%s); entries expire by TTL", exc)
         finally:
@@ -161,7 +170,12 @@ class RedisAgent:
         next_beat = 0.0
         while True:
             try:
-                if self.queue.needs_resync:
+                engines_lost = (
+                    self.engines is not None
+                    and self.engines.queue is not None
+                    and (self.engines.queue.needs_resync)
+                )
+                if self.queue.needs_resync or engines_lost:
                     await self._resync()
                     next_beat = 0.0
                 if loop.time() >= next_beat:
@@ -175,12 +189,14 @@ class RedisAgent:
                 self._synced.clear()
                 self.queue.needs_resync = True
                 self.queue.clear()
+                self._engines_lost()
                 failures += 1
                 await asyncio.sleep(backoff_seconds(self.backoff, failures))
                 continue
             except Exception:
                 log.exception("bug: Redis agent step failed")
                 self.queue.needs_resync = True
+                self._engines_lost()
                 await asyncio.sleep(backoff_seconds(self.backoff, max(failures, 1)))
                 continue
             if not self.connected:
@@ -193,7 +209,8 @@ class RedisAgent:
 
     async def _idle(self, until_beat: float) -> None:
         """Wait for work (or the next heartbeat), then a short while to gather a batch."""
-        if not self._events and not len(self.queue):
+        engine_queue = self.engines.queue if self.engines is not None else None
+        if not self._events and not len(self.queue) and not (engine_queue and len(engine_queue)):
             self._wake.clear()
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(until_beat):
@@ -210,10 +227,16 @@ class RedisAgent:
         snapshot = self._snapshot()
         self.queue.clear()
         self.queue.needs_resync = False
+        engines = self._engine_snapshot()
         pipe = client.pipeline(transaction=False)
         self.directory.wipe(pipe, known | set(snapshot))
         self.directory.write_snapshot(pipe, snapshot)
         await pipe.execute()
+        if engines is not None:
+            await self.engine_sets.wipe(client, known | set(snapshot))
+            pipe = client.pipeline(transaction=False)
+            self.engine_sets.write_snapshot(pipe, engines)
+            await pipe.execute()
         self.resyncs += 1
         log.info(
             "directory resync of node %s: %d blocks in %d namespaces",
@@ -221,6 +244,20 @@ class RedisAgent:
             sum(len(m) for m in snapshot.values()),
             len(snapshot),
         )
+
+    def _engines_lost(self) -> None:
+        """Changes to engine sets may be lost: drop the queue, rewrite them at the resync."""
+        if self.engines is not None and self.engines.queue is not None:
+            self.engines.queue.clear()
+            self.engines.queue.needs_resync = True
+
+    def _engine_snapshot(self) -> list[EngineEntry] | None:
+        """Every engine set, with the engine queue reset in the same synchronous step."""
+        if self.engines is None or self.engines.queue is None:
+            return None
+        self.engines.queue.clear()
+        self.engines.queue.needs_resync = False
+        return self.engines.entries()
 
     def _snapshot(self) -> dict[NamespaceId, list[bytes]]:
         """Every READY block of the store as directory members, per namespace."""
@@ -254,15 +291,22 @@ class RedisAgent:
             log.info("node %s stopped heartbeating: removed from the registry", other)
         namespaces = [t.namespace for t in node.store.tables()]
         await self.directory.heartbeat(self.client, namespaces, self.address)
+        if self.engines is not None:
+            pipe = self.client.pipeline(transaction=False)
+            self.engine_sets.refresh(pipe, self.engines.live_sets())
+            await pipe.execute()
 
     async def _flush(self) -> None:
         """Send queued directory changes and events in one pipeline."""
         changes = self.queue.take(FLUSH_BATCH_BLOCKS)
+        queue = self.engines.queue if self.engines is not None else None
+        engine_changes = queue.take(FLUSH_BATCH_BLOCKS) if queue is not None else []
         count = min(len(self._events), FLUSH_BATCH_EVENTS)
-        if not changes and not count:
+        if not changes and not count and not engine_changes:
             return
         pipe = self.client.pipeline(transaction=False)
         self.directory.write_changes(pipe, changes)
+        self.engine_sets.write_changes(pipe, engine_changes)
         maxlen = self.node.config.event_stream_maxlen
         for i in range(count):
             events.append(pipe, self.keys.events, self._events[i], maxlen)

@@ -122,7 +122,8 @@ return {#ARGV - 2, out}
 """)
 
 NS_HEARTBEAT = LuaScript("""
--- KEYS[1] ns alive zset, KEYS[2] ns addr hash, KEYS[3] this node's set
+-- KEYS[1] ns alive zset, KEYS[2] ns addr hash, KEYS[3] this node's set,
+-- KEYS[4] ns engines hash (fields "<node>:<engine>", docs/events.md)
 -- ARGV[1] node id, ARGV[2] address, ARGV[3] ttl ms
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
@@ -134,6 +135,15 @@ local dead = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', '(' .. now)
 for _, id in ipairs(dead) do
   redis.call('ZREM', KEYS[1], id)
   redis.call('HDEL', KEYS[2], id)
+end
+-- Engine entries of nodes that are not live: their sets expire by TTL, their
+-- fields would not (engine names hold no ':', the node id is before the last one).
+for _, field in ipairs(redis.call('HKEYS', KEYS[4])) do
+  local node = string.match(field, '^(.*):[^:]*$')
+  local deadline = node and redis.call('ZSCORE', KEYS[1], node)
+  if not deadline or tonumber(deadline) < now then
+    redis.call('HDEL', KEYS[4], field)
+  end
 end
 return #dead
 """)
@@ -286,6 +296,7 @@ class Directory:
                 self.keys.ns_alive(namespace),
                 self.keys.ns_addr(namespace),
                 self.keys.ns_node(namespace, self.node_id),
+                self.keys.ns_engines(namespace),
             )
             await NS_HEARTBEAT(client, keys, (self.node_id, address, self.ttl_ms))
 

@@ -15,6 +15,9 @@ cluster; one Locate touches exactly one slot):
 - ``{P:ns}:alive`` ZSET node_id -> deadline (refreshed by every heartbeat)
 - ``{P:ns}:addr``  HASH node_id -> gRPC address peers fetch from
 - ``{P:ns}:n:<node_id>`` SET of members, one per READY block the node holds
+- ``{P:ns}:e:<node_id>:<engine>`` SET of members, one per block an engine of
+  the node holds (ingested from the engine's vLLM KV events; docs/events.md)
+- ``{P:ns}:engines`` HASH ``<node_id>:<engine>`` -> JSON {"node", "engine", "medium"}
 
 ``P`` is `Config.redis_key_prefix`. A member is ``hash (32 bytes) + scope``
 (scope = tenant, empty for shared namespaces), so the directory never
@@ -78,6 +81,19 @@ class Keys:
     def ns_node(self, namespace: NamespaceId | str, node_id: str) -> str:
         """SET of the members a node holds in a namespace."""
         return self.ns_node_prefix(namespace) + node_id
+
+    def ns_engines(self, namespace: NamespaceId | str) -> str:
+        """HASH ``<node_id>:<engine>`` -> JSON {node, engine, medium}, in the namespace's slot."""
+        return f"{self.ns_tag(namespace)}:engines"
+
+    def ns_engine(self, namespace: NamespaceId | str, node_id: str, engine: str) -> str:
+        """SET of the members one engine of a node holds in a namespace."""
+        return f"{self.ns_tag(namespace)}:e:{engine_field(node_id, engine)}"
+
+
+def engine_field(node_id: str, engine: str) -> str:
+    """The ``{P:ns}:engines`` field (and key suffix) of one engine of one node."""
+    return f"{node_id}:{engine}"
 
 
 def member(block_hash: BlockHash | bytes, scope: TenantId | str) -> bytes:

@@ -24,9 +24,11 @@ from dataclasses import dataclass, fields, replace
 from functools import cache
 from pathlib import Path
 
+from service.config.engines import EngineSource, parse_engine_sources
 from service.config.values import (
     parse_bool,
     parse_device,
+    parse_event_encoding,
     parse_file_mode,
     parse_huge_pages,
     parse_int,
@@ -155,6 +157,22 @@ class Config:
     """Peer fetches running at once; more lookups with allow_remote are served locally."""
     peer_fetch_timeout: float = 5.0
     """Seconds a peer fetch (locate + stream) may take before it counts as a miss."""
+    kv_events_endpoint: str = ""
+    """ZMQ PUB endpoint of the node's block events in vLLM's format (tcp://*:5560); empty = off."""
+    kv_events_replay_endpoint: str = ""
+    """ZMQ ROUTER endpoint that resends published batches from a sequence number; empty = off."""
+    kv_events_topic: str = ""
+    """Topic frame of every published batch (subscribers filter on its prefix)."""
+    kv_events_medium: str = ""
+    """The medium the node's BlockStored/BlockRemoved name; empty = CPU_kvstore or GPU_kvstore."""
+    kv_events_encoding: str = "map"
+    """Event encoding: "map" (tagged maps, what vLLM 0.32 sends) or "array" (older vLLM's)."""
+    kv_events_buffer_batches: int = 10_000
+    """Published batches kept for replay, and batches queued for the sender thread."""
+    engine_kv_events: tuple[EngineSource, ...] = ()
+    """Engines whose vLLM KV events the node ingests: JSON list of {name, endpoint, model_id}."""
+    engine_max_blocks: int = 1_000_000
+    """Most blocks the node indexes per engine; later BlockStored blocks are counted and skipped."""
 
 
 class ConfigError(ValueError):
@@ -214,6 +232,14 @@ _PARSERS: dict[str, Callable[[object], object]] = {
     "cluster_token": parse_str,
     "peer_fetch_concurrency": parse_positive(parse_int),
     "peer_fetch_timeout": parse_positive_float,
+    "kv_events_endpoint": parse_str,
+    "kv_events_replay_endpoint": parse_str,
+    "kv_events_topic": parse_str,
+    "kv_events_medium": parse_str,
+    "kv_events_encoding": parse_event_encoding,
+    "kv_events_buffer_batches": parse_positive(parse_int),
+    "engine_kv_events": parse_engine_sources,
+    "engine_max_blocks": parse_positive(parse_int),
 }
 
 
@@ -323,6 +349,8 @@ def check(config: Config) -> None:
         raise ConfigError("tls_client_ca (mutual TLS) needs tls_cert and tls_key")
     if config.peer_tls_ca and not config.tls_cert:
         raise ConfigError("peer_tls_ca needs tls_cert and tls_key (peers speak TLS when we do)")
+    if config.kv_events_replay_endpoint and not config.kv_events_endpoint:
+        raise ConfigError("kv_events_replay_endpoint needs kv_events_endpoint (the PUB socket)")
     if config.namespace_capacity_bytes > config.capacity_bytes:
         log.info("namespace_capacity_bytes exceeds capacity_bytes; a pool grows to the budget")
 

@@ -88,6 +88,14 @@ def parse_names(value: object) -> tuple[str, ...]:
     return tuple(item.strip() for item in items if item.strip())
 
 
+def parse_event_encoding(value: object) -> str:
+    """The encoding of published KV events: "map" or "array" (docs/events.md)."""
+    text = str(value).strip().lower()
+    if text not in ("map", "array"):
+        raise ValueError(f'expected "map" or "array", got {value!r}')
+    return text
+
+
 def parse_port(value: object) -> int:
     port = parse_int(value)
     if not 0 <= port <= 65535:

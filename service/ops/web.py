@@ -136,6 +136,7 @@ def _running_loop() -> asyncio.AbstractEventLoop | None:
 def _records(node: Node, namespace: NamespaceId, limit: int) -> tuple[int, list[BlockRecord]]:
     """(total blocks, up to ``limit`` records) of a namespace; call on the loop."""
     total = len(node.table(namespace))
+    index = node.engine_index
     records = [
         BlockRecord(
             hash=info.hash,
@@ -145,6 +146,7 @@ def _records(node: Node, namespace: NamespaceId, limit: int) -> tuple[int, list[
             pins=info.refcount,
             tenant=info.scope,
             writing=info.state is BlockState.WRITING,
+            engines=tuple(index.holders(namespace, info.scope, info.hash)) if index else (),
         )
         for info in islice(node.store.iter_blocks(namespace), limit)
     ]

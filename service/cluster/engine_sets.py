@@ -1,0 +1,193 @@
+"""Engine holdings on Redis: which blocks the serving engines of each node hold.
+
+A node that ingests its engines' vLLM KV events (`service.events`) mirrors
+its engine index here, per namespace and engine (keys in
+`service.cluster.keys`):
+
+- ``{P:ns}:e:<node_id>:<engine>`` SET of members ``hash (32 bytes) || scope``,
+  exactly like the node's own ``{P:ns}:n:<node_id>`` set, with the node TTL
+  (``PEXPIRE``) refreshed by every heartbeat;
+- ``{P:ns}:engines`` HASH field ``<node_id>:<engine>`` -> JSON
+  ``{"node": ..., "engine": ..., "medium": ...}``, the engines a reader scans.
+
+Writes are batched like the node's directory: the engine index queues
+changes in a bounded `EngineSetQueue` (synchronous, on the loop); the Redis
+agent drains it in its flush pipeline. An overflow, a Redis outage or a start
+marks a resync: the node's engine entries are wiped and rewritten from the
+index. A graceful leave deletes them; a dead node's sets expire with its TTL,
+and its hash fields are removed by the next heartbeat of any live node in the
+namespace (``NS_HEARTBEAT`` in `service.cluster.directory`); until then they
+name a node that ``{P:ns}:alive`` no longer lists as live, which readers check.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import deque
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from kvstore.types import NamespaceId
+from service.cluster.directory import Change
+from service.cluster.keys import Keys, engine_field
+
+
+@dataclass(frozen=True, slots=True)
+class EngineChange:
+    """Members added to or removed from one engine's set in one namespace."""
+
+    change: Change
+    namespace: NamespaceId
+    engine: str
+    medium: str
+    """The engine's media, as the hash field's JSON names them."""
+    members: tuple[bytes, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class EngineEntry:
+    """One engine's full set in one namespace (a resync writes these)."""
+
+    namespace: NamespaceId
+    engine: str
+    medium: str
+    members: tuple[bytes, ...]
+
+
+class EngineHoldings(Protocol):
+    """What the agent needs of the node's engine index."""
+
+    queue: EngineSetQueue | None
+
+    def entries(self) -> list[EngineEntry]:
+        """Every engine's set in every namespace, for a resync."""
+
+    def live_sets(self) -> list[tuple[NamespaceId, str, str]]:
+        """The (namespace, engine, medium) of every non-empty set, for the heartbeat."""
+
+
+class EngineSetQueue:
+    """Bounded buffer of engine-set changes awaiting a flush (bookkeeping only, no I/O).
+
+    Bounded in members; past the bound everything queued is dropped and
+    `needs_resync` set (the resync rewrites what they would have converged to).
+    """
+
+    def __init__(self, limit_members: int, wake: Callable[[], None] | None = None) -> None:
+        """``wake``: called on every put (the agent's flush wakes up)."""
+        self.limit = limit_members
+        self._wake = wake
+        self._changes: deque[EngineChange] = deque()
+        self.members = 0
+        """Members in the queue."""
+        self.needs_resync = True
+        """Set at start and after any loss; the agent resyncs before flushing."""
+
+    def __len__(self) -> int:
+        return len(self._changes)
+
+    def put(
+        self,
+        change: Change,
+        namespace: NamespaceId,
+        engine: str,
+        medium: str,
+        members: Sequence[bytes],
+    ) -> None:
+        """Queue one change; on overflow drop everything and ask for a resync."""
+        if self.needs_resync or not members:
+            return
+        if self.members + len(members) > self.limit:
+            self.clear()
+            self.needs_resync = True
+            return
+        self._changes.append(EngineChange(change, namespace, engine, medium, tuple(members)))
+        self.members += len(members)
+        if self._wake is not None:
+            self._wake()
+
+    def take(self, max_members: int) -> list[EngineChange]:
+        """Up to about ``max_members`` members of changes, oldest first (at least one)."""
+        taken: list[EngineChange] = []
+        count = 0
+        while self._changes and (not taken or count + len(self._changes[0].members) <= max_members):
+            item = self._changes.popleft()
+            taken.append(item)
+            count += len(item.members)
+        self.members -= count
+        return taken
+
+    def clear(self) -> None:
+        """Forget every queued change."""
+        self._changes.clear()
+        self.members = 0
+
+
+class EngineSets:
+    """Writes of this node's engine entries (commands queued on a pipeline)."""
+
+    def __init__(self, keys: Keys, node_id: str, ttl_ms: int) -> None:
+        self.keys = keys
+        self.node_id = node_id
+        self.ttl_ms = ttl_ms
+
+    def _describe(self, pipe: Any, namespace: NamespaceId, engine: str, medium: str) -> None:
+        doc = {"node": self.node_id, "engine": engine, "medium": medium}
+        pipe.hset(
+            self.keys.ns_engines(namespace),
+            engine_field(self.node_id, engine),
+            json.dumps(doc, sort_keys=True),
+        )
+
+    def write_changes(self, pipe: Any, changes: Iterable[EngineChange]) -> None:
+        """Queue the commands of ``changes`` (order kept per set)."""
+        touched: dict[tuple[NamespaceId, str], str] = {}
+        for item in changes:
+            key = self.keys.ns_engine(item.namespace, self.node_id, item.engine)
+            if item.change is Change.ADD:
+                pipe.sadd(key, *item.members)
+                touched[(item.namespace, item.engine)] = item.medium
+            else:
+                pipe.srem(key, *item.members)
+        for (namespace, engine), medium in touched.items():
+            pipe.pexpire(self.keys.ns_engine(namespace, self.node_id, engine), self.ttl_ms)
+            self._describe(pipe, namespace, engine, medium)
+
+    def write_snapshot(self, pipe: Any, entries: Iterable[EngineEntry], chunk: int = 1000) -> None:
+        """Queue every engine's full set (after `wipe`)."""
+        for entry in entries:
+            if not entry.members:
+                continue
+            key = self.keys.ns_engine(entry.namespace, self.node_id, entry.engine)
+            for start in range(0, len(entry.members), chunk):
+                pipe.sadd(key, *entry.members[start : start + chunk])
+            pipe.pexpire(key, self.ttl_ms)
+            self._describe(pipe, entry.namespace, entry.engine, entry.medium)
+            pipe.sadd(self.keys.namespaces, entry.namespace)
+
+    async def wipe(self, client: Any, namespaces: Iterable[str]) -> None:
+        """Delete this node's engine sets and hash fields in ``namespaces`` (reads the hashes)."""
+        for namespace in namespaces:
+            fields = [
+                f.decode() if isinstance(f, bytes) else f
+                for f in await client.hkeys(self.keys.ns_engines(namespace))
+            ]
+            # Engine names hold no ":", so the node id is what precedes the last one.
+            mine = [f for f in fields if f.rpartition(":")[0] == self.node_id]
+            if not mine:
+                continue
+            pipe = client.pipeline(transaction=False)
+            for field in mine:
+                engine = field.rpartition(":")[2]
+                pipe.delete(self.keys.ns_engine(namespace, self.node_id, engine))
+            pipe.hdel(self.keys.ns_engines(namespace), *mine)
+            await pipe.execute()
+
+    def refresh(self, pipe: Any, live: Iterable[tuple[NamespaceId, str, str]]) -> None:
+        """Queue the heartbeat of the given (namespace, engine, medium) sets: their TTL, and
+        their hash field (another node's heartbeat may have swept it in the moment before
+        this node's first heartbeat made it live)."""
+        for namespace, engine, medium in live:
+            pipe.pexpire(self.keys.ns_engine(namespace, self.node_id, engine), self.ttl_ms)
+            self._describe(pipe, namespace, engine, medium)
