@@ -325,19 +325,33 @@ class Node:
         except UnknownNamespace:
             return None
 
+    def tables_of_model(self, model_id: str) -> list[BlockTable]:
+        """The namespaces ``model_id`` names: those registered with exactly that model id,
+        else those vLLM's connector registered for that model (``Qwen/Qwen3-0.6B`` names
+        ``vllm:Qwen/Qwen3-0.6B@default#cfg-...``, `kvstore.integrations.vllm.identity`):
+        what an operator or a router knows of an engine is the model it serves."""
+        tables = [t for t in self.store.tables() if t.spec.model_id == model_id]
+        if not tables:
+            connector_forms = (f"vllm:{model_id}@", f"vllm:{model_id}#")
+            tables = [t for t in self.store.tables() if t.spec.model_id.startswith(connector_forms)]
+        return tables
+
     def _chain_start(self, model_id: str, tenant: str) -> ChainStart | None:
-        """How an engine's blocks of ``model_id`` are keyed (`EngineIndex`); None: unregistered."""
-        for table in self.store.tables():
-            if table.spec.model_id == model_id:
-                scope = table.scope_of(TenantId(tenant))
-                return ChainStart(
-                    table.namespace,
-                    scope,
-                    self.root(table, TenantId(tenant)),
-                    table.spec.layout.block_size,
-                    table.spec.scheme,
-                )
-        return None
+        """How an engine's blocks of ``model_id`` are keyed (`EngineIndex`); None while no
+        namespace, or several (dtypes, block sizes, tensor-parallel ranks), answer to it
+        (`tables_of_model`)."""
+        tables = self.tables_of_model(model_id)
+        if len(tables) != 1:
+            return None
+        table = tables[0]
+        scope = table.scope_of(TenantId(tenant))
+        return ChainStart(
+            table.namespace,
+            scope,
+            self.root(table, TenantId(tenant)),
+            table.spec.layout.block_size,
+            table.spec.scheme,
+        )
 
     def expire(self) -> ExpiryReport:
         """End every lease past its deadline; counts them and publishes events."""

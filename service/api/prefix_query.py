@@ -172,7 +172,8 @@ def _query_field(name: str) -> str:
 
 
 def query_table(node: Node, model: str, namespace_id: str) -> BlockTable:
-    """The namespace a query names, by id or by model id.
+    """The namespace a query names, by id or by model id (`Node.tables_of_model`: the
+    exact id, or the model a vLLM engine serves).
 
     Raises:
         FieldError: neither named, a malformed id, a model that disagrees with
@@ -190,7 +191,7 @@ def query_table(node: Node, model: str, namespace_id: str) -> BlockTable:
         return table
     if not model:
         raise FieldError("model", "name the model (or the namespace_id) to query")
-    tables = [t for t in node.store.tables() if t.spec.model_id == model]
+    tables = node.tables_of_model(model)
     if not tables:
         raise UnknownNamespace(
             f"no namespace is registered for model {model[:128]!r} on this node "

@@ -5,11 +5,14 @@ Two cache nodes share one private redis-server, each with its own pool folder
 node 2, which finds the rest of the prefix on node 1 in the Redis directory and
 fetches it (`docs/cluster.md`, "Peer fetch") before answering; ``b`` then loads
 it as local blocks. ``other`` is another tenant on node 2 and ``ref`` an engine
-without the connector (the reference outputs). The last test kills node 1.
+without the connector (the reference outputs). Engine ``a`` also publishes
+vLLM's own KV events, which node 1 ingests (`docs/events.md`), so the prefix
+query names ``a`` as a holder too. The last test kills node 1.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -30,7 +33,7 @@ from tests.integrations.vllm.common import (
     wait_for,
 )
 from tests.integrations.vllm.engines import Engine, Node, running
-from tests.redis.server import REDIS_SERVER, RedisServer
+from tests.redis.server import REDIS_SERVER, RedisServer, free_port
 
 pytestmark = [
     pytest.mark.vllm,
@@ -57,18 +60,31 @@ def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         server.stop()
 
 
-def cluster_node(workdir: Path, redis_url: str, node_id: str) -> Node:
+def cluster_node(workdir: Path, redis_url: str, node_id: str, *more: str) -> Node:
     flags = (
         "--redis-url", redis_url, "--node-id", node_id, "--redis-key-prefix", "fleet",
         "--cluster-token", "fleet-secret", "--heartbeat-seconds", "0.5",
-        "--node-ttl-seconds", str(NODE_TTL), "--peer-fetch-timeout", "10",
+        "--node-ttl-seconds", str(NODE_TTL), "--peer-fetch-timeout", "10", *more,
     )  # fmt: skip
     return Node(workdir, namespace_capacity="2MiB", extra_args=flags).start()
 
 
 @pytest.fixture(scope="module")
-def nodes(tmp_path_factory: pytest.TempPathFactory, redis_url: str) -> Iterator[tuple[Node, Node]]:
-    one = cluster_node(tmp_path_factory.mktemp("host-1"), redis_url, "host-1")
+def events_port() -> int:
+    """Engine ``a``'s KV-event PUB port."""
+    return free_port()
+
+
+@pytest.fixture(scope="module")
+def nodes(
+    tmp_path_factory: pytest.TempPathFactory, redis_url: str, tiny_model: Path, events_port: int
+) -> Iterator[tuple[Node, Node]]:
+    # Node 1 ingests engine a's KV events, naming the model as the engine serves it.
+    source = {"name": "a", "endpoint": f"tcp://127.0.0.1:{events_port}", "tenant": "acme"}
+    engines = json.dumps([{**source, "model_id": str(tiny_model)}])
+    one = cluster_node(
+        tmp_path_factory.mktemp("host-1"), redis_url, "host-1", "--engine-kv-events", engines
+    )
     two = cluster_node(tmp_path_factory.mktemp("host-2"), redis_url, "host-2")
     try:
         yield one, two
@@ -79,10 +95,11 @@ def nodes(tmp_path_factory: pytest.TempPathFactory, redis_url: str) -> Iterator[
 
 @pytest.fixture(scope="module")
 def engines(
-    vllm_py: str, tiny_model: Path, nodes: tuple[Node, Node], tmp_path_factory
+    vllm_py: str, tiny_model: Path, nodes: tuple[Node, Node], tmp_path_factory, events_port: int
 ) -> Iterator[dict[str, Engine]]:
     one, two = nodes
     logs = tmp_path_factory.mktemp("fleet-engines")
+    events = {"enable_kv_cache_events": True, "publisher": "zmq"}
     specs = {
         "a": connector(one, lookup_timeout=LOOKUP_TIMEOUT),
         "b": connector(two, lookup_timeout=LOOKUP_TIMEOUT),
@@ -92,7 +109,12 @@ def engines(
     started = {
         name: Engine(vllm_py, tiny_model, connector=spec, log_dir=logs, name=name)
         for name, spec in specs.items()
+        if name != "a"
     }
+    started["a"] = Engine(
+        vllm_py, tiny_model, connector=specs["a"], log_dir=logs, name="a",
+        kv_events_config={**events, "endpoint": f"tcp://*:{events_port}"},
+    )  # fmt: skip
     with running(started) as ready:
         yield ready
 
@@ -134,6 +156,29 @@ def test_an_engine_loads_a_prefix_another_host_computed(engines, nodes, redis_ur
     assert ready_blocks(two) > before  # the fetched blocks are node 2's own now
     assert_nothing_pinned(one)
     assert_nothing_pinned(two)
+
+
+def test_the_prefix_query_names_both_hosts_and_the_engine(
+    engines, nodes, redis_url, tiny_model
+) -> None:
+    from kvstore.client import SyncClient
+
+    prompt = system(84) + USER_1
+    save_on_host_1(engines["a"], redis_url, prompt)
+    run(engines["b"], system(84) + USER_2)  # node 2 fetches the system prompt's blocks
+    full = len(prompt) // BLOCK
+
+    def holders() -> dict[tuple[str, str], int]:
+        with SyncClient(nodes[1].target, tenant="acme", timeout=10) as client:
+            answer = client.query_prefix(model=str(tiny_model), tokens=prompt)
+        return {(h.node_id, h.engine): h.matched_blocks for h in answer.holders}
+
+    # Engine a's own cache holds the whole prompt's full blocks (its KV events, ingested
+    # by node 1); node 1 the same (saved); node 2 the system prompt's (fetched).
+    want = {("host-1", "a"): full, ("host-1", ""): full, ("host-2", ""): SYSTEM_HIT // BLOCK}
+    wait_for("node 1 to index engine a's blocks", lambda: holders() == want, within=30)
+    with SyncClient(nodes[1].target, tenant="globex", timeout=10) as client:
+        assert not client.query_prefix(model=str(tiny_model), tokens=prompt).holders
 
 
 def test_a_prompt_nobody_served_hits_nothing(engines, nodes) -> None:
