@@ -597,6 +597,7 @@ class LookupRequest(_message.Message):
     PACKED_REPLY_FIELD_NUMBER: _builtins.int
     QUERY_TOKENS_FIELD_NUMBER: _builtins.int
     RELEASE_FIELD_NUMBER: _builtins.int
+    PACKED_SLOTS_FIELD_NUMBER: _builtins.int
     namespace_id: _builtins.str
     lease_id: _builtins.int
     """required when pin is set"""
@@ -614,6 +615,11 @@ class LookupRequest(_message.Message):
     (the full blocks' tokens plus a partial block's, fewer than block_size),
     so query_tokens and the tenant's token hit rate count the partial block
     as a token-sending lookup would. 0: the full blocks' tokens.
+    """
+    packed_slots: _builtins.bool
+    """With packed_reply: answer the slots and generations as packed_slots and
+    packed_generations (little-endian uint64 each, concatenated), not as the
+    repeated fields. A node that predates it answers the repeated fields.
     """
     @_builtins.property
     def tokens(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
@@ -648,10 +654,11 @@ class LookupRequest(_message.Message):
         packed_reply: _builtins.bool = ...,
         query_tokens: _builtins.int = ...,
         release: Global___ReleaseRequest | None = ...,
+        packed_slots: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["release", b"release"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["allow_remote", b"allow_remote", "extras", b"extras", "hashes", b"hashes", "lease_id", b"lease_id", "namespace_id", b"namespace_id", "packed_hashes", b"packed_hashes", "packed_reply", b"packed_reply", "packed_tokens", b"packed_tokens", "pin", b"pin", "query_tokens", b"query_tokens", "release", b"release", "tokens", b"tokens"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["allow_remote", b"allow_remote", "extras", b"extras", "hashes", b"hashes", "lease_id", b"lease_id", "namespace_id", b"namespace_id", "packed_hashes", b"packed_hashes", "packed_reply", b"packed_reply", "packed_slots", b"packed_slots", "packed_tokens", b"packed_tokens", "pin", b"pin", "query_tokens", b"query_tokens", "release", b"release", "tokens", b"tokens"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -677,6 +684,8 @@ class LookupResponse(_message.Message):
     BLOCK_BYTES_FIELD_NUMBER: _builtins.int
     PACKED_CHAIN_FIELD_NUMBER: _builtins.int
     RELEASED_FIELD_NUMBER: _builtins.int
+    PACKED_SLOTS_FIELD_NUMBER: _builtins.int
+    PACKED_GENERATIONS_FIELD_NUMBER: _builtins.int
     hit_blocks: _builtins.int
     hit_tokens: _builtins.int
     pinned: _builtins.bool
@@ -695,6 +704,10 @@ class LookupResponse(_message.Message):
     block_bytes: _builtins.int
     packed_chain: _builtins.bytes
     """chain, concatenated (tokens sent, packed_reply asked)"""
+    packed_slots: _builtins.bytes
+    """slots, little-endian uint64 each (packed_slots asked)"""
+    packed_generations: _builtins.bytes
+    """generations, the same way (packed_slots asked)"""
     @_builtins.property
     def blocks(self) -> _containers.RepeatedCompositeFieldContainer[Global___BlockLocation]:
         """unless packed_reply was asked"""
@@ -730,10 +743,12 @@ class LookupResponse(_message.Message):
         block_bytes: _builtins.int = ...,
         packed_chain: _builtins.bytes = ...,
         released: Global___ReleaseResponse | None = ...,
+        packed_slots: _builtins.bytes = ...,
+        packed_generations: _builtins.bytes = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["released", b"released"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_bytes", b"block_bytes", "blocks", b"blocks", "chain", b"chain", "generations", b"generations", "hit_blocks", b"hit_blocks", "hit_hashes", b"hit_hashes", "hit_tokens", b"hit_tokens", "miss_reason", b"miss_reason", "packed_chain", b"packed_chain", "pinned", b"pinned", "pool_epoch", b"pool_epoch", "pool_version", b"pool_version", "query_tokens", b"query_tokens", "released", b"released", "slots", b"slots", "slots_per_arena", b"slots_per_arena"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_bytes", b"block_bytes", "blocks", b"blocks", "chain", b"chain", "generations", b"generations", "hit_blocks", b"hit_blocks", "hit_hashes", b"hit_hashes", "hit_tokens", b"hit_tokens", "miss_reason", b"miss_reason", "packed_chain", b"packed_chain", "packed_generations", b"packed_generations", "packed_slots", b"packed_slots", "pinned", b"pinned", "pool_epoch", b"pool_epoch", "pool_version", b"pool_version", "query_tokens", b"query_tokens", "released", b"released", "slots", b"slots", "slots_per_arena", b"slots_per_arena"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
