@@ -16,6 +16,12 @@ Pins are dropped exactly once per hit, whatever happens to the caller:
 * Every call is a background task (`Background`), so a caller that is
   cancelled or stops waiting (its timeout) hands its release over: sent
   alone or queued, it still goes out and runs to its end.
+* A pinned Lookup of the same lane takes the releases queued there with it
+  (``LookupRequest.release``, `carry`): the node applies them before the
+  lookup, in the same call, so a busy runner's Lookup+Release pair is one
+  call, not two. If that Lookup fails, is cancelled or is answered by a
+  node that ignores the field, its releases go out again as a ``Release``
+  (`settle_carried`), under the same ids.
 * Every hit's release carries its own id (``release_ids``, one per run):
   the node applies an id once per lease and answers a repeat with the first
   count, so a call whose outcome is unknown (a timeout, a lost connection)
@@ -30,6 +36,7 @@ import asyncio
 import logging
 import secrets
 from dataclasses import dataclass
+from typing import Any
 
 from kvstore.client.background import Background
 from kvstore.client.errors import DeadlineExceeded
@@ -72,6 +79,8 @@ class Releases:
         self._lanes: dict[_Key, list[_Waiting]] = {}
         self.calls = 0
         """``Release`` calls sent (for tests and tools)."""
+        self.carried = 0
+        """Hits' releases sent inside a Lookup, less those sent again after it (for tests)."""
 
     def submit(
         self, namespace_id: str, lease_id: int, packed: bytes, release_id: int
@@ -113,20 +122,61 @@ class Releases:
         except TimeoutError:
             raise DeadlineExceeded("Release: no answer within the timeout") from None
 
+    def carry(self, req: pb.LookupRequest) -> list[_Waiting]:
+        """Move the releases queued in the lookup's lane into it (``req.release``).
+
+        A pinned Lookup under the same (namespace, lease) as releases waiting
+        behind one in flight carries them: the node applies them before the
+        lookup, in the same call. The caller must hand the result to
+        `settle_carried` when the call ends, whatever the outcome.
+        """
+        lane = self._lanes.get((req.namespace_id, req.lease_id))
+        if not lane:
+            return []
+        batch = _take(lane)
+        req.release.packed_hashes = b"".join(w.packed for w in batch)
+        req.release.release_ids.extend(w.release_id for w in batch)
+        if len(batch) > 1:
+            req.release.runs.extend(len(w.packed) // HASH_BYTES for w in batch)
+        self.carried += len(batch)
+        return batch
+
+    def settle_carried(
+        self, req: pb.LookupRequest, batch: list[_Waiting], call: asyncio.Future[Any]
+    ) -> None:
+        """A carrying Lookup ended: answer its releases, or send them again as a Release.
+
+        Sent again (same ids: the node applies each once) when the call failed,
+        was cancelled, or came back without ``released`` (a node that predates
+        the field ignored it).
+        """
+        if not batch:
+            return
+        resp = None if call.cancelled() or call.exception() else call.result()
+        if resp is None or not resp.HasField("released"):
+            self.carried -= len(batch)
+            key = (req.namespace_id, req.lease_id)
+            lane = self._lanes.get(key)
+            if lane is not None:  # a call in flight: first in line behind it
+                lane[:0] = batch
+            else:
+                self._lanes[key] = lane = []
+                self._background.spawn(self._send(key, lane, batch))
+            return
+        released = resp.released
+        counts = list(released.run_released) if len(batch) > 1 else [int(released.released)]
+        if len(counts) != len(batch):  # not this SDK's node: each hit's own hash count
+            counts = [len(w.packed) // HASH_BYTES for w in batch]
+        for w, count in zip(batch, counts, strict=True):
+            if not w.done.done():
+                w.done.set_result(count)
+
     def _next(self, key: _Key, lane: list[_Waiting]) -> None:
         """After a call: send what queued meanwhile as one call, or retire the lane."""
         if not lane:
             del self._lanes[key]
             return
-        batch: list[_Waiting] = []
-        hashes = 0
-        while lane and len(batch) < MAX_RUNS:
-            n = len(lane[0].packed) // HASH_BYTES
-            if batch and hashes + n > MAX_HASHES:
-                break
-            batch.append(lane.pop(0))
-            hashes += n
-        self._background.spawn(self._send(key, lane, batch))
+        self._background.spawn(self._send(key, lane, _take(lane)))
 
     async def _send(self, key: _Key, lane: list[_Waiting], batch: list[_Waiting]) -> None:
         try:
@@ -164,6 +214,19 @@ class Releases:
                 raise
         finally:
             self._next(key, lane)
+
+
+def _take(lane: list[_Waiting]) -> list[_Waiting]:
+    """The first waiters of a lane that one call carries (`MAX_RUNS`, `MAX_HASHES`)."""
+    batch: list[_Waiting] = []
+    hashes = 0
+    while lane and len(batch) < MAX_RUNS:
+        n = len(lane[0].packed) // HASH_BYTES
+        if batch and hashes + n > MAX_HASHES:
+            break
+        batch.append(lane.pop(0))
+        hashes += n
+    return batch
 
 
 def _retrieve(done: asyncio.Future[int]) -> None:
