@@ -249,6 +249,7 @@ class Client:
                 pin=pin,
                 allow_remote=allow_remote,
                 packed_reply=True,
+                packed_slots=True,
                 **fields,
             )
             try:

@@ -123,7 +123,9 @@ class BlockRpcs(ServicerBase):
             miss_tokens=max(0, query_tokens - hit_tokens),
         )
         try:
-            if request.packed_reply:
+            if request.packed_reply and request.packed_slots:  # a few µs: on the loop
+                reply = convert.packed_locations(pool, result, packed_slots=True)
+            elif request.packed_reply:
                 reply = await off_loop(result.hit_blocks, convert.packed_locations, pool, result)
                 if from_tokens:
                     reply["packed_chain"] = b"".join(chain)
