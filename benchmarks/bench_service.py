@@ -129,10 +129,14 @@ async def bench_latency(
             for op in (lookup_pin, ping):  # warm up both paths
                 await run_concurrent(op, concurrency, max(1, per_task // 10))
             release_lat.clear()
+            releases = client._releases
+            calls, carried = releases.calls, getattr(releases, "carried", 0)
             look, look_wall = await run_concurrent(lookup_pin, concurrency, per_task)
+            calls, carried = releases.calls - calls, getattr(releases, "carried", 0) - carried
             pings, ping_wall = await run_concurrent(ping, concurrency, per_task)
             lookup_stats = summary_us(look)
             ping_stats = summary_us(pings)
+            pairs_per_s = len(look) / look_wall
             result[f"c{concurrency}"] = {
                 "ops": len(look),
                 "lookup_pin": lookup_stats,
@@ -142,8 +146,13 @@ async def bench_latency(
                     lookup_stats["median_us"] / ping_stats["median_us"], 2
                 ),
                 "lookup_over_ping_p99": round(lookup_stats["p99_us"] / ping_stats["p99_us"], 2),
-                "lookup_pin_release_ops_per_s": round(len(look) / look_wall, 1),
+                "lookup_pin_release_ops_per_s": round(pairs_per_s, 1),
                 "ping_ops_per_s": round(len(pings) / ping_wall, 1),
+                "pairs_over_ping_ops": round(pairs_per_s * ping_wall / len(pings), 2),
+                # Release calls per pair, and the releases that rode on a Lookup instead
+                # (LookupRequest.release): a pair is 1 + release_calls_per_pair calls.
+                "release_calls_per_pair": round(calls / len(look), 2),
+                "releases_carried_per_pair": round(carried / len(look), 2),
             }
         out[mode] = result
     return out
@@ -425,7 +434,46 @@ def layout_of(args: argparse.Namespace) -> KVLayout:
     )
 
 
-async def run(args: argparse.Namespace, target: str) -> dict[str, Any]:
+async def bench_uds(
+    uds_target: str, layout: KVLayout, tokens: list[int], args: argparse.Namespace
+) -> dict[str, Any]:
+    """The latency runs again over the node's Unix-domain socket (``uds_path``).
+
+    A second client on the ``unix:`` target, its own lease; the chain is already
+    stored. Its Ping (over the same socket) is the baseline of these figures.
+    """
+    async with Client(uds_target, tenant=TENANT, timeout=60.0, lease_ttl=120.0) as client:
+        ns = await client.register_namespace("bench-service", layout)
+        chain = ns.hash(tokens)
+        out = {"lookup_vs_ping": await bench_latency(client, ns, tokens, chain, args)}
+        short = min(args.short_blocks, len(chain))
+        out[f"lookup_vs_ping_{short}_blocks"] = await bench_latency(
+            client, ns, tokens[: short * args.block_size], chain[:short], args
+        )
+    return out
+
+
+def over_tcp_ping(uds: dict[str, Any], tcp: dict[str, Any]) -> None:
+    """Add to each UDS figure its ratio to the TCP Ping of the same case and run."""
+    for section, modes in uds.items():
+        for mode, result in modes.items():
+            for key, figures in result.items():
+                if not key.startswith("c"):
+                    continue
+                tcp_ping = tcp[section][mode][key]["ping"]
+                figures["lookup_over_tcp_ping_median"] = round(
+                    figures["lookup_pin"]["median_us"] / tcp_ping["median_us"], 2
+                )
+                figures["pairs_over_tcp_ping_ops"] = round(
+                    figures["lookup_pin_release_ops_per_s"]
+                    / tcp[section][mode][key]["ping_ops_per_s"],
+                    2,
+                )
+
+
+async def run(
+    args: argparse.Namespace, target: str, uds_target: str | None = None
+) -> dict[str, Any]:
     layout = layout_of(args)
     pool_bytes = layout.block_bytes * args.blocks
     async with (
@@ -439,7 +487,12 @@ async def run(args: argparse.Namespace, target: str) -> dict[str, Any]:
         rng = np.random.default_rng(1)
         tokens = rng.integers(1, 128_000, size=args.blocks * args.block_size).tolist()
         chain = ns.hash(tokens)
-        bandwidth = await bench_bandwidth(client, stub, ns, chain, args)
+        if args.control_plane_only:  # store the chain once, untimed
+            zeros = np.zeros(ns.block_bytes, dtype=np.uint8)
+            await store_phases(client, stub, ns, chain, [zeros] * len(chain))
+            bandwidth = None
+        else:
+            bandwidth = await bench_bandwidth(client, stub, ns, chain, args)
         # The chain is stored (READY) after the bandwidth runs: every lookup is a full hit.
         latency = await bench_latency(client, ns, tokens, chain, args)
         # A short chain: its first blocks (per-call costs, not per-block ones).
@@ -447,8 +500,9 @@ async def run(args: argparse.Namespace, target: str) -> dict[str, Any]:
         latency_short = await bench_latency(
             client, ns, tokens[: short * args.block_size], chain[:short], args
         )
+        uds = await bench_uds(uds_target, layout, tokens, args) if uds_target else None
         stats = await client.stats()
-    return {
+    report: dict[str, Any] = {
         "layout": {
             "num_layers": layout.num_layers,
             "num_kv_heads": layout.num_kv_heads,
@@ -462,13 +516,17 @@ async def run(args: argparse.Namespace, target: str) -> dict[str, Any]:
         },
         "lookup_vs_ping": latency,
         f"lookup_vs_ping_{short}_blocks": latency_short,
-        "bandwidth": bandwidth,
+        **({"bandwidth": bandwidth} if bandwidth is not None else {}),
         "node_after": {
             "leases": stats.leases,
             "pinned": stats.pinned,
             "writing": stats.writing,
         },
     }
+    if uds is not None:
+        over_tcp_ping(uds, {k: report[k] for k in uds})
+        report["uds"] = uds
+    return report
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -496,6 +554,16 @@ def build_parser() -> argparse.ArgumentParser:
         "--fresh-capacity", default="1GiB", help="budget of the fresh nodes (the node's default)"
     )
     parser.add_argument("--shm-dir", default="/dev/shm" if os.path.isdir("/dev/shm") else None)
+    parser.add_argument(
+        "--control-plane-only",
+        action="store_true",
+        help="only the Lookup/Release vs Ping figures (no bandwidth, no fresh nodes)",
+    )
+    parser.add_argument(
+        "--uds",
+        action="store_true",
+        help="also run the Lookup/Release figures over the node's Unix-domain socket",
+    )
     return parser
 
 
@@ -509,15 +577,18 @@ def main(argv: list[str] | None = None) -> None:
     with tempfile.TemporaryDirectory(prefix="kvstore-bench-", dir=args.shm_dir) as shm:
         # One arena for the whole budget: the pool is its full size from the start
         # (store_phases writes through the mapping it attached first).
+        uds_path = os.path.join(shm, "kv.sock")
+        extra = ("--arena-bytes", capacity) + (("--uds-path", uds_path) if args.uds else ())
         server = ServerProcess.start(
-            shm, capacity=capacity, prefix_stem="kvbench", extra_args=("--arena-bytes", capacity)
+            shm, capacity=capacity, prefix_stem="kvbench", extra_args=extra
         )
         try:
-            report = asyncio.run(run(args, server.target))
+            uds_target = f"unix:{uds_path}" if args.uds else None
+            report = asyncio.run(run(args, server.target, uds_target))
         finally:
             status = server.stop()
         report["server_exit_status"] = status
-    if args.fresh_nodes > 0:
+    if args.fresh_nodes > 0 and not args.control_plane_only:
         first = bench_first_fill(args, layout_of(args), args.shm_dir)
         reused = report["bandwidth"]
         report["first_fill_vs_reused_store"] = {
