@@ -2,12 +2,15 @@
 
 A runner that serves many requests at once releases many hits at once, and
 each ``Release`` is a round trip that costs the node about a Ping's worth of
-work. So, per (namespace, lease): a release with none in flight is sent at
-once, alone (a lone caller waits for nothing more than before); releases
-that come while one is in flight queue, and when it returns they go out
-together as one call, each hit's hashes one run of ``ReleaseRequest.runs``
-(at most `MAX_RUNS` hits and `MAX_HASHES` hashes a call), which the node
-releases exactly as that many separate calls would. Each caller still
+work. So, per (namespace, lease), a lane: a release with no call of its
+lane in flight (no Release, no pinned Lookup) is sent at once, alone (a
+lone caller waits for nothing more than before); releases that come while
+calls are in flight queue, and go out with the next pinned Lookup of the
+lane (below), or, when the lane's calls in flight have ended without one,
+together as one ``Release``, each hit's hashes one run of
+``ReleaseRequest.runs`` (at most `MAX_RUNS` hits and `MAX_HASHES` hashes a
+call), which the node releases exactly as that many separate calls would.
+A queued release waits at most for the calls in flight of its lane. Each caller still
 waits for the node's answer for its own hit and gets its own count
 (``run_released``); a failed call fails every caller in it.
 
@@ -35,7 +38,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from kvstore.client.background import Background
@@ -69,6 +72,21 @@ def new_release_id() -> int:
     return secrets.randbits(64) or 1
 
 
+@dataclass(eq=False)
+class _Lane:
+    """One (namespace, lease)'s calls in flight and the releases queued behind them."""
+
+    queued: list[_Waiting] = field(default_factory=list)
+    sending: bool = False
+    """A ``Release`` of this lane is in flight."""
+    lookups: int = 0
+    """Pinned Lookups of this lane in flight (each may carry the queue when sent)."""
+
+    @property
+    def idle(self) -> bool:
+        return not (self.sending or self.lookups or self.queued)
+
+
 class Releases:
     """Sends a client's releases in the background, folding those that queue behind one."""
 
@@ -76,7 +94,7 @@ class Releases:
         self._rpc = rpc
         self._background = background
         # Per (namespace, lease) with a call in flight: the releases queued behind it.
-        self._lanes: dict[_Key, list[_Waiting]] = {}
+        self._lanes: dict[_Key, _Lane] = {}
         self.calls = 0
         """``Release`` calls sent (for tests and tools)."""
         self.carried = 0
@@ -87,19 +105,20 @@ class Releases:
     ) -> asyncio.Future[int]:
         """Hand one hit's release (its hashes, packed; its id) over; the pins it dropped.
 
-        Sent at once when nothing of its lane is in flight, else queued. The
-        release goes out whatever happens to the returned future (cancelling
-        it only stops the waiting); the future's result is the node's count.
+        Sent at once when no call of its lane is in flight (no Release, no
+        pinned Lookup), else queued. The release goes out whatever happens
+        to the returned future (cancelling it only stops the waiting); the
+        future's result is the node's count.
         """
         waiting = _Waiting(packed, release_id, asyncio.get_running_loop().create_future())
         waiting.done.add_done_callback(_retrieve)  # a caller may have stopped waiting
         key = (namespace_id, lease_id)
         lane = self._lanes.get(key)
         if lane is None:
-            self._lanes[key] = lane = []
-            self._background.spawn(self._send(key, lane, [waiting]))
-        else:
-            lane.append(waiting)
+            self._lanes[key] = lane = _Lane()
+        lane.queued.append(waiting)
+        if not (lane.sending or lane.lookups):
+            self._flush(key, lane)
         return waiting.done
 
     async def release(
@@ -123,17 +142,21 @@ class Releases:
             raise DeadlineExceeded("Release: no answer within the timeout") from None
 
     def carry(self, req: pb.LookupRequest) -> list[_Waiting]:
-        """Move the releases queued in the lookup's lane into it (``req.release``).
+        """A pinned Lookup is sent: count it in flight, and move its lane's queue into it.
 
-        A pinned Lookup under the same (namespace, lease) as releases waiting
-        behind one in flight carries them: the node applies them before the
-        lookup, in the same call. The caller must hand the result to
-        `settle_carried` when the call ends, whatever the outcome.
+        The releases queued in the lookup's (namespace, lease) lane go in
+        ``req.release``: the node applies them before the lookup, in the same
+        call. The caller must hand the result to `settle_carried` when the
+        call ends, whatever the outcome (it also counts the lookup out).
         """
-        lane = self._lanes.get((req.namespace_id, req.lease_id))
-        if not lane:
+        key = (req.namespace_id, req.lease_id)
+        lane = self._lanes.get(key)
+        if lane is None:
+            self._lanes[key] = lane = _Lane()
+        lane.lookups += 1
+        if not lane.queued:
             return []
-        batch = _take(lane)
+        batch = _take(lane.queued)
         req.release.packed_hashes = b"".join(w.packed for w in batch)
         req.release.release_ids.extend(w.release_id for w in batch)
         if len(batch) > 1:
@@ -144,41 +167,43 @@ class Releases:
     def settle_carried(
         self, req: pb.LookupRequest, batch: list[_Waiting], call: asyncio.Future[Any]
     ) -> None:
-        """A carrying Lookup ended: answer its releases, or send them again as a Release.
+        """A pinned Lookup ended: answer its releases, or send them again as a Release.
 
         Sent again (same ids: the node applies each once) when the call failed,
         was cancelled, or came back without ``released`` (a node that predates
-        the field ignored it).
+        the field ignored it). With no call of the lane left in flight, what
+        queued meanwhile goes out as one Release.
         """
-        if not batch:
-            return
+        key = (req.namespace_id, req.lease_id)
+        lane = self._lanes[key]
+        lane.lookups -= 1
         resp = None if call.cancelled() or call.exception() else call.result()
-        if resp is None or not resp.HasField("released"):
+        if batch and (resp is None or not resp.HasField("released")):
             self.carried -= len(batch)
-            key = (req.namespace_id, req.lease_id)
-            lane = self._lanes.get(key)
-            if lane is not None:  # a call in flight: first in line behind it
-                lane[:0] = batch
-            else:
-                self._lanes[key] = lane = []
-                self._background.spawn(self._send(key, lane, batch))
-            return
-        released = resp.released
-        counts = list(released.run_released) if len(batch) > 1 else [int(released.released)]
-        if len(counts) != len(batch):  # not this SDK's node: each hit's own hash count
-            counts = [len(w.packed) // HASH_BYTES for w in batch]
-        for w, count in zip(batch, counts, strict=True):
-            if not w.done.done():
-                w.done.set_result(count)
+            lane.queued[:0] = batch  # first in line
+        elif batch and resp is not None:
+            released = resp.released
+            counts = list(released.run_released) if len(batch) > 1 else [int(released.released)]
+            if len(counts) != len(batch):  # not this SDK's node: each hit's own hash count
+                counts = [len(w.packed) // HASH_BYTES for w in batch]
+            for w, count in zip(batch, counts, strict=True):
+                if not w.done.done():
+                    w.done.set_result(count)
+        self._next(key, lane)
 
-    def _next(self, key: _Key, lane: list[_Waiting]) -> None:
-        """After a call: send what queued meanwhile as one call, or retire the lane."""
-        if not lane:
+    def _next(self, key: _Key, lane: _Lane) -> None:
+        """A call of the lane ended: send what queued if nothing else is in flight."""
+        if lane.idle:
             del self._lanes[key]
-            return
-        self._background.spawn(self._send(key, lane, _take(lane)))
+        elif lane.queued and not (lane.sending or lane.lookups):
+            self._flush(key, lane)
 
-    async def _send(self, key: _Key, lane: list[_Waiting], batch: list[_Waiting]) -> None:
+    def _flush(self, key: _Key, lane: _Lane) -> None:
+        """Send the first queued releases as one Release call."""
+        lane.sending = True
+        self._background.spawn(self._send(key, lane, _take(lane.queued)))
+
+    async def _send(self, key: _Key, lane: _Lane, batch: list[_Waiting]) -> None:
         try:
             req = pb.ReleaseRequest(
                 namespace_id=key[0],
@@ -213,11 +238,12 @@ class Releases:
             if not isinstance(exc, Exception):
                 raise
         finally:
+            lane.sending = False
             self._next(key, lane)
 
 
 def _take(lane: list[_Waiting]) -> list[_Waiting]:
-    """The first waiters of a lane that one call carries (`MAX_RUNS`, `MAX_HASHES`)."""
+    """The first waiters of a queue that one call carries (`MAX_RUNS`, `MAX_HASHES`)."""
     batch: list[_Waiting] = []
     hashes = 0
     while lane and len(batch) < MAX_RUNS:
