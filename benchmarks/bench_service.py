@@ -83,6 +83,22 @@ async def run_concurrent(
 # --- latency ---------------------------------------------------------------------
 
 
+def node_cpu_seconds(pid: int | None) -> float | None:
+    """The node process's user + system CPU seconds so far (None off Linux)."""
+    if pid is None:
+        return None
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def cpu_us_per_op(before: float | None, after: float | None, ops: int) -> float | None:
+    return None if before is None or after is None else round((after - before) / ops * 1e6, 1)
+
+
 async def bench_latency(
     client: Client, ns: Namespace, tokens: list[int], chain: list[BlockHash], args: Any
 ) -> dict[str, Any]:
@@ -131,9 +147,14 @@ async def bench_latency(
             release_lat.clear()
             releases = client._releases
             calls, carried = releases.calls, getattr(releases, "carried", 0)
+            cpu0 = node_cpu_seconds(getattr(args, "node_pid", None))
             look, look_wall = await run_concurrent(lookup_pin, concurrency, per_task)
+            cpu1 = node_cpu_seconds(getattr(args, "node_pid", None))
             calls, carried = releases.calls - calls, getattr(releases, "carried", 0) - carried
             pings, ping_wall = await run_concurrent(ping, concurrency, per_task)
+            cpu2 = node_cpu_seconds(getattr(args, "node_pid", None))
+            pair_cpu = cpu_us_per_op(cpu0, cpu1, len(look))
+            ping_cpu = cpu_us_per_op(cpu1, cpu2, len(pings))
             lookup_stats = summary_us(look)
             ping_stats = summary_us(pings)
             pairs_per_s = len(look) / look_wall
@@ -153,6 +174,13 @@ async def bench_latency(
                 # (LookupRequest.release): a pair is 1 + release_calls_per_pair calls.
                 "release_calls_per_pair": round(calls / len(look), 2),
                 "releases_carried_per_pair": round(carried / len(look), 2),
+                # The node's CPU time (user + system, all its threads) per pair and per
+                # Ping: what bounds its throughput, and little moved by other load.
+                "node_cpu_us_per_pair": pair_cpu,
+                "node_cpu_us_per_ping": ping_cpu,
+                "pair_cpu_over_ping_cpu": (
+                    round(pair_cpu / ping_cpu, 2) if pair_cpu and ping_cpu else None
+                ),
             }
         out[mode] = result
     return out
@@ -582,6 +610,7 @@ def main(argv: list[str] | None = None) -> None:
         server = ServerProcess.start(
             shm, capacity=capacity, prefix_stem="kvbench", extra_args=extra
         )
+        args.node_pid = server.process.pid  # its CPU time is read from /proc
         try:
             uds_target = f"unix:{uds_path}" if args.uds else None
             report = asyncio.run(run(args, server.target, uds_target))
