@@ -7,7 +7,8 @@ lane in flight (no Release, no pinned Lookup) is sent at once, alone (a
 lone caller waits for nothing more than before); releases that come while
 calls are in flight queue, and go out with the next pinned Lookup of the
 lane (below), or, when the lane's calls in flight have ended without one,
-together as one ``Release``, each hit's hashes one run of
+together as one ``Release`` (a runner whose tasks each wait for their
+release before the next lookup sends one Release for a whole wave), each hit's hashes one run of
 ``ReleaseRequest.runs`` (at most `MAX_RUNS` hits and `MAX_HASHES` hashes a
 call), which the node releases exactly as that many separate calls would.
 A queued release waits at most for the calls in flight of its lane. Each caller still
@@ -147,13 +148,16 @@ class Releases:
         The releases queued in the lookup's (namespace, lease) lane go in
         ``req.release``: the node applies them before the lookup, in the same
         call. The caller must hand the result to `settle_carried` when the
-        call ends, whatever the outcome (it also counts the lookup out).
+        call ends, whatever the outcome (it also counts the lookup out). A
+        lookup with ``allow_remote`` (a peer fetch may take seconds) carries
+        the queue but does not hold the lane: releases behind it go alone.
         """
         key = (req.namespace_id, req.lease_id)
         lane = self._lanes.get(key)
         if lane is None:
             self._lanes[key] = lane = _Lane()
-        lane.lookups += 1
+        if not req.allow_remote:
+            lane.lookups += 1
         if not lane.queued:
             return []
         batch = _take(lane.queued)
@@ -176,7 +180,8 @@ class Releases:
         """
         key = (req.namespace_id, req.lease_id)
         lane = self._lanes[key]
-        lane.lookups -= 1
+        if not req.allow_remote:
+            lane.lookups -= 1
         resp = None if call.cancelled() or call.exception() else call.result()
         if batch and (resp is None or not resp.HasField("released")):
             self.carried -= len(batch)

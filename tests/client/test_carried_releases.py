@@ -190,3 +190,31 @@ async def test_a_release_behind_a_pinned_lookup_waits_for_it_then_goes_alone(
     await kv._background.drain()
     assert (await kv.stats()).namespaces[0].pinned == 0
     assert not kv._releases._lanes
+
+
+async def test_a_remote_lookup_in_flight_does_not_hold_releases_back(
+    kv: Client, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A pinned Lookup with ``allow_remote`` may wait seconds on a peer: a release
+    that comes meanwhile goes out at once instead of queueing behind it."""
+    ns, prompts = await stored_chains(kv, 2)
+    first = await kv.lookup(ns, prompts[0], pin=True)
+    gate = asyncio.Event()
+    methods: list[str] = []
+    call = kv._rpc.call
+
+    async def held_lookup(method: str, request: Any, *args: Any, **kw: Any) -> Any:
+        methods.append(method)
+        if method == "Lookup" and not gate.is_set():
+            await gate.wait()
+        return await call(method, request, *args, **kw)
+
+    monkeypatch.setattr(kv._rpc, "call", held_lookup)
+    looking = asyncio.ensure_future(kv.lookup(ns, prompts[1], pin=True, allow_remote=True))
+    await until(lambda: "Lookup" in methods)
+    assert await kv.release(first) == 3  # answered while the remote lookup is held
+    assert methods.count("Release") == 1
+    gate.set()
+    assert await kv.release(await looking) == 3
+    await kv._background.drain()
+    assert not kv._releases._lanes
