@@ -3,8 +3,12 @@ the lookup, in the same call; a bad one refuses the whole call (docs/api.md, "Lo
 
 from __future__ import annotations
 
+import base64
+import json
+
 import grpc
 import pytest
+from google.protobuf import json_format
 
 from kvstore.v1 import kvstore_pb2 as pb
 from tests.service.conftest import BLOCK_SIZE
@@ -133,3 +137,21 @@ async def test_a_carried_release_needs_the_lookups_lease(stub, namespace, lease)
         await stub.Lookup(request)
     assert err.value.code() == INVALID and field_of(err.value) == "lease_id"
     assert await pinned(stub) == 2
+
+
+async def test_the_json_form_grpcurl_sends_carries_a_release(stub, namespace, lease):
+    """grpcurl's JSON (reflection): ``release`` with base64 hashes and string ids."""
+    ns = namespace.id
+    chain = await store(stub, ns, lease, list(range(1, 1 + 2 * BLOCK_SIZE)))
+    hit = await pin(stub, ns, lease, chain)
+    body = {
+        "namespaceId": ns,
+        "leaseId": str(lease),
+        "hashes": [base64.b64encode(h).decode() for h in chain],
+        "release": {"packedHashes": base64.b64encode(hit).decode(), "releaseIds": ["7"]},
+    }
+    request = json_format.Parse(json.dumps(body), pb.LookupRequest())
+    resp = await stub.Lookup(request)
+    assert resp.hit_blocks == 2 and resp.released.released == 2
+    assert json_format.MessageToDict(resp)["released"] == {"released": 2}
+    assert await pinned(stub) == 0  # released, and this lookup did not pin
