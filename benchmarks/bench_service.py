@@ -36,7 +36,6 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Awaitable, Callable
 from typing import Any
 
 import google.protobuf
@@ -44,128 +43,22 @@ import grpc
 import numpy as np
 import numpy.typing as npt
 
+from benchmarks._latency import TENANT, bench_latency, bench_uds, over_tcp_ping
+from benchmarks._latency import lookup_tokens_sent as lookup_tokens_sent  # bench_scaling's
 from benchmarks._server import ServerProcess
-from benchmarks._stats import best_and_median, gbps, summary_us
-from kvstore.api.wire import pack_tokens
-from kvstore.client import Client, Hit, Namespace
+from benchmarks._stats import best_and_median, gbps
+from kvstore.client import Client, Namespace
 from kvstore.client.blocks import copy_block
-from kvstore.client.convert import hit_from_proto, reservation_from_proto
+from kvstore.client.convert import reservation_from_proto
 from kvstore.layout import KVLayout
-from kvstore.types import BlockHash, LeaseId
+from kvstore.types import BlockHash
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc
 
 MiB = 1 << 20
 
-TENANT = "bench"
 META = (("x-kvstore-tenant", TENANT),)
 """Call metadata of the raw-stub calls: the client's tenant, who owns its lease."""
-
-
-async def run_concurrent(
-    op: Callable[[], Awaitable[float]], concurrency: int, per_task: int
-) -> tuple[list[float], float]:
-    """``concurrency`` tasks each running ``op`` ``per_task`` times; latencies and wall time.
-
-    ``op`` returns the latency it measured (it may time only part of itself).
-    """
-    latencies: list[float] = []
-
-    async def task() -> None:
-        for _ in range(per_task):
-            latencies.append(await op())
-
-    start = time.perf_counter()
-    await asyncio.gather(*(task() for _ in range(concurrency)))
-    return latencies, time.perf_counter() - start
-
-
-# --- latency ---------------------------------------------------------------------
-
-
-async def bench_latency(
-    client: Client, ns: Namespace, tokens: list[int], chain: list[BlockHash], args: Any
-) -> dict[str, Any]:
-    lease_id, generation = await client.lease.current()
-    requests = {
-        "hashes": pb.LookupRequest(namespace_id=ns.id, lease_id=lease_id, pin=True, hashes=chain),
-        "tokens": pb.LookupRequest(namespace_id=ns.id, lease_id=lease_id, pin=True, tokens=tokens),
-        "tokens_sent": pb.LookupRequest(
-            namespace_id=ns.id, lease_id=lease_id, pin=True, tokens=tokens
-        ),
-    }
-    out: dict[str, Any] = {}
-    for mode, request in requests.items():
-        size = request.ByteSize()
-        payload = os.urandom(size)
-        release_lat: list[float] = []
-
-        async def lookup_pin(mode: str = mode, release_lat: list[float] = release_lat) -> float:
-            start = time.perf_counter()
-            if mode == "hashes":
-                hit = await client.lookup(ns, hashes=chain, pin=True)
-            elif mode == "tokens":  # the SDK hashes them and sends the chain
-                hit = await client.lookup(ns, tokens, pin=True)
-            else:  # the tokens themselves, for the node to hash (what grpcurl sends)
-                hit = await lookup_tokens_sent(client, ns, tokens, lease_id, generation)
-            looked = time.perf_counter()
-            if hit.hit_blocks != len(chain):
-                raise RuntimeError(f"expected a full hit, got {hit.hit_blocks}/{len(chain)}")
-            await client.release(hit)
-            release_lat.append(time.perf_counter() - looked)
-            return looked - start
-
-        async def ping(payload: bytes = payload) -> float:
-            start = time.perf_counter()
-            echoed = await client.ping(payload)
-            elapsed = time.perf_counter() - start
-            if len(echoed) != len(payload):
-                raise RuntimeError("Ping echoed another payload")
-            return elapsed
-
-        result: dict[str, Any] = {"request_bytes": size, "ping_payload_bytes": len(payload)}
-        for concurrency in args.concurrency:
-            per_task = max(1, args.iterations // concurrency)
-            for op in (lookup_pin, ping):  # warm up both paths
-                await run_concurrent(op, concurrency, max(1, per_task // 10))
-            release_lat.clear()
-            look, look_wall = await run_concurrent(lookup_pin, concurrency, per_task)
-            pings, ping_wall = await run_concurrent(ping, concurrency, per_task)
-            lookup_stats = summary_us(look)
-            ping_stats = summary_us(pings)
-            result[f"c{concurrency}"] = {
-                "ops": len(look),
-                "lookup_pin": lookup_stats,
-                "release": summary_us(release_lat),
-                "ping": ping_stats,
-                "lookup_over_ping_median": round(
-                    lookup_stats["median_us"] / ping_stats["median_us"], 2
-                ),
-                "lookup_over_ping_p99": round(lookup_stats["p99_us"] / ping_stats["p99_us"], 2),
-                "lookup_pin_release_ops_per_s": round(len(look) / look_wall, 1),
-                "ping_ops_per_s": round(len(pings) / ping_wall, 1),
-            }
-        out[mode] = result
-    return out
-
-
-async def lookup_tokens_sent(
-    client: Client, ns: Namespace, tokens: list[int], lease_id: int, generation: int
-) -> Hit:
-    """A pinned Lookup that sends the tokens (packed) and lets the node hash them.
-
-    What `Client.lookup` did before it hashed prompts itself, and what a
-    client without the SDK does: the node's cost of hashing, measured.
-    """
-    request = pb.LookupRequest(
-        namespace_id=ns.id,
-        lease_id=lease_id,
-        pin=True,
-        packed_reply=True,
-        packed_tokens=pack_tokens(tokens),
-    )
-    resp = await client._rpc.call("Lookup", request, None, idempotent=False)
-    return hit_from_proto(ns, resp, generation, LeaseId(lease_id))
 
 
 # --- bandwidth ---------------------------------------------------------------------
@@ -425,7 +318,9 @@ def layout_of(args: argparse.Namespace) -> KVLayout:
     )
 
 
-async def run(args: argparse.Namespace, target: str) -> dict[str, Any]:
+async def run(
+    args: argparse.Namespace, target: str, uds_target: str | None = None
+) -> dict[str, Any]:
     layout = layout_of(args)
     pool_bytes = layout.block_bytes * args.blocks
     async with (
@@ -439,7 +334,12 @@ async def run(args: argparse.Namespace, target: str) -> dict[str, Any]:
         rng = np.random.default_rng(1)
         tokens = rng.integers(1, 128_000, size=args.blocks * args.block_size).tolist()
         chain = ns.hash(tokens)
-        bandwidth = await bench_bandwidth(client, stub, ns, chain, args)
+        if args.control_plane_only:  # store the chain once, untimed
+            zeros = np.zeros(ns.block_bytes, dtype=np.uint8)
+            await store_phases(client, stub, ns, chain, [zeros] * len(chain))
+            bandwidth = None
+        else:
+            bandwidth = await bench_bandwidth(client, stub, ns, chain, args)
         # The chain is stored (READY) after the bandwidth runs: every lookup is a full hit.
         latency = await bench_latency(client, ns, tokens, chain, args)
         # A short chain: its first blocks (per-call costs, not per-block ones).
@@ -447,8 +347,9 @@ async def run(args: argparse.Namespace, target: str) -> dict[str, Any]:
         latency_short = await bench_latency(
             client, ns, tokens[: short * args.block_size], chain[:short], args
         )
+        uds = await bench_uds(uds_target, layout, tokens, args) if uds_target else None
         stats = await client.stats()
-    return {
+    report: dict[str, Any] = {
         "layout": {
             "num_layers": layout.num_layers,
             "num_kv_heads": layout.num_kv_heads,
@@ -462,13 +363,17 @@ async def run(args: argparse.Namespace, target: str) -> dict[str, Any]:
         },
         "lookup_vs_ping": latency,
         f"lookup_vs_ping_{short}_blocks": latency_short,
-        "bandwidth": bandwidth,
+        **({"bandwidth": bandwidth} if bandwidth is not None else {}),
         "node_after": {
             "leases": stats.leases,
             "pinned": stats.pinned,
             "writing": stats.writing,
         },
     }
+    if uds is not None:
+        over_tcp_ping(uds, {k: report[k] for k in uds})
+        report["uds"] = uds
+    return report
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -496,6 +401,16 @@ def build_parser() -> argparse.ArgumentParser:
         "--fresh-capacity", default="1GiB", help="budget of the fresh nodes (the node's default)"
     )
     parser.add_argument("--shm-dir", default="/dev/shm" if os.path.isdir("/dev/shm") else None)
+    parser.add_argument(
+        "--control-plane-only",
+        action="store_true",
+        help="only the Lookup/Release vs Ping figures (no bandwidth, no fresh nodes)",
+    )
+    parser.add_argument(
+        "--uds",
+        action="store_true",
+        help="also run the Lookup/Release figures over the node's Unix-domain socket",
+    )
     return parser
 
 
@@ -509,15 +424,19 @@ def main(argv: list[str] | None = None) -> None:
     with tempfile.TemporaryDirectory(prefix="kvstore-bench-", dir=args.shm_dir) as shm:
         # One arena for the whole budget: the pool is its full size from the start
         # (store_phases writes through the mapping it attached first).
+        uds_path = os.path.join(shm, "kv.sock")
+        extra = ("--arena-bytes", capacity) + (("--uds-path", uds_path) if args.uds else ())
         server = ServerProcess.start(
-            shm, capacity=capacity, prefix_stem="kvbench", extra_args=("--arena-bytes", capacity)
+            shm, capacity=capacity, prefix_stem="kvbench", extra_args=extra
         )
+        args.node_pid = server.process.pid  # its CPU time is read from /proc
         try:
-            report = asyncio.run(run(args, server.target))
+            uds_target = f"unix:{uds_path}" if args.uds else None
+            report = asyncio.run(run(args, server.target, uds_target))
         finally:
             status = server.stop()
         report["server_exit_status"] = status
-    if args.fresh_nodes > 0:
+    if args.fresh_nodes > 0 and not args.control_plane_only:
         first = bench_first_fill(args, layout_of(args), args.shm_dir)
         reused = report["bandwidth"]
         report["first_fill_vs_reused_store"] = {

@@ -12,7 +12,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import signal
+import socket
+import stat
 import sys
 import time
 from collections.abc import Sequence
@@ -89,6 +92,8 @@ class Server:
         self.expiry_tick = expiry_tick
         self.health = health.aio.HealthServicer()
         self.port = 0
+        self.uds_path = ""
+        """The Unix-domain socket bound (``uds_path``), removed again at `stop`."""
         self.metrics_port = 0
         self._grpc: Any = None
         self._expiry: asyncio.Task[None] | None = None
@@ -178,6 +183,40 @@ class Server:
                 f"cannot bind the gRPC server to {address}: port {self.config.port} is in use"
                 " (another kvstore-server?) or the address is not local; choose another --port"
             )
+        if self.config.uds_path:
+            self._bind_uds(server, self.config.uds_path)
+
+    def _bind_uds(self, server: Any, path: str) -> None:
+        """Listen on the Unix-domain socket ``path`` too (same credentials as the port).
+
+        A socket file left by a node that is gone is replaced; one that a
+        live server answers on is an `OSError`. The file gets ``pool_file_mode``:
+        the runners that may map the pool files may connect.
+        """
+        if os.path.exists(path):
+            if not stat.S_ISSOCK(os.stat(path).st_mode):
+                raise OSError(f"uds_path {path} exists and is not a socket; choose another")
+            with socket.socket(socket.AF_UNIX) as probe:
+                try:
+                    probe.connect(path)
+                except OSError:
+                    os.unlink(path)  # stale: nobody listens
+                else:
+                    raise OSError(f"uds_path {path}: another server listens on it")
+        credentials = server_credentials(self.config)
+        target = f"unix:{path}"
+        try:
+            bound = (
+                server.add_insecure_port(target)
+                if credentials is None
+                else server.add_secure_port(target, credentials)
+            )
+        except RuntimeError:
+            bound = 0
+        if not bound:
+            raise OSError(f"cannot listen on uds_path {path} (is its directory writable?)")
+        self.uds_path = path
+        os.chmod(path, self.config.pool_file_mode)
 
     def _bind_metrics(self) -> int:
         """Serve the metrics and the web page; `OSError` naming the port if it is taken."""
@@ -252,6 +291,10 @@ class Server:
         if self._grpc is not None:
             await self._grpc.stop(grace)
             self._grpc = None
+        if self.uds_path:  # the socket file must not outlive the server
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.uds_path)
+            self.uds_path = ""
         self.node.metrics.stop_http()
         await self.node.memory.stop()  # growth ahead of need: no arena is built after this
         self.node.pools.close()
@@ -279,7 +322,8 @@ async def serve(config: Config, *, ready: asyncio.Event | None = None) -> None:
     """Run a node until SIGTERM or SIGINT, then shut it down gracefully.
 
     Prints ``kvstore-server listening on HOST:PORT`` (the bound port) once
-    serving, then ``kvstore-server metrics on http://HOST:PORT/metrics`` when
+    serving, then ``kvstore-server also on unix:PATH`` when ``uds_path`` is set,
+    ``kvstore-server metrics on http://HOST:PORT/metrics`` when
     the metrics endpoint is on, and sets ``ready`` if given.
     """
     server = Server(config)
@@ -292,6 +336,8 @@ async def serve(config: Config, *, ready: asyncio.Event | None = None) -> None:
     # The stable lines scripts read (docs/operations.md): with --port 0 the
     # first names the port that was bound.
     print(f"kvstore-server listening on {server.address}", flush=True)
+    if server.uds_path:
+        print(f"kvstore-server also on unix:{server.uds_path}", flush=True)
     if server.metrics_port:
         metrics = _address(server.config.host, server.metrics_port)
         print(f"kvstore-server metrics on http://{metrics}/metrics", flush=True)

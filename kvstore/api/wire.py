@@ -6,12 +6,15 @@ drift apart. It imports the generated protobuf messages but not grpc.
 
 Packed forms: a chain of block hashes travels as one ``bytes`` field, the
 32-byte hashes concatenated; tokens as one ``bytes`` field of little-endian
-uint32. One bytes field is parsed and serialised by protobuf in one copy,
+uint32; a Lookup's slots and generations (``packed_slots``) as little-endian
+uint64. One bytes field is parsed and serialised by protobuf in one copy,
 where a repeated field costs a Python object per item on each side.
 """
 
 from __future__ import annotations
 
+import sys
+from array import array
 from collections.abc import Iterable
 from typing import Any
 
@@ -142,3 +145,34 @@ def unpack_tokens(
             f"{field} is {len(packed)} bytes, not a whole number of {TOKEN_BYTES}-byte tokens"
         )
     return np.frombuffer(packed, dtype="<u4").astype(np.uint32, copy=False)
+
+
+U64_BYTES = 8
+"""Bytes of one slot or generation in ``packed_slots`` / ``packed_generations``."""
+
+
+def pack_u64(values: array[int]) -> bytes:
+    """``packed_slots`` / ``packed_generations``: an ``array`` of 8-byte ints, little-endian.
+
+    One copy of the array's buffer (byte-swapped first on a big-endian host).
+    """
+    if values.itemsize != U64_BYTES:
+        raise ValueError(f"bug: pack_u64 of {values.itemsize}-byte items")
+    if sys.byteorder == "little":
+        return values.tobytes()
+    swapped = array(values.typecode, values)
+    swapped.byteswap()
+    return swapped.tobytes()
+
+
+def unpack_u64(packed: bytes, field: str) -> np.ndarray[Any, np.dtype[np.uint64]]:
+    """The values of a packed uint64 field (a read-only view of ``packed``).
+
+    Raises:
+        InvalidArgument: the length is not a multiple of 8 bytes.
+    """
+    if len(packed) % U64_BYTES:
+        raise InvalidArgument(
+            f"{field} is {len(packed)} bytes, not a whole number of {U64_BYTES}-byte integers"
+        )
+    return np.frombuffer(packed, dtype="<u8").astype(np.uint64, copy=False)

@@ -32,6 +32,7 @@ Rules the client keeps:
 from __future__ import annotations
 
 import asyncio
+import functools
 from collections.abc import Callable, Coroutine, Sequence
 from types import TracebackType
 from typing import Any
@@ -249,6 +250,7 @@ class Client(PrefixQueries):
                 pin=pin,
                 allow_remote=allow_remote,
                 packed_reply=True,
+                packed_slots=True,
                 **fields,
             )
             try:
@@ -307,7 +309,9 @@ class Client(PrefixQueries):
     ) -> Any:
         if not req.pin:
             return await self._rpc.call("Lookup", req, timeout, idempotent=True)
+        carried = self._releases.carry(req)  # the releases queued in its lane ride along
         call = self._spawn_call(self._rpc.call("Lookup", req, timeout, idempotent=False))
+        call.add_done_callback(functools.partial(self._releases.settle_carried, req, carried))
         try:
             return await asyncio.shield(call)
         except asyncio.CancelledError:

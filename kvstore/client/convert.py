@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 
+from kvstore.api import wire
 from kvstore.api.wire import pack_hashes, pack_tokens, unpack_hashes
 from kvstore.client.handles import BlockLocation, Hit, Namespace
 from kvstore.errors import InvalidArgument
@@ -141,17 +142,22 @@ def hit_from_proto(
             chain=[BlockHash(h) for h in resp.chain],
             **fields,
         )
-    slots = np.array(resp.slots, dtype=np.uint64)
-    if len(resp.hit_hashes) != HASH_BYTES * len(slots) or len(resp.generations) != len(slots):
+    if resp.packed_slots or resp.packed_generations:  # packed_slots asked (and known)
+        slots = wire.unpack_u64(resp.packed_slots, "packed_slots")
+        generations = wire.unpack_u64(resp.packed_generations, "packed_generations")
+    else:
+        slots = np.array(resp.slots, dtype=np.uint64)
+        generations = np.array(resp.generations, dtype=np.uint64)
+    if len(resp.hit_hashes) != HASH_BYTES * len(slots) or len(generations) != len(slots):
         raise InvalidArgument(
             f"the node's packed reply is inconsistent: {len(resp.hit_hashes)} bytes of "
-            f"hashes, {len(slots)} slots, {len(resp.generations)} generations"
+            f"hashes, {len(slots)} slots, {len(generations)} generations"
         )
     return Hit(
         namespace=ns,
         hit_hashes=resp.hit_hashes,
         slots=slots,
-        generations=np.array(resp.generations, dtype=np.uint64),
+        generations=generations,
         packed_chain=resp.packed_chain,
         slots_per_arena=resp.slots_per_arena,
         block_bytes=resp.block_bytes,

@@ -2,12 +2,16 @@
 
 A runner that serves many requests at once releases many hits at once, and
 each ``Release`` is a round trip that costs the node about a Ping's worth of
-work. So, per (namespace, lease): a release with none in flight is sent at
-once, alone (a lone caller waits for nothing more than before); releases
-that come while one is in flight queue, and when it returns they go out
-together as one call, each hit's hashes one run of ``ReleaseRequest.runs``
-(at most `MAX_RUNS` hits and `MAX_HASHES` hashes a call), which the node
-releases exactly as that many separate calls would. Each caller still
+work. So, per (namespace, lease), a lane: a release with no call of its
+lane in flight (no Release, no pinned Lookup) is sent at once, alone (a
+lone caller waits for nothing more than before); releases that come while
+calls are in flight queue, and go out with the next pinned Lookup of the
+lane (below), or, when the lane's calls in flight have ended without one,
+together as one ``Release`` (a runner whose tasks each wait for their
+release before the next lookup sends one Release for a whole wave), each hit's hashes one run of
+``ReleaseRequest.runs`` (at most `MAX_RUNS` hits and `MAX_HASHES` hashes a
+call), which the node releases exactly as that many separate calls would.
+A queued release waits at most for the calls in flight of its lane. Each caller still
 waits for the node's answer for its own hit and gets its own count
 (``run_released``); a failed call fails every caller in it.
 
@@ -16,6 +20,12 @@ Pins are dropped exactly once per hit, whatever happens to the caller:
 * Every call is a background task (`Background`), so a caller that is
   cancelled or stops waiting (its timeout) hands its release over: sent
   alone or queued, it still goes out and runs to its end.
+* A pinned Lookup of the same lane takes the releases queued there with it
+  (``LookupRequest.release``, `carry`): the node applies them before the
+  lookup, in the same call, so a busy runner's Lookup+Release pair is one
+  call, not two. If that Lookup fails, is cancelled or is answered by a
+  node that ignores the field, its releases go out again as a ``Release``
+  (`settle_carried`), under the same ids.
 * Every hit's release carries its own id (``release_ids``, one per run):
   the node applies an id once per lease and answers a repeat with the first
   count, so a call whose outcome is unknown (a timeout, a lost connection)
@@ -29,7 +39,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 from kvstore.client.background import Background
 from kvstore.client.errors import DeadlineExceeded
@@ -62,6 +73,21 @@ def new_release_id() -> int:
     return secrets.randbits(64) or 1
 
 
+@dataclass(eq=False)
+class _Lane:
+    """One (namespace, lease)'s calls in flight and the releases queued behind them."""
+
+    queued: list[_Waiting] = field(default_factory=list)
+    sending: bool = False
+    """A ``Release`` of this lane is in flight."""
+    lookups: int = 0
+    """Pinned Lookups of this lane in flight (each may carry the queue when sent)."""
+
+    @property
+    def idle(self) -> bool:
+        return not (self.sending or self.lookups or self.queued)
+
+
 class Releases:
     """Sends a client's releases in the background, folding those that queue behind one."""
 
@@ -69,28 +95,31 @@ class Releases:
         self._rpc = rpc
         self._background = background
         # Per (namespace, lease) with a call in flight: the releases queued behind it.
-        self._lanes: dict[_Key, list[_Waiting]] = {}
+        self._lanes: dict[_Key, _Lane] = {}
         self.calls = 0
         """``Release`` calls sent (for tests and tools)."""
+        self.carried = 0
+        """Hits' releases sent inside a Lookup, less those sent again after it (for tests)."""
 
     def submit(
         self, namespace_id: str, lease_id: int, packed: bytes, release_id: int
     ) -> asyncio.Future[int]:
         """Hand one hit's release (its hashes, packed; its id) over; the pins it dropped.
 
-        Sent at once when nothing of its lane is in flight, else queued. The
-        release goes out whatever happens to the returned future (cancelling
-        it only stops the waiting); the future's result is the node's count.
+        Sent at once when no call of its lane is in flight (no Release, no
+        pinned Lookup), else queued. The release goes out whatever happens
+        to the returned future (cancelling it only stops the waiting); the
+        future's result is the node's count.
         """
         waiting = _Waiting(packed, release_id, asyncio.get_running_loop().create_future())
         waiting.done.add_done_callback(_retrieve)  # a caller may have stopped waiting
         key = (namespace_id, lease_id)
         lane = self._lanes.get(key)
         if lane is None:
-            self._lanes[key] = lane = []
-            self._background.spawn(self._send(key, lane, [waiting]))
-        else:
-            lane.append(waiting)
+            self._lanes[key] = lane = _Lane()
+        lane.queued.append(waiting)
+        if not (lane.sending or lane.lookups):
+            self._flush(key, lane)
         return waiting.done
 
     async def release(
@@ -113,22 +142,73 @@ class Releases:
         except TimeoutError:
             raise DeadlineExceeded("Release: no answer within the timeout") from None
 
-    def _next(self, key: _Key, lane: list[_Waiting]) -> None:
-        """After a call: send what queued meanwhile as one call, or retire the lane."""
-        if not lane:
-            del self._lanes[key]
-            return
-        batch: list[_Waiting] = []
-        hashes = 0
-        while lane and len(batch) < MAX_RUNS:
-            n = len(lane[0].packed) // HASH_BYTES
-            if batch and hashes + n > MAX_HASHES:
-                break
-            batch.append(lane.pop(0))
-            hashes += n
-        self._background.spawn(self._send(key, lane, batch))
+    def carry(self, req: pb.LookupRequest) -> list[_Waiting]:
+        """A pinned Lookup is sent: count it in flight, and move its lane's queue into it.
 
-    async def _send(self, key: _Key, lane: list[_Waiting], batch: list[_Waiting]) -> None:
+        The releases queued in the lookup's (namespace, lease) lane go in
+        ``req.release``: the node applies them before the lookup, in the same
+        call. The caller must hand the result to `settle_carried` when the
+        call ends, whatever the outcome (it also counts the lookup out). A
+        lookup with ``allow_remote`` (a peer fetch may take seconds) carries
+        the queue but does not hold the lane: releases behind it go alone.
+        """
+        key = (req.namespace_id, req.lease_id)
+        lane = self._lanes.get(key)
+        if lane is None:
+            self._lanes[key] = lane = _Lane()
+        if not req.allow_remote:
+            lane.lookups += 1
+        if not lane.queued:
+            return []
+        batch = _take(lane.queued)
+        req.release.packed_hashes = b"".join(w.packed for w in batch)
+        req.release.release_ids.extend(w.release_id for w in batch)
+        if len(batch) > 1:
+            req.release.runs.extend(len(w.packed) // HASH_BYTES for w in batch)
+        self.carried += len(batch)
+        return batch
+
+    def settle_carried(
+        self, req: pb.LookupRequest, batch: list[_Waiting], call: asyncio.Future[Any]
+    ) -> None:
+        """A pinned Lookup ended: answer its releases, or send them again as a Release.
+
+        Sent again (same ids: the node applies each once) when the call failed,
+        was cancelled, or came back without ``released`` (a node that predates
+        the field ignored it). With no call of the lane left in flight, what
+        queued meanwhile goes out as one Release.
+        """
+        key = (req.namespace_id, req.lease_id)
+        lane = self._lanes[key]
+        if not req.allow_remote:
+            lane.lookups -= 1
+        resp = None if call.cancelled() or call.exception() else call.result()
+        if batch and (resp is None or not resp.HasField("released")):
+            self.carried -= len(batch)
+            lane.queued[:0] = batch  # first in line
+        elif batch and resp is not None:
+            released = resp.released
+            counts = list(released.run_released) if len(batch) > 1 else [int(released.released)]
+            if len(counts) != len(batch):  # not this SDK's node: each hit's own hash count
+                counts = [len(w.packed) // HASH_BYTES for w in batch]
+            for w, count in zip(batch, counts, strict=True):
+                if not w.done.done():
+                    w.done.set_result(count)
+        self._next(key, lane)
+
+    def _next(self, key: _Key, lane: _Lane) -> None:
+        """A call of the lane ended: send what queued if nothing else is in flight."""
+        if lane.idle:
+            del self._lanes[key]
+        elif lane.queued and not (lane.sending or lane.lookups):
+            self._flush(key, lane)
+
+    def _flush(self, key: _Key, lane: _Lane) -> None:
+        """Send the first queued releases as one Release call."""
+        lane.sending = True
+        self._background.spawn(self._send(key, lane, _take(lane.queued)))
+
+    async def _send(self, key: _Key, lane: _Lane, batch: list[_Waiting]) -> None:
         try:
             req = pb.ReleaseRequest(
                 namespace_id=key[0],
@@ -163,7 +243,21 @@ class Releases:
             if not isinstance(exc, Exception):
                 raise
         finally:
+            lane.sending = False
             self._next(key, lane)
+
+
+def _take(lane: list[_Waiting]) -> list[_Waiting]:
+    """The first waiters of a queue that one call carries (`MAX_RUNS`, `MAX_HASHES`)."""
+    batch: list[_Waiting] = []
+    hashes = 0
+    while lane and len(batch) < MAX_RUNS:
+        n = len(lane[0].packed) // HASH_BYTES
+        if batch and hashes + n > MAX_HASHES:
+            break
+        batch.append(lane.pop(0))
+        hashes += n
+    return batch
 
 
 def _retrieve(done: asyncio.Future[int]) -> None:

@@ -596,6 +596,8 @@ class LookupRequest(_message.Message):
     PACKED_TOKENS_FIELD_NUMBER: _builtins.int
     PACKED_REPLY_FIELD_NUMBER: _builtins.int
     QUERY_TOKENS_FIELD_NUMBER: _builtins.int
+    RELEASE_FIELD_NUMBER: _builtins.int
+    PACKED_SLOTS_FIELD_NUMBER: _builtins.int
     namespace_id: _builtins.str
     lease_id: _builtins.int
     """required when pin is set"""
@@ -614,6 +616,11 @@ class LookupRequest(_message.Message):
     so query_tokens and the tenant's token hit rate count the partial block
     as a token-sending lookup would. 0: the full blocks' tokens.
     """
+    packed_slots: _builtins.bool
+    """With packed_reply: answer the slots and generations as packed_slots and
+    packed_generations (little-endian uint64 each, concatenated), not as the
+    repeated fields. A node that predates it answers the repeated fields.
+    """
     @_builtins.property
     def tokens(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     @_builtins.property
@@ -621,6 +628,16 @@ class LookupRequest(_message.Message):
     @_builtins.property
     def extras(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bytes]:
         """optional per-block extra hash input (tokens only)"""
+
+    @_builtins.property
+    def release(self) -> Global___ReleaseRequest:
+        """Releases carried by this call, applied before the lookup (pin or not), in
+        ReleaseRequest's form: its hashes/packed_hashes, runs and release_ids.
+        Its namespace_id and lease_id must be empty or this request's (the lease
+        must be set). Checked whole before anything is applied: a bad one is
+        INVALID_ARGUMENT and neither it nor the lookup happens. Answered in
+        LookupResponse.released. Unset: nothing is released (older clients).
+        """
 
     def __init__(
         self,
@@ -636,10 +653,12 @@ class LookupRequest(_message.Message):
         packed_tokens: _builtins.bytes = ...,
         packed_reply: _builtins.bool = ...,
         query_tokens: _builtins.int = ...,
+        release: Global___ReleaseRequest | None = ...,
+        packed_slots: _builtins.bool = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["release", b"release"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["allow_remote", b"allow_remote", "extras", b"extras", "hashes", b"hashes", "lease_id", b"lease_id", "namespace_id", b"namespace_id", "packed_hashes", b"packed_hashes", "packed_reply", b"packed_reply", "packed_tokens", b"packed_tokens", "pin", b"pin", "query_tokens", b"query_tokens", "tokens", b"tokens"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["allow_remote", b"allow_remote", "extras", b"extras", "hashes", b"hashes", "lease_id", b"lease_id", "namespace_id", b"namespace_id", "packed_hashes", b"packed_hashes", "packed_reply", b"packed_reply", "packed_slots", b"packed_slots", "packed_tokens", b"packed_tokens", "pin", b"pin", "query_tokens", b"query_tokens", "release", b"release", "tokens", b"tokens"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -664,6 +683,9 @@ class LookupResponse(_message.Message):
     SLOTS_PER_ARENA_FIELD_NUMBER: _builtins.int
     BLOCK_BYTES_FIELD_NUMBER: _builtins.int
     PACKED_CHAIN_FIELD_NUMBER: _builtins.int
+    RELEASED_FIELD_NUMBER: _builtins.int
+    PACKED_SLOTS_FIELD_NUMBER: _builtins.int
+    PACKED_GENERATIONS_FIELD_NUMBER: _builtins.int
     hit_blocks: _builtins.int
     hit_tokens: _builtins.int
     pinned: _builtins.bool
@@ -682,6 +704,10 @@ class LookupResponse(_message.Message):
     block_bytes: _builtins.int
     packed_chain: _builtins.bytes
     """chain, concatenated (tokens sent, packed_reply asked)"""
+    packed_slots: _builtins.bytes
+    """slots, little-endian uint64 each (packed_slots asked)"""
+    packed_generations: _builtins.bytes
+    """generations, the same way (packed_slots asked)"""
     @_builtins.property
     def blocks(self) -> _containers.RepeatedCompositeFieldContainer[Global___BlockLocation]:
         """unless packed_reply was asked"""
@@ -694,6 +720,10 @@ class LookupResponse(_message.Message):
     def slots(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     @_builtins.property
     def generations(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    @_builtins.property
+    def released(self) -> Global___ReleaseResponse:
+        """what LookupRequest.release dropped (when it was set)"""
+
     def __init__(
         self,
         *,
@@ -712,10 +742,13 @@ class LookupResponse(_message.Message):
         slots_per_arena: _builtins.int = ...,
         block_bytes: _builtins.int = ...,
         packed_chain: _builtins.bytes = ...,
+        released: Global___ReleaseResponse | None = ...,
+        packed_slots: _builtins.bytes = ...,
+        packed_generations: _builtins.bytes = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["released", b"released"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_bytes", b"block_bytes", "blocks", b"blocks", "chain", b"chain", "generations", b"generations", "hit_blocks", b"hit_blocks", "hit_hashes", b"hit_hashes", "hit_tokens", b"hit_tokens", "miss_reason", b"miss_reason", "packed_chain", b"packed_chain", "pinned", b"pinned", "pool_epoch", b"pool_epoch", "pool_version", b"pool_version", "query_tokens", b"query_tokens", "slots", b"slots", "slots_per_arena", b"slots_per_arena"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_bytes", b"block_bytes", "blocks", b"blocks", "chain", b"chain", "generations", b"generations", "hit_blocks", b"hit_blocks", "hit_hashes", b"hit_hashes", "hit_tokens", b"hit_tokens", "miss_reason", b"miss_reason", "packed_chain", b"packed_chain", "packed_generations", b"packed_generations", "packed_slots", b"packed_slots", "pinned", b"pinned", "pool_epoch", b"pool_epoch", "pool_version", b"pool_version", "query_tokens", b"query_tokens", "released", b"released", "slots", b"slots", "slots_per_arena", b"slots_per_arena"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

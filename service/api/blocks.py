@@ -12,12 +12,12 @@ from kvstore.pool.base import BlockPool
 from kvstore.results import BlockRef, LookupResult, MissReason, ReserveResult
 from kvstore.types import BlockHash, LeaseId, NamespaceId, TenantId
 from kvstore.v1 import kvstore_pb2 as pb
-from service.api import chains, convert, validate
+from service.api import chains, convert, releases, validate
 from service.api.base import ServicerBase
 from service.api.errors import FieldError, guard_unary
 from service.api.offload import off_loop
 
-_HashesRequest = pb.CommitRequest | pb.AbortRequest | pb.ReleaseRequest
+_HashesRequest = pb.CommitRequest | pb.AbortRequest
 """The requests that name a lease and a list of block hashes."""
 
 _StoreVerb = Callable[[NamespaceId, TenantId, LeaseId, Sequence[BlockHash], float], int]
@@ -51,7 +51,12 @@ class BlockRpcs(ServicerBase):
 
     @guard_unary("Lookup")
     async def Lookup(self, request: pb.LookupRequest, context: Any) -> pb.LookupResponse:
-        """Longest cached prefix of a chain, pinned under the lease when asked."""
+        """Longest cached prefix of a chain, pinned under the lease when asked.
+
+        A carried release (``request.release``) is checked with the rest of the
+        request, then applied right before the lookup, with no ``await``
+        between them: one call does a busy runner's Release and its next Lookup.
+        """
         node = self.node
         tenant = node.tenant(context)
         namespace = self.namespace(request.namespace_id, tenant)
@@ -60,12 +65,19 @@ class BlockRpcs(ServicerBase):
             if not request.lease_id:
                 raise FieldError("lease_id", "pin=true needs the lease to pin under")
             lease_id = validate.lease_id(request.lease_id)
+        carried = releases.carried(request, node.config.max_chain_blocks)
         table = node.table(namespace)
         chain, query_tokens, from_tokens = await self.chain(table, tenant, request)
         if request.query_tokens:
             query_tokens = chains.hashed_from(
                 request.query_tokens, chain, from_tokens, table.block_size
             )
+        released = None
+        if carried is not None:
+            released = releases.apply(
+                node.store, namespace, tenant, LeaseId(request.lease_id), carried, node.now()
+            )
+            node.publish_events()
         result = node.store.lookup(
             namespace, tenant, chain, node.now(), lease_id=lease_id, query_tokens=query_tokens
         )
@@ -111,7 +123,9 @@ class BlockRpcs(ServicerBase):
             miss_tokens=max(0, query_tokens - hit_tokens),
         )
         try:
-            if request.packed_reply:
+            if request.packed_reply and request.packed_slots:  # a few µs: on the loop
+                reply = convert.packed_locations(pool, result, packed_slots=True)
+            elif request.packed_reply:
                 reply = await off_loop(result.hit_blocks, convert.packed_locations, pool, result)
                 if from_tokens:
                     reply["packed_chain"] = b"".join(chain)
@@ -134,6 +148,7 @@ class BlockRpcs(ServicerBase):
             pool_epoch=node.epoch,
             query_tokens=query_tokens,
             pool_version=pool.descriptor.version,
+            released=released,
             **reply,
         )
 
@@ -228,32 +243,15 @@ class BlockRpcs(ServicerBase):
     async def Release(self, request: pb.ReleaseRequest, context: Any) -> pb.ReleaseResponse:
         """Drop this lease's pins on the named blocks (several hits' at once with ``runs``).
 
-        Every bound is checked before any work (`chains.release_runs`,
-        `chains.release_ids`); each run is then one `Store.release`, under its
-        release id when the client sent ids (a retry drops nothing twice).
+        Every bound is checked before any work (`releases.plan`); each run is
+        then one `Store.release`, under its release id when the client sent
+        ids (a retry drops nothing twice).
         """
         node = self.node
-        max_blocks = node.config.max_chain_blocks
-        runs = chains.release_runs(request, max_blocks) if request.runs else None
-        ids = chains.release_ids(request, len(runs) if runs is not None else 1)
-        limit = max_blocks * len(runs) if runs is not None else max_blocks
-        namespace, tenant, lease_id, hashes = self._named_blocks(request, context, limit)
-        counts = []
-        start = 0
-        now = node.now()
-        for i, n in enumerate(runs if runs is not None else [len(hashes)]):
-            counts.append(
-                node.store.release(
-                    namespace,
-                    tenant,
-                    lease_id,
-                    hashes[start : start + n],
-                    now,
-                    release_id=ids[i] if ids else 0,
-                )
-            )
-            start += n
+        tenant = node.tenant(context)
+        namespace = self.namespace(request.namespace_id, tenant)
+        lease_id = validate.lease_id(request.lease_id)
+        checked = releases.plan(request, node.config.max_chain_blocks)
+        reply = releases.apply(node.store, namespace, tenant, lease_id, checked, node.now())
         node.publish_events()
-        if runs is None:
-            return pb.ReleaseResponse(released=counts[0])
-        return pb.ReleaseResponse(released=sum(counts), run_released=counts)
+        return reply

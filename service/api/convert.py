@@ -89,21 +89,33 @@ def locations(pool: BlockPool, refs: Iterable[BlockRef]) -> list[pb.BlockLocatio
     return out
 
 
-def packed_locations(pool: BlockPool, result: LookupResult) -> dict[str, Any]:
+def packed_locations(
+    pool: BlockPool, result: LookupResult, packed_slots: bool = False
+) -> dict[str, Any]:
     """The packed reply fields of a Lookup (``hit_hashes``, ``slots``, ...) of its hits.
+
+    With ``packed_slots`` the slots and generations are bytes
+    (``packed_slots``, ``packed_generations``): ~5 µs for 512 blocks where
+    the repeated fields cost ~60 µs to build and serialise, and as much to
+    parse on the client.
 
     Three flat lists, straight from the core's arrays, instead of one message
     per block: ~40 µs for 512 blocks where the messages took ~0.8 ms. Arena
     and offset are left to the client (``slots_per_arena``, ``block_bytes``).
     """
     descriptor = pool.descriptor
-    return {
+    reply: dict[str, Any] = {
         "hit_hashes": b"".join(result.hashes),
-        "slots": result.slots.tolist(),
-        "generations": result.generations.tolist(),
         "slots_per_arena": descriptor.slots_per_arena,
         "block_bytes": descriptor.block_bytes,
     }
+    if packed_slots:  # one bytes copy each: a repeated field costs a Python int per item
+        reply["packed_slots"] = wire.pack_u64(result.slots)
+        reply["packed_generations"] = wire.pack_u64(result.generations)
+    else:
+        reply["slots"] = result.slots.tolist()
+        reply["generations"] = result.generations.tolist()
+    return reply
 
 
 def packed_reserve(pool: BlockPool, result: ReserveResult) -> dict[str, Any]:

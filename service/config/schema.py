@@ -57,6 +57,8 @@ class Config:
     """Address the gRPC server (and the metrics endpoint) binds to."""
     port: int = 50051
     """gRPC port; 0 picks a free one (tests)."""
+    uds_path: str = ""
+    """Unix-domain socket the gRPC server also listens on (runners on this host); empty = none."""
     metrics_port: int = 9400
     """Prometheus metrics port; 0 turns the endpoint off."""
     device: str = "cpu"
@@ -182,6 +184,7 @@ class ConfigError(ValueError):
 _PARSERS: dict[str, Callable[[object], object]] = {
     "host": parse_str,
     "port": parse_port,
+    "uds_path": parse_str,
     "metrics_port": parse_port,
     "device": parse_device,
     "capacity_bytes": parse_positive(parse_size),

@@ -1,0 +1,97 @@
+"""A Release's hashes, runs and ids: checked whole first, then applied run by run.
+
+Shared by the ``Release`` RPC and the releases a pinned ``Lookup`` carries
+(``LookupRequest.release``): both check every bound before any pin is
+dropped (a bad request applies nothing), then release each run as one
+`Store.release`, under its release id when the client sent ids.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvstore.store import Store
+from kvstore.types import BlockHash, LeaseId, NamespaceId, TenantId
+from kvstore.v1 import kvstore_pb2 as pb
+from service.api import chains, validate
+from service.api.errors import FieldError
+
+
+@dataclass(frozen=True, slots=True)
+class ReleasePlan:
+    """A checked release: its hashes, cut into runs (None: one run), and their ids."""
+
+    hashes: list[BlockHash]
+    runs: list[int] | None
+    ids: list[int]
+
+
+def plan(request: pb.ReleaseRequest, max_blocks: int) -> ReleasePlan:
+    """Check a release's runs, ids and hashes (bounds first, then the hashes).
+
+    Raises:
+        FieldError: bad runs (`chains.release_runs`), bad ids
+            (`chains.release_ids`), bad or too many hashes.
+    """
+    runs = chains.release_runs(request, max_blocks) if request.runs else None
+    ids = chains.release_ids(request, len(runs) if runs is not None else 1)
+    limit = max_blocks * len(runs) if runs is not None else max_blocks
+    if request.packed_hashes:  # 32 bytes each by construction
+        hashes = chains.packed_hashes(request, limit)
+    else:
+        hashes = validate.block_hashes(request.hashes, limit)
+    return ReleasePlan(hashes, runs, ids)
+
+
+def carried(request: pb.LookupRequest, max_blocks: int) -> ReleasePlan | None:
+    """The release a Lookup carries (``LookupRequest.release``), checked; None if none.
+
+    Its namespace and lease are the lookup's: the carried request may leave
+    them empty or repeat them, never name others.
+
+    Raises:
+        FieldError: a field of ``release`` (named ``release.<field>``) is
+            wrong, or the lookup names no lease to release under.
+    """
+    if not request.HasField("release"):
+        return None
+    release = request.release
+    if not request.lease_id:
+        raise FieldError("lease_id", "a carried release needs the lease its pins are under")
+    if release.namespace_id and release.namespace_id != request.namespace_id:
+        raise FieldError("release.namespace_id", "must be empty or the lookup's namespace_id")
+    if release.lease_id and release.lease_id != request.lease_id:
+        raise FieldError("release.lease_id", "must be empty or the lookup's lease_id")
+    try:
+        return plan(release, max_blocks)
+    except FieldError as exc:
+        raise FieldError(f"release.{exc.field}", exc.description) from None
+
+
+def apply(
+    store: Store,
+    namespace: NamespaceId,
+    tenant: TenantId,
+    lease_id: LeaseId,
+    checked: ReleasePlan,
+    now: float,
+) -> pb.ReleaseResponse:
+    """Release each run of a checked plan; the answer a ``Release`` of it gets."""
+    counts = []
+    start = 0
+    ids = checked.ids
+    for i, n in enumerate(checked.runs if checked.runs is not None else [len(checked.hashes)]):
+        counts.append(
+            store.release(
+                namespace,
+                tenant,
+                lease_id,
+                checked.hashes[start : start + n],
+                now,
+                release_id=ids[i] if ids else 0,
+            )
+        )
+        start += n
+    if checked.runs is None:
+        return pb.ReleaseResponse(released=counts[0])
+    return pb.ReleaseResponse(released=sum(counts), run_released=counts)
