@@ -1303,10 +1303,10 @@ class OfferBlocksResponse(_message.Message):
     """NIXL memory type of the addresses ("DRAM")"""
     device_id: _builtins.int
     hold_ms: _builtins.int
-    """the pins drop by themselves this long after the answer"""
+    """the offer is forgotten this long after the answer"""
     @_builtins.property
     def blocks(self) -> _containers.RepeatedCompositeFieldContainer[Global___OfferedBlock]:
-        """chain[skip:], in order, pinned until EndOffer or hold_ms"""
+        """chain[skip:]'s READY prefix, in order"""
 
     def __init__(
         self,
@@ -1351,12 +1351,17 @@ Global___EndOfferRequest: _TypeAlias = EndOfferRequest  # noqa: Y015
 class EndOfferResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
+    INTACT_FIELD_NUMBER: _builtins.int
+    intact: _builtins.int
+    """leading offered blocks still the same READY blocks now"""
     def __init__(
         self,
+        *,
+        intact: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["intact", b"intact"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -234,8 +234,8 @@ class KVStoreServicer:
         raise NotImplementedError('Method not implemented!')
 
     def OfferBlocks(self, request, context):
-        """Peer fetch over NIXL: the holder pins the blocks and names their memory;
-        the reader pulls them with one NIXL READ, then ends the offer.
+        """Peer fetch over NIXL: the holder names the blocks' memory; the reader pulls
+        them with one NIXL READ, then ends the offer, which says how many are intact.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

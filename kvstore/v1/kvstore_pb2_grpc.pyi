@@ -60,8 +60,8 @@ class KVStoreStub:
     Only cache nodes call it (x-kvstore-peer-token when cluster_token is set).
     """
     OfferBlocks: _grpc.UnaryUnaryMultiCallable[_kvstore_pb2.OfferBlocksRequest, _kvstore_pb2.OfferBlocksResponse]
-    """Peer fetch over NIXL: the holder pins the blocks and names their memory;
-    the reader pulls them with one NIXL READ, then ends the offer.
+    """Peer fetch over NIXL: the holder names the blocks' memory; the reader pulls
+    them with one NIXL READ, then ends the offer, which says how many are intact.
     """
     EndOffer: _grpc.UnaryUnaryMultiCallable[_kvstore_pb2.EndOfferRequest, _kvstore_pb2.EndOfferResponse]
     Stats: _grpc.UnaryUnaryMultiCallable[_kvstore_pb2.StatsRequest, _kvstore_pb2.StatsResponse]
@@ -99,8 +99,8 @@ class KVStoreAsyncStub(KVStoreStub):
     Only cache nodes call it (x-kvstore-peer-token when cluster_token is set).
     """
     OfferBlocks: _aio.UnaryUnaryMultiCallable[_kvstore_pb2.OfferBlocksRequest, _kvstore_pb2.OfferBlocksResponse]  # type: ignore[assignment]
-    """Peer fetch over NIXL: the holder pins the blocks and names their memory;
-    the reader pulls them with one NIXL READ, then ends the offer.
+    """Peer fetch over NIXL: the holder names the blocks' memory; the reader pulls
+    them with one NIXL READ, then ends the offer, which says how many are intact.
     """
     EndOffer: _aio.UnaryUnaryMultiCallable[_kvstore_pb2.EndOfferRequest, _kvstore_pb2.EndOfferResponse]  # type: ignore[assignment]
     Stats: _aio.UnaryUnaryMultiCallable[_kvstore_pb2.StatsRequest, _kvstore_pb2.StatsResponse]  # type: ignore[assignment]
@@ -219,8 +219,8 @@ class KVStoreServicer(metaclass=_abc_1.ABCMeta):
         request: _kvstore_pb2.OfferBlocksRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_kvstore_pb2.OfferBlocksResponse, _abc.Awaitable[_kvstore_pb2.OfferBlocksResponse]]:
-        """Peer fetch over NIXL: the holder pins the blocks and names their memory;
-        the reader pulls them with one NIXL READ, then ends the offer.
+        """Peer fetch over NIXL: the holder names the blocks' memory; the reader pulls
+        them with one NIXL READ, then ends the offer, which says how many are intact.
         """
 
     @_abc_1.abstractmethod
