@@ -34,6 +34,7 @@ from service.config.values import (
     parse_names,
     parse_non_negative,
     parse_non_negative_float,
+    parse_peer_transport,
     parse_port,
     parse_positive,
     parse_positive_float,
@@ -155,6 +156,8 @@ class Config:
     """Peer fetches running at once; more lookups with allow_remote are served locally."""
     peer_fetch_timeout: float = 5.0
     """Seconds a peer fetch (locate + stream) may take before it counts as a miss."""
+    peer_transport: str = "auto"
+    """Peer fetch bytes: nixl (NIXL READ, pool to pool), grpc (stream), auto (nixl if installed)."""
 
 
 class ConfigError(ValueError):
@@ -214,6 +217,7 @@ _PARSERS: dict[str, Callable[[object], object]] = {
     "cluster_token": parse_str,
     "peer_fetch_concurrency": parse_positive(parse_int),
     "peer_fetch_timeout": parse_positive_float,
+    "peer_transport": parse_peer_transport,
 }
 
 
