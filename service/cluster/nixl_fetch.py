@@ -6,9 +6,9 @@
    its agent metadata when ours is stale.
 2. Contact first, then make room (as the gRPC stream does): only now grow
    the pool if needed, open the internal lease and reserve the missing blocks.
-3. One NIXL READ of every wanted block, remote address to our slot, polled
-   from the event loop (never blocking it) until done or the offer is about
-   to be forgotten.
+3. One NIXL READ of every wanted block, remote address to our slot (blocks
+   adjacent on both sides as one descriptor), waited for in a worker thread
+   (the loop stays free) until done or the offer is about to be forgotten.
 4. End the offer (`EndOffer`): the holder answers how many leading offered
    blocks are still the very blocks it offered (`service.cluster.nixl_offers`:
    checked, not pinned). Check our slots are still this lease's, commit
@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import threading
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -51,9 +52,6 @@ HOLD_SAFETY_SECONDS = 0.5
 
 QUARANTINE_SECONDS = 1.0
 """Slots of an aborted in-flight READ stay reserved this long after the abort."""
-
-POLL_MAX_SECONDS = 0.0005
-"""Longest pause between two polls of a READ (each poll also advances UCX here)."""
 
 END_OFFER_TIMEOUT = 2.0
 """Seconds an EndOffer may take (the holder's hold drops the pins anyway)."""
@@ -265,14 +263,28 @@ class NixlPuller:
 
 
 async def _wait(transfer: Transfer, deadline: float) -> str:
-    """Poll a transfer without blocking the loop; its end state, or "TIMEOUT"."""
+    """Wait for a transfer in a worker thread (the loop's timers are too coarse to poll it).
+
+    Returns its end state, or "PROC" at ``deadline`` (loop time). However
+    this ends (cancellation too), the worker has stopped touching the
+    transfer when it returns, so the caller may release it.
+    """
     loop = asyncio.get_running_loop()
-    delay = 50e-6
-    while True:
-        state = transfer.state()
-        if state != "PROC":
-            return state
-        if loop.time() >= deadline:
-            return "TIMEOUT"
-        await asyncio.sleep(delay)
-        delay = min(delay * 2, POLL_MAX_SECONDS)
+    until = time.monotonic() + (deadline - loop.time())
+    stop, started, finished = threading.Event(), threading.Event(), threading.Event()
+
+    def run() -> str:
+        started.set()
+        try:
+            # Checked after `started` is set: a waiter cancelled before this
+            # saw `started` unset, so it set `stop` first and nothing runs here.
+            return "STOPPED" if stop.is_set() else transfer.wait(until, stop)
+        finally:
+            finished.set()
+
+    try:
+        return await asyncio.to_thread(run)
+    finally:
+        stop.set()
+        if started.is_set():
+            finished.wait(1.0)  # returns within one poll (POLL_SECONDS)

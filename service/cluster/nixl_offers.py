@@ -20,9 +20,9 @@ unevictable for as long as it keeps asking. The cost of checking instead:
 a block evicted during a READ (the holder under memory pressure) was moved
 for nothing.
 
-While offers are open, a task calls the agent's `progress` every
-`PROGRESS_SECONDS` (NIXL's progress thread is off: see
-`service.cluster.nixl_agent`); it ends with the last offer. An offer never
+While offers are open, a `ProgressPump` thread advances UCX (NIXL's own
+progress thread is off: see `service.cluster.nixl_agent`); it stops with
+the last offer, or when the last one's hold runs out. An offer never
 ended is forgotten `hold` seconds after it was made; ending it later says 0
 intact. Offers open at once are bounded (`MAX_OPEN_OFFERS`); beyond that,
 and for a chain whose blocks are not all in registered memory, the answer
@@ -31,9 +31,8 @@ is an error, and the reader streams over gRPC.
 
 from __future__ import annotations
 
-import asyncio
-import logging
 import secrets
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -42,15 +41,10 @@ from kvstore.results import BlockRef
 from kvstore.types import BlockHash, NamespaceId, TenantId
 from kvstore.v1 import kvstore_pb2 as pb
 from service.cluster.local import LocalNode
-from service.cluster.nixl_agent import MEM_TYPE, NixlAgent
-
-log = logging.getLogger(__name__)
+from service.cluster.nixl_agent import MEM_TYPE, NixlAgent, ProgressPump
 
 MAX_OPEN_OFFERS = 64
 """Offers open at once; more are refused (the reader then streams over gRPC)."""
-
-PROGRESS_SECONDS = 0.0002
-"""How often a holder with open offers advances UCX (readers' READs wait on it)."""
 
 HOLD_MARGIN_SECONDS = 1.0
 """An offer is remembered this much longer than the reader's fetch timeout."""
@@ -72,7 +66,7 @@ class OfferBook:
         self.node = node
         self.agent = agent
         self._open: dict[int, _Offer] = {}
-        self._progress: asyncio.Task[None] | None = None
+        self._pump = ProgressPump(agent)
         self.hold = node.config.peer_fetch_timeout + HOLD_MARGIN_SECONDS
         """Seconds an offer is remembered unless ended."""
 
@@ -118,10 +112,7 @@ class OfferBook:
             )
         offer_id = secrets.randbits(63) | 1
         self._open[offer_id] = _Offer(namespace, tenant, refs, now + self.hold)
-        if self._progress is None or self._progress.done():
-            self._progress = asyncio.get_running_loop().create_task(
-                self._advance(), name="kvstore-nixl-progress"
-            )
+        self._pump.run_until(time.monotonic() + self.hold)
         agent = self.agent
         current = known_agent == agent.name and known_version == agent.metadata_version
         return pb.OfferBlocksResponse(
@@ -140,6 +131,8 @@ class OfferBook:
         0 for an unknown offer (ended already, or forgotten after its hold).
         """
         offer = self._open.pop(offer_id, None)
+        if not self._open:
+            self._pump.stop()
         if offer is None:
             return 0
         intact = 0
@@ -156,18 +149,7 @@ class OfferBook:
     def close(self) -> None:
         """Forget every open offer (shutdown)."""
         self._open.clear()
-        if self._progress is not None:
-            self._progress.cancel()
-
-    async def _advance(self) -> None:
-        """Advance UCX while offers are open (readers' READs of our memory need it)."""
-        while self._open:
-            try:
-                self.agent.progress()
-            except Exception:
-                log.exception("NIXL progress failed")
-            await asyncio.sleep(PROGRESS_SECONDS)
-            self._prune(self.node.now())
+        self._pump.stop()
 
     def _prune(self, now: float) -> None:
         """Forget offers whose hold ran out."""
