@@ -1261,20 +1261,24 @@ class OfferedBlock(_message.Message):
     HASH_FIELD_NUMBER: _builtins.int
     ADDRESS_FIELD_NUMBER: _builtins.int
     LENGTH_FIELD_NUMBER: _builtins.int
+    ARENA_FIELD_NUMBER: _builtins.int
     hash: _builtins.bytes
     address: _builtins.int
     """in the holder's NIXL-registered memory"""
     length: _builtins.int
+    arena: _builtins.int
+    """its arena: adjacent blocks of one arena may travel as one"""
     def __init__(
         self,
         *,
         hash: _builtins.bytes = ...,
         address: _builtins.int = ...,
         length: _builtins.int = ...,
+        arena: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "hash", b"hash", "length", b"length"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "arena", b"arena", "hash", b"hash", "length", b"length"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
