@@ -133,8 +133,11 @@ def _memcpy(data: bytes, block_bytes: int, repeats: int = 5) -> dict[str, float]
 
 async def _round(
     holder: Node, reader: Node, url: str, layout: KVLayout, seed: int, blocks: int
-) -> tuple[float, bool]:
-    """Store a fresh chain on the holder, time the reader's fetch; (seconds, bytes ok)."""
+) -> tuple[float, int, bool]:
+    """Store a fresh chain on the holder, time the reader's fetch.
+
+    Returns (seconds, blocks fetched, whether every block the reader has is the stored one).
+    """
     rng = np.random.default_rng(seed)
     tokens = [int(t) for t in rng.integers(0, 32000, blocks * layout.block_size)]
     data = [
@@ -158,10 +161,10 @@ async def _round(
         hit = await kv.lookup(ns, tokens, allow_remote=True)
         elapsed = time.perf_counter() - started
         pinned = await kv.lookup(ns, tokens, pin=True)
-        got = hashlib.sha256(b"".join(bytes(b) for b in pinned.buffers())).hexdigest()
+        got = [hashlib.sha256(bytes(b)).digest() for b in pinned.buffers()]
         await kv.release(pinned)
-    ok = hit.hit_blocks == blocks and got == hashlib.sha256(b"".join(data)).hexdigest()
-    return elapsed, ok
+    ok = got == [hashlib.sha256(d).digest() for d in data[: len(got)]]
+    return elapsed, hit.hit_blocks, ok
 
 
 def _figures(seconds: list[float], nbytes: int) -> dict[str, float]:
@@ -202,15 +205,17 @@ async def main() -> None:
             nodes.extend(readers.values())
             seed = 0
             for transport, reader in readers.items():
-                times, all_ok = [], True
+                times, fetched, all_ok = [], [], True
                 for _ in range(args.rounds + 1):  # the first: connections and metadata too
                     seed += 1
-                    elapsed, ok = await _round(holder, reader, url, layout, seed, args.blocks)
+                    elapsed, got, ok = await _round(holder, reader, url, layout, seed, args.blocks)
                     times.append(elapsed)
+                    fetched.append(got)
                     all_ok &= ok
                 figures: dict[str, object] = dict(_figures(times[1:], nbytes))
                 figures["first_ms"] = round(times[0] * 1000, 2)
                 figures["bytes_ok"] = all_ok
+                figures["blocks_fetched"] = fetched
                 figures["fetches_by_transport"] = reader.fetches(transport)
                 result[transport] = figures
             data = np.random.default_rng(0).integers(0, 256, nbytes, dtype=np.uint8).tobytes()

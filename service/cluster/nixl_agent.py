@@ -69,6 +69,16 @@ class Region:
     """NIXL's registration descriptor list (what `deregister_memory` takes)."""
 
 
+@dataclass(frozen=True, slots=True)
+class Place:
+    """Where a block's bytes are: its arena (a registration) and its address."""
+
+    arena: int
+    """Index of the arena in its pool."""
+    address: int
+    """Address of the block's first byte (in the process that owns the arena)."""
+
+
 def buffer_address(view: memoryview) -> int:
     """Address of the first byte of a writable buffer (no copy)."""
     return int(np.frombuffer(view, dtype=np.uint8).ctypes.data)
@@ -84,10 +94,18 @@ class Transfer:
         self.released = False
 
     def state(self) -> str:
-        """``"NEW"`` (not posted), ``"PROC"`` (in flight), ``"DONE"`` or ``"ERR"``; never blocks."""
+        """``"NEW"`` (not posted), ``"PROC"`` (in flight), ``"DONE"`` or ``"ERR"``; never blocks.
+
+        NIXL reports some failures by raising (a peer that disconnected):
+        they are ``"ERR"`` here, never an exception.
+        """
         if self._state != "PROC":
             return self._state
-        state: str = self._agent.check_xfer_state(self._handle)
+        try:
+            state: str = self._agent.check_xfer_state(self._handle)
+        except Exception as exc:  # nixl raises e.g. nixlRemoteDisconnectError: a failure
+            log.info("NIXL READ failed: %s", exc)
+            state = "ERR"
         if state != "PROC":
             self._state = state
         return state
@@ -100,7 +118,11 @@ class Transfer:
         state, or ``"PROC"`` when it gave up with the transfer in flight.
         """
         if self._state == "NEW" and not stop.is_set():
-            self._state = self._agent.transfer(self._handle)
+            try:
+                self._state = self._agent.transfer(self._handle)
+            except Exception as exc:  # e.g. the peer is gone: a failure, nothing in flight
+                log.info("NIXL did not post a READ: %s", exc)
+                self._state = "ERR"
         while not stop.is_set():
             state = self.state()
             if state != "PROC" or time.monotonic() >= deadline:
@@ -197,14 +219,14 @@ class NixlAgent:
             except Exception:  # the arena goes back regardless; say so loudly
                 log.exception("NIXL did not deregister an arena of %s", namespace)
 
-    def slot_address(self, namespace: NamespaceId, pool: BlockPool, slot: SlotId) -> int | None:
-        """Address of a slot's bytes in registered memory; None if its arena is not registered."""
+    def slot_address(self, namespace: NamespaceId, pool: BlockPool, slot: SlotId) -> Place | None:
+        """Where a slot's bytes are in registered memory; None if its arena is not registered."""
         arena, offset = pool.descriptor.locate(slot)
         regions = self._regions.get(namespace, [])
         region = regions[arena] if arena < len(regions) else None
         if region is None or offset + pool.descriptor.block_bytes > region.length:
             return None
-        return region.address + offset
+        return Place(arena, region.address + offset)
 
     def progress(self) -> None:
         """Advance UCX's work (a holder serving READs); returns at once. Thread-safe."""
@@ -241,13 +263,18 @@ class NixlAgent:
             except Exception as exc:
                 log.info("NIXL did not unload agent %s: %s", peer, exc)
 
-    def read(self, peer: str, local: list[int], remote: list[int], length: int) -> Transfer:
+    def read(self, peer: str, local: list[Place], remote: list[Place], length: int) -> Transfer:
         """Prepare one READ of ``len(local)`` blocks of ``length`` bytes from ``peer``.
 
         ``remote[i]`` (in the peer's registered memory) lands at ``local[i]``
-        (in ours). Blocks adjacent on both sides travel as one descriptor: a
-        chain stored in one go usually sits in consecutive slots on both
-        nodes, and each descriptor costs UCX a rendezvous round trip.
+        (in ours). Blocks adjacent on both sides, each side within one arena,
+        travel as one descriptor: a chain stored in one go usually sits in
+        consecutive slots on both nodes, and each descriptor costs UCX a
+        rendezvous round trip. (A descriptor must lie within one registration,
+        and two arenas may well be adjacent in memory: hence the arena check.)
+
+        Raises:
+            Exception: NIXL's own errors (e.g. an address in no registration).
         """
         runs = coalesce(local, remote, length)
         local_descs = self._agent.get_xfer_descs([(a, n, 0) for a, _, n in runs], MEM_TYPE)
@@ -264,16 +291,21 @@ class NixlAgent:
                 self.removing(namespace, index)
 
 
-def coalesce(local: list[int], remote: list[int], length: int) -> list[tuple[int, int, int]]:
-    """(local, remote, bytes) runs: consecutive blocks adjacent on both sides merged."""
+def coalesce(local: list[Place], remote: list[Place], length: int) -> list[tuple[int, int, int]]:
+    """(local, remote, bytes) runs: blocks adjacent on both sides, in one arena each, merged."""
     runs: list[tuple[int, int, int]] = []
+    previous: tuple[Place, Place] | None = None
     for a, b in zip(local, remote, strict=True):
-        if runs:
+        if runs and previous is not None:
             la, lb, n = runs[-1]
-            if la + n == a and lb + n == b:
+            pa, pb = previous
+            same_arenas = a.arena == pa.arena and b.arena == pb.arena
+            if same_arenas and la + n == a.address and lb + n == b.address:
                 runs[-1] = (la, lb, n + length)
+                previous = (a, b)
                 continue
-        runs.append((a, b, length))
+        runs.append((a.address, b.address, length))
+        previous = (a, b)
     return runs
 
 

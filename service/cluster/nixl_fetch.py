@@ -40,7 +40,7 @@ from kvstore.v1 import kvstore_pb2 as pb
 from service.cluster.directory import Holder
 from service.cluster.fetch_lease import close_fetch_lease, open_fetch_lease, reserve_missing
 from service.cluster.local import LocalNode
-from service.cluster.nixl_agent import MEM_TYPE, NixlAgent, Transfer
+from service.cluster.nixl_agent import MEM_TYPE, NixlAgent, Place, Transfer
 
 log = logging.getLogger(__name__)
 
@@ -156,23 +156,27 @@ class NixlPuller:
         transfer: Transfer | None = None
         try:
             wanted = reserve_missing(node, namespace, tenant, lease_id, chain)
-            local: list[int] = []
-            remote: list[int] = []
+            local: list[Place] = []
+            remote: list[Place] = []
             hashes: list[BlockHash] = []
             for block in blocks:
                 block_hash = BlockHash(block.hash)
                 if block_hash not in wanted:
                     continue  # a local hit meanwhile, or another lease writes it
                 slot = store.writing_slot(namespace, tenant, lease_id, block_hash, node.now())
-                slot_address = self.agent.slot_address(namespace, pool, slot)
-                if slot_address is None:
+                place = self.agent.slot_address(namespace, pool, slot)
+                if place is None:
                     return None  # our arena is not registered (yet)
-                local.append(slot_address)
-                remote.append(block.address)
+                local.append(place)
+                remote.append(Place(block.arena, block.address))
                 hashes.append(block_hash)
             if not hashes:
                 return 0
-            transfer = self.agent.read(offer.agent_name, local, remote, block_bytes)
+            try:
+                transfer = self.agent.read(offer.agent_name, local, remote, block_bytes)
+            except Exception as exc:  # nixl's own errors: e.g. an address it does not know
+                log.warning("NIXL refused a READ from %s (%s): gRPC stream", address, exc)
+                return None
             state = await _wait(transfer, deadline)
             if state != "DONE":
                 log.info("NIXL READ from %s ended %s: gRPC stream", address, state)

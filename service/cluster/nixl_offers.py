@@ -104,11 +104,16 @@ class OfferBook:
         pool = node.pool(namespace)
         blocks = []
         for ref in refs:
-            address = self.agent.slot_address(namespace, pool, ref.slot)
-            if address is None:
+            place = self.agent.slot_address(namespace, pool, ref.slot)
+            if place is None:
                 raise FailedPrecondition("the blocks are not in NIXL-registered memory")
             blocks.append(
-                pb.OfferedBlock(hash=ref.hash, address=address, length=pool.descriptor.block_bytes)
+                pb.OfferedBlock(
+                    hash=ref.hash,
+                    address=place.address,
+                    length=pool.descriptor.block_bytes,
+                    arena=place.arena,
+                )
             )
         offer_id = secrets.randbits(63) | 1
         self._open[offer_id] = _Offer(namespace, tenant, refs, now + self.hold)

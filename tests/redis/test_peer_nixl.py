@@ -17,10 +17,13 @@ import urllib.request
 from collections.abc import Iterator
 
 import grpc
+import numpy as np
 import pytest
 import redis
 
 from benchmarks._server import ServerProcess
+from kvstore import KVLayout
+from kvstore.client import Client
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc
 from service.cluster.keys import Keys, member
@@ -256,25 +259,47 @@ async def test_a_peer_with_another_token_gives_nothing(shm, redis_url, reader):
         stranger.proc.stop()
 
 
+BIG = KVLayout(num_layers=8, num_kv_heads=4, head_dim=128, block_size=16, dtype="float16")
+"""256 KiB blocks: a READ of 128 of them (32 MiB) lasts long enough to be cut."""
+
+
 async def test_a_holder_killed_is_a_miss_and_leaves_nothing_held(shm, redis_url, reader):
     victim = Node(shm, redis_url, "victim", "--cluster-token", TOKEN)
     try:
-        rv, rr, _ = await stored(redis_url, victim, reader, seed=5, blocks=200)
-        rv2, _, _ = await stored(redis_url, victim, reader, seed=6, blocks=200)
-        try:
-            # Killed while a fetch runs: all of it or none of it arrives, never wrong bytes.
-            fetch = asyncio.create_task(rr.lookup(5, 200, remote=True))
+        rv, rr, _ = await stored(redis_url, victim, reader, seed=5, blocks=8)
+        rng = np.random.default_rng(5)
+        tokens = [int(t) for t in rng.integers(0, 32000, 128 * BIG.block_size)]
+        data = [rng.integers(0, 256, BIG.block_bytes, np.uint8).tobytes() for _ in range(128)]
+        async with (
+            Client(victim.address, tenant=TENANT) as kv_victim,
+            Client(reader.address, tenant=TENANT) as kv_reader,
+        ):
+            ns = await kv_victim.register_namespace("nixl-big", BIG)
+            chain = (await kv_victim.store(ns, tokens, data)).chain
+            ns_reader = await kv_reader.register_namespace("nixl-big", BIG)
+            key = Keys("kvn").ns_node(ns.id, victim.node_id)
+            with redis.Redis.from_url(redis_url, socket_timeout=2) as r:
+                await until(lambda: r.sismember(key, member(chain[-1], TENANT)), what="entry")
+            # Killed while a fetch runs (once the reader has reserved its slots, if the
+            # fetch is not over by then): all of it or none of it, never wrong bytes.
+            fetch = asyncio.create_task(kv_reader.lookup(ns_reader, tokens, allow_remote=True))
+
+            async def reserved_or_done() -> bool:
+                return fetch.done() or (await stats(reader.address)).writing > 0
+
+            await until(reserved_or_done, what="the fetch to reserve its slots")
             victim.proc.process.kill()
             hit = await fetch
-            assert hit.hit_blocks in (0, 200)
+            assert hit.hit_blocks in (0, 128)
             if hit.hit_blocks:
-                assert await rr.read(5, 200) == [block_bytes(5, i) for i in range(200)]
-            # Dead, but still in the directory (until node_ttl): a miss.
-            assert (await rr.lookup(6, 200, remote=True)).hit_blocks == 0
+                pinned = await kv_reader.lookup(ns_reader, tokens, pin=True)
+                assert [bytes(b) for b in pinned.buffers()] == data
+                await kv_reader.release(pinned)
             await until(lambda: nothing_held(reader.address), what="the reader to hold nothing")
-        finally:
-            await rv.close()
-            await rv2.close()
-            await rr.close()
+        # Dead, but still in the directory (until node_ttl): a miss, nothing left held.
+        assert (await rr.lookup(5, 8, remote=True)).hit_blocks == 0
+        assert await nothing_held(reader.address)
+        await rv.close()
+        await rr.close()
     finally:
         victim.proc.stop()
