@@ -27,6 +27,7 @@ from kvstore.v1 import kvstore_pb2 as pb
 from service.api import convert
 from service.budget import NamespaceMemory
 from service.cluster.agent import RedisAgent
+from service.cluster.nixl_transport import NixlTransport
 from service.cluster.peer_fetch import PeerFetcher
 from service.config import Config, ConfigError
 from service.events.engine_index import ChainStart, EngineIndex
@@ -96,6 +97,8 @@ class Node:
         """The node's Redis agent when `redis_url` is set (`join_cluster`)."""
         self.peers: PeerFetcher | None = None
         """Fetches missed blocks from peers; set with `cluster`."""
+        self.nixl: NixlTransport | None = None
+        """NIXL, the data plane of peer fetch (`peer_transport`); set with `cluster`."""
         self.started = clock()
         self.memory = NamespaceMemory(
             self.pools,
@@ -213,17 +216,21 @@ class Node:
         """
         if not self.config.redis_url:
             return
+        self.nixl = NixlTransport.start(self)
         agent = RedisAgent(self, self.config.advertise_address or address)
         self.cluster = agent
-        self.peers = PeerFetcher(self, agent.locate)
+        self.peers = PeerFetcher(self, agent.locate, self.nixl.puller if self.nixl else None)
         await agent.start()
 
     async def leave_cluster(self) -> None:
         """Leave the cluster (registry, directory) and close peer channels; idempotent."""
-        agent, peers = self.cluster, self.peers
+        agent, peers, nixl = self.cluster, self.peers, self.nixl
         self.cluster = self.peers = None
+        self.nixl = None
         if peers is not None:
             await peers.close()
+        if nixl is not None:
+            await nixl.close()
         if agent is not None:
             await agent.stop()
 

@@ -28,6 +28,7 @@ import logging
 import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from typing import Protocol
 
 from kvstore.errors import InvalidArgument
 from kvstore.pool import host_pages
@@ -74,6 +75,16 @@ class PoolPlan:
         return -(-self.arena_bytes // self.granule) * self.granule
 
 
+class ArenaWatcher(Protocol):
+    """Told when an arena joins a pool and before one leaves (the NIXL registrations)."""
+
+    def added(self, namespace: NamespaceId, pool: ArenaPool, index: int) -> None:
+        """Arena ``index`` of ``namespace``'s pool is new."""
+
+    def removing(self, namespace: NamespaceId, index: int) -> None:
+        """Arena ``index`` of ``namespace``'s pool is about to be given back."""
+
+
 class PoolManager:
     """Owns every namespace pool of the node and the memory budget they share."""
 
@@ -101,6 +112,8 @@ class PoolManager:
         """Bytes of arenas being built (promised, not yet adopted)."""
         self.held = HeldArenas()
         """CUDA arenas out of their pools that runners may still map (`service.held_arenas`)."""
+        self.watcher: ArenaWatcher | None = None
+        """Told of every arena added and removed (`watch`)."""
         self.cuda_runtime: CudaRuntime | None = None
         self.cuda_device: CudaDevice | None = None
         """The GPU of the pools; None for host pools."""
@@ -141,6 +154,30 @@ class PoolManager:
     def free_bytes(self) -> int:
         """Bytes of the budget in no arena."""
         return self.capacity_bytes - self.allocated_bytes
+
+    def watch(self, watcher: ArenaWatcher) -> None:
+        """Tell ``watcher`` of every arena now and of each one added or removed from now on."""
+        assert self.watcher is None, "bug: a second arena watcher"
+        self.watcher = watcher
+        for namespace, pool in self._pools.items():
+            for index in range(pool.arenas):
+                watcher.added(namespace, pool, index)
+
+    def unwatch(self) -> None:
+        """Tell the watcher every arena is leaving, and stop telling it."""
+        watcher, self.watcher = self.watcher, None
+        if watcher is not None:
+            for namespace, pool in self._pools.items():
+                for index in reversed(range(pool.arenas)):
+                    watcher.removing(namespace, index)
+
+    def _removing(self, namespace: NamespaceId, pool: ArenaPool, last: bool = True) -> None:
+        """Tell the watcher that the last arena (or all, ``last=False``) is leaving."""
+        if self.watcher is None:
+            return
+        first = pool.arenas - 1 if last else 0
+        for index in reversed(range(first, pool.arenas)):
+            self.watcher.removing(namespace, index)
 
     def next_serial(self) -> int:
         """A number never handed out before in this epoch."""
@@ -252,6 +289,8 @@ class PoolManager:
         self._pools[namespace] = ArenaPool(first, self.next_serial())
         self._plans[namespace] = plan
         self.settle(plan.arena_cost)
+        if self.watcher is not None:
+            self.watcher.added(namespace, self._pools[namespace], 0)
         log.info(
             "namespace %s: pool of %d-byte blocks, %d per arena, up to %d arenas; "
             "%d of %d bytes in huge pages",
@@ -268,6 +307,8 @@ class PoolManager:
         pool = self.get(namespace)
         pool.append(arena, self.next_serial())
         self.settle(self._plans[namespace].arena_cost)
+        if self.watcher is not None:
+            self.watcher.added(namespace, pool, pool.arenas - 1)
 
     def shrink(self, namespace: NamespaceId) -> int:
         """Take the last arena out of a namespace's pool; returns the bytes freed now.
@@ -277,6 +318,7 @@ class PoolManager:
         no runner does (`HeldArenas`).
         """
         pool = self.get(namespace)
+        self._removing(namespace, pool)
         version = self.next_serial()
         arena = pool.pop(version)
         cost = self._plans[namespace].arena_cost
@@ -294,6 +336,7 @@ class PoolManager:
         self._plans.pop(namespace, None)
         if pool is None:
             return 0
+        self._removing(namespace, pool, last=False)
         freed = pool.descriptor.total_bytes
         if self.cuda_device is None:
             pool.close()
@@ -336,6 +379,7 @@ class PoolManager:
         """Close every pool and unlink its files; idempotent."""
         self._plans.clear()
         self.held.close()
+        self.unwatch()
         while self._pools:
             namespace, pool = self._pools.popitem()
             try:

@@ -255,6 +255,8 @@ class Server:
             "events_dropped": agent.events_dropped,
             "peer_fetched_blocks": peers.fetched_blocks if peers is not None else 0,
             "peer_failed_fetches": peers.failed_fetches if peers is not None else 0,
+            "peer_fetches_nixl": peers.fetches["nixl"] if peers is not None else 0,
+            "peer_fetches_grpc": peers.fetches["grpc"] if peers is not None else 0,
         }
 
     async def _expire_leases(self) -> None:

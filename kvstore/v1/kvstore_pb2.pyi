@@ -1248,6 +1248,163 @@ class FetchBlocksRequest(_message.Message):
 Global___FetchBlocksRequest: _TypeAlias = FetchBlocksRequest  # noqa: Y015
 
 @_typing.final
+class OfferBlocksRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAMESPACE_ID_FIELD_NUMBER: _builtins.int
+    TENANT_FIELD_NUMBER: _builtins.int
+    HASHES_FIELD_NUMBER: _builtins.int
+    SKIP_FIELD_NUMBER: _builtins.int
+    KNOWN_AGENT_FIELD_NUMBER: _builtins.int
+    KNOWN_METADATA_VERSION_FIELD_NUMBER: _builtins.int
+    namespace_id: _builtins.str
+    tenant: _builtins.str
+    skip: _builtins.int
+    """leading blocks the caller has: not offered"""
+    known_agent: _builtins.str
+    """the holder's NIXL agent the caller has loaded ("" = none)"""
+    known_metadata_version: _builtins.int
+    """and the version of its metadata it loaded"""
+    @_builtins.property
+    def hashes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bytes]:
+        """the chain from its first block"""
+
+    def __init__(
+        self,
+        *,
+        namespace_id: _builtins.str = ...,
+        tenant: _builtins.str = ...,
+        hashes: _abc.Iterable[_builtins.bytes] | None = ...,
+        skip: _builtins.int = ...,
+        known_agent: _builtins.str = ...,
+        known_metadata_version: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["hashes", b"hashes", "known_agent", b"known_agent", "known_metadata_version", b"known_metadata_version", "namespace_id", b"namespace_id", "skip", b"skip", "tenant", b"tenant"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___OfferBlocksRequest: _TypeAlias = OfferBlocksRequest  # noqa: Y015
+
+@_typing.final
+class OfferedBlock(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    HASH_FIELD_NUMBER: _builtins.int
+    ADDRESS_FIELD_NUMBER: _builtins.int
+    LENGTH_FIELD_NUMBER: _builtins.int
+    ARENA_FIELD_NUMBER: _builtins.int
+    hash: _builtins.bytes
+    address: _builtins.int
+    """in the holder's NIXL-registered memory"""
+    length: _builtins.int
+    arena: _builtins.int
+    """its arena: adjacent blocks of one arena may travel as one"""
+    def __init__(
+        self,
+        *,
+        hash: _builtins.bytes = ...,
+        address: _builtins.int = ...,
+        length: _builtins.int = ...,
+        arena: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "arena", b"arena", "hash", b"hash", "length", b"length"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___OfferedBlock: _TypeAlias = OfferedBlock  # noqa: Y015
+
+@_typing.final
+class OfferBlocksResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    OFFER_ID_FIELD_NUMBER: _builtins.int
+    AGENT_NAME_FIELD_NUMBER: _builtins.int
+    AGENT_METADATA_FIELD_NUMBER: _builtins.int
+    METADATA_VERSION_FIELD_NUMBER: _builtins.int
+    MEM_TYPE_FIELD_NUMBER: _builtins.int
+    DEVICE_ID_FIELD_NUMBER: _builtins.int
+    BLOCKS_FIELD_NUMBER: _builtins.int
+    HOLD_MS_FIELD_NUMBER: _builtins.int
+    offer_id: _builtins.int
+    """0: nothing offered (nothing pinned)"""
+    agent_name: _builtins.str
+    """the holder's NIXL agent"""
+    agent_metadata: _builtins.bytes
+    """empty when the caller's known version is current"""
+    metadata_version: _builtins.int
+    mem_type: _builtins.str
+    """NIXL memory type of the addresses ("DRAM")"""
+    device_id: _builtins.int
+    hold_ms: _builtins.int
+    """the offer is forgotten this long after the answer"""
+    @_builtins.property
+    def blocks(self) -> _containers.RepeatedCompositeFieldContainer[Global___OfferedBlock]:
+        """chain[skip:]'s READY prefix, in order"""
+
+    def __init__(
+        self,
+        *,
+        offer_id: _builtins.int = ...,
+        agent_name: _builtins.str = ...,
+        agent_metadata: _builtins.bytes = ...,
+        metadata_version: _builtins.int = ...,
+        mem_type: _builtins.str = ...,
+        device_id: _builtins.int = ...,
+        blocks: _abc.Iterable[Global___OfferedBlock] | None = ...,
+        hold_ms: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_metadata", b"agent_metadata", "agent_name", b"agent_name", "blocks", b"blocks", "device_id", b"device_id", "hold_ms", b"hold_ms", "mem_type", b"mem_type", "metadata_version", b"metadata_version", "offer_id", b"offer_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___OfferBlocksResponse: _TypeAlias = OfferBlocksResponse  # noqa: Y015
+
+@_typing.final
+class EndOfferRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    OFFER_ID_FIELD_NUMBER: _builtins.int
+    offer_id: _builtins.int
+    def __init__(
+        self,
+        *,
+        offer_id: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["offer_id", b"offer_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___EndOfferRequest: _TypeAlias = EndOfferRequest  # noqa: Y015
+
+@_typing.final
+class EndOfferResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    INTACT_FIELD_NUMBER: _builtins.int
+    intact: _builtins.int
+    """leading offered blocks still the same READY blocks now"""
+    def __init__(
+        self,
+        *,
+        intact: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["intact", b"intact"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___EndOfferResponse: _TypeAlias = EndOfferResponse  # noqa: Y015
+
+@_typing.final
 class StatsRequest(_message.Message):
     """---- inspection ------------------------------------------------------------------"""
 

@@ -99,6 +99,16 @@ class KVStoreStub:
                 request_serializer=kvstore_dot_v1_dot_kvstore__pb2.FetchBlocksRequest.SerializeToString,
                 response_deserializer=kvstore_dot_v1_dot_kvstore__pb2.BlockData.FromString,
                 _registered_method=True)
+        self.OfferBlocks = channel.unary_unary(
+                '/kvstore.v1.KVStore/OfferBlocks',
+                request_serializer=kvstore_dot_v1_dot_kvstore__pb2.OfferBlocksRequest.SerializeToString,
+                response_deserializer=kvstore_dot_v1_dot_kvstore__pb2.OfferBlocksResponse.FromString,
+                _registered_method=True)
+        self.EndOffer = channel.unary_unary(
+                '/kvstore.v1.KVStore/EndOffer',
+                request_serializer=kvstore_dot_v1_dot_kvstore__pb2.EndOfferRequest.SerializeToString,
+                response_deserializer=kvstore_dot_v1_dot_kvstore__pb2.EndOfferResponse.FromString,
+                _registered_method=True)
         self.Stats = channel.unary_unary(
                 '/kvstore.v1.KVStore/Stats',
                 request_serializer=kvstore_dot_v1_dot_kvstore__pb2.StatsRequest.SerializeToString,
@@ -228,6 +238,20 @@ class KVStoreServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def OfferBlocks(self, request, context):
+        """Peer fetch over NIXL: the holder names the blocks' memory; the reader pulls
+        them with one NIXL READ, then ends the offer, which says how many are intact.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def EndOffer(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Stats(self, request, context):
         """Inspection.
         """
@@ -349,6 +373,16 @@ def add_KVStoreServicer_to_server(servicer, server):
                     servicer.FetchBlocks,
                     request_deserializer=kvstore_dot_v1_dot_kvstore__pb2.FetchBlocksRequest.FromString,
                     response_serializer=kvstore_dot_v1_dot_kvstore__pb2.BlockData.SerializeToString,
+            ),
+            'OfferBlocks': grpc.unary_unary_rpc_method_handler(
+                    servicer.OfferBlocks,
+                    request_deserializer=kvstore_dot_v1_dot_kvstore__pb2.OfferBlocksRequest.FromString,
+                    response_serializer=kvstore_dot_v1_dot_kvstore__pb2.OfferBlocksResponse.SerializeToString,
+            ),
+            'EndOffer': grpc.unary_unary_rpc_method_handler(
+                    servicer.EndOffer,
+                    request_deserializer=kvstore_dot_v1_dot_kvstore__pb2.EndOfferRequest.FromString,
+                    response_serializer=kvstore_dot_v1_dot_kvstore__pb2.EndOfferResponse.SerializeToString,
             ),
             'Stats': grpc.unary_unary_rpc_method_handler(
                     servicer.Stats,
@@ -742,6 +776,60 @@ class KVStore:
             '/kvstore.v1.KVStore/FetchBlocks',
             kvstore_dot_v1_dot_kvstore__pb2.FetchBlocksRequest.SerializeToString,
             kvstore_dot_v1_dot_kvstore__pb2.BlockData.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def OfferBlocks(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvstore.v1.KVStore/OfferBlocks',
+            kvstore_dot_v1_dot_kvstore__pb2.OfferBlocksRequest.SerializeToString,
+            kvstore_dot_v1_dot_kvstore__pb2.OfferBlocksResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def EndOffer(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvstore.v1.KVStore/EndOffer',
+            kvstore_dot_v1_dot_kvstore__pb2.EndOfferRequest.SerializeToString,
+            kvstore_dot_v1_dot_kvstore__pb2.EndOfferResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -59,6 +59,11 @@ class KVStoreStub:
     """Node to node: a peer copies READY blocks it found in the Redis directory.
     Only cache nodes call it (x-kvstore-peer-token when cluster_token is set).
     """
+    OfferBlocks: _grpc.UnaryUnaryMultiCallable[_kvstore_pb2.OfferBlocksRequest, _kvstore_pb2.OfferBlocksResponse]
+    """Peer fetch over NIXL: the holder names the blocks' memory; the reader pulls
+    them with one NIXL READ, then ends the offer, which says how many are intact.
+    """
+    EndOffer: _grpc.UnaryUnaryMultiCallable[_kvstore_pb2.EndOfferRequest, _kvstore_pb2.EndOfferResponse]
     Stats: _grpc.UnaryUnaryMultiCallable[_kvstore_pb2.StatsRequest, _kvstore_pb2.StatsResponse]
     """Inspection."""
     ListBlocks: _grpc.UnaryUnaryMultiCallable[_kvstore_pb2.ListBlocksRequest, _kvstore_pb2.ListBlocksResponse]
@@ -98,6 +103,11 @@ class KVStoreAsyncStub(KVStoreStub):
     """Node to node: a peer copies READY blocks it found in the Redis directory.
     Only cache nodes call it (x-kvstore-peer-token when cluster_token is set).
     """
+    OfferBlocks: _aio.UnaryUnaryMultiCallable[_kvstore_pb2.OfferBlocksRequest, _kvstore_pb2.OfferBlocksResponse]  # type: ignore[assignment]
+    """Peer fetch over NIXL: the holder names the blocks' memory; the reader pulls
+    them with one NIXL READ, then ends the offer, which says how many are intact.
+    """
+    EndOffer: _aio.UnaryUnaryMultiCallable[_kvstore_pb2.EndOfferRequest, _kvstore_pb2.EndOfferResponse]  # type: ignore[assignment]
     Stats: _aio.UnaryUnaryMultiCallable[_kvstore_pb2.StatsRequest, _kvstore_pb2.StatsResponse]  # type: ignore[assignment]
     """Inspection."""
     ListBlocks: _aio.UnaryUnaryMultiCallable[_kvstore_pb2.ListBlocksRequest, _kvstore_pb2.ListBlocksResponse]  # type: ignore[assignment]
@@ -212,6 +222,23 @@ class KVStoreServicer(metaclass=_abc_1.ABCMeta):
         """Node to node: a peer copies READY blocks it found in the Redis directory.
         Only cache nodes call it (x-kvstore-peer-token when cluster_token is set).
         """
+
+    @_abc_1.abstractmethod
+    def OfferBlocks(
+        self,
+        request: _kvstore_pb2.OfferBlocksRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_kvstore_pb2.OfferBlocksResponse, _abc.Awaitable[_kvstore_pb2.OfferBlocksResponse]]:
+        """Peer fetch over NIXL: the holder names the blocks' memory; the reader pulls
+        them with one NIXL READ, then ends the offer, which says how many are intact.
+        """
+
+    @_abc_1.abstractmethod
+    def EndOffer(
+        self,
+        request: _kvstore_pb2.EndOfferRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_kvstore_pb2.EndOfferResponse, _abc.Awaitable[_kvstore_pb2.EndOfferResponse]]: ...
 
     @_abc_1.abstractmethod
     def Stats(

@@ -10,6 +10,12 @@ each block is checked (slot and generation still the same READY block) and
 copied in the same synchronous step, so a block evicted mid-stream is never
 read; the stream simply ends there. The lookup is a peek: it counts in no
 tenant's hit statistics and does not refresh the blocks in the LRU.
+
+OfferBlocks / EndOffer are the same read over NIXL (`service.cluster.nixl_offers`):
+the same token check, tenant scope and peek, but the blocks are named by
+address in the node's registered memory for the peer's NIXL READ, and
+EndOffer says how many of them are still intact afterwards. A node without
+NIXL answers FAILED_PRECONDITION, and the peer streams.
 """
 
 from __future__ import annotations
@@ -18,11 +24,11 @@ import hmac
 from collections.abc import AsyncIterator
 from typing import Any
 
-from kvstore.errors import PermissionDenied, StaleSlot
+from kvstore.errors import FailedPrecondition, PermissionDenied, StaleSlot
 from kvstore.v1 import kvstore_pb2 as pb
 from service.api import validate
 from service.api.base import ServicerBase
-from service.api.errors import Unauthenticated, guard_stream_out
+from service.api.errors import Unauthenticated, guard_stream_out, guard_unary
 from service.cluster.peer_fetch import PEER_TOKEN_HEADER
 from service.tenancy.callers import TENANT_HEADER
 
@@ -75,3 +81,36 @@ class PeerRpcs(ServicerBase):
             except StaleSlot:
                 return  # evicted since the lookup: the caller keeps what it got
             yield pb.BlockData(hash=ref.hash, data=pool.read(ref.slot))
+
+    @guard_unary("OfferBlocks")
+    async def OfferBlocks(
+        self, request: pb.OfferBlocksRequest, context: Any
+    ) -> pb.OfferBlocksResponse:
+        """Pin a tenant's chain from ``skip`` on and name its blocks' memory for a NIXL READ."""
+        node = self.node
+        check_peer_token(
+            context.invocation_metadata(), node.config.cluster_token, auth_on=node.tenants.auth_on
+        )
+        if node.nixl is None:
+            raise FailedPrecondition("this node offers no NIXL transport: use FetchBlocks")
+        tenant = node.tenants.resolve(((TENANT_HEADER, request.tenant),))
+        namespace = self.namespace(request.namespace_id, None)
+        chain = validate.block_hashes(request.hashes, node.config.max_chain_blocks)
+        return node.nixl.offers.offer(
+            namespace,
+            tenant,
+            chain,
+            request.skip,
+            request.known_agent,
+            request.known_metadata_version,
+        )
+
+    @guard_unary("EndOffer")
+    async def EndOffer(self, request: pb.EndOfferRequest, context: Any) -> pb.EndOfferResponse:
+        """Forget an offer; how many of its blocks are still intact (0: unknown offer)."""
+        node = self.node
+        check_peer_token(
+            context.invocation_metadata(), node.config.cluster_token, auth_on=node.tenants.auth_on
+        )
+        intact = node.nixl.offers.end(request.offer_id) if node.nixl is not None else 0
+        return pb.EndOfferResponse(intact=intact)

@@ -23,14 +23,16 @@ The caller's lookup is then redone against the local store.
   node's own: it does not count against the tenant's lease limit (the
   fetches, hence such leases, are bounded by `peer_fetch_concurrency`).
 - TLS: peer channels use TLS whenever the node serves TLS (`peer_credentials`).
+- Transport: with NIXL (`service.cluster.nixl_fetch`) the holder is first
+  asked for an offer and the bytes move in one NIXL READ, pool to pool; a
+  holder that offers no NIXL, or a READ that fails, falls back to the
+  ``FetchBlocks`` stream here.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
-import secrets
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
@@ -41,7 +43,9 @@ from kvstore.types import BlockHash, LeaseId, NamespaceId, TenantId
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc
 from service.cluster.directory import Holder
+from service.cluster.fetch_lease import close_fetch_lease, open_fetch_lease, reserve_missing
 from service.cluster.local import LocalNode
+from service.cluster.nixl_fetch import NixlPuller
 from service.config import Config, read_setting_file
 
 log = logging.getLogger(__name__)
@@ -86,15 +90,17 @@ def peer_credentials(config: Config) -> grpc.ChannelCredentials | None:
 class PeerFetcher:
     """Copies missing blocks from peers into this node's pools."""
 
-    def __init__(self, node: LocalNode, locate: Locate) -> None:
+    def __init__(self, node: LocalNode, locate: Locate, nixl: NixlPuller | None = None) -> None:
         """Prepare the fetcher; channels to peers open on first use.
 
         Args:
             node: the node the fetched blocks are written into.
             locate: asks the directory who holds a chain (`RedisAgent.locate`).
+            nixl: pulls blocks with NIXL READs; None: the gRPC stream only.
         """
         self.node = node
         self._locate = locate
+        self._nixl = nixl
         self._slots = asyncio.Semaphore(node.config.peer_fetch_concurrency)
         self._channels: dict[str, grpc.aio.Channel] = {}
         token = node.config.cluster_token
@@ -104,6 +110,8 @@ class PeerFetcher:
         """Blocks copied from peers, ever."""
         self.failed_fetches = 0
         """Fetches that ended early (peer gone, timeout, mismatch), ever."""
+        self.fetches = {"nixl": 0, "grpc": 0}
+        """Fetches that brought blocks, per transport, ever."""
 
     async def fetch(
         self, namespace: NamespaceId, tenant: TenantId, chain: Sequence[BlockHash], have: int
@@ -132,8 +140,21 @@ class PeerFetcher:
         for holder in holders[:MAX_HOLDERS_TRIED]:
             if holder.blocks <= have or not holder.address:
                 break  # longest first: nobody further down has more
-            got = await self._copy(holder, namespace, tenant, chain[: holder.blocks], have)
+            target = chain[: holder.blocks]
+            if self._nixl is not None:
+                stub = self._stub(holder.address)
+                got = await self._nixl.pull(
+                    stub, self._metadata, holder, namespace, tenant, target, have
+                )
+                if got is not None:  # NIXL answered: blocks, or the peer holds none
+                    if got:
+                        self.fetched_blocks += got
+                        self.fetches["nixl"] += 1
+                        return got
+                    continue
+            got = await self._copy(holder, namespace, tenant, target, have)
             if got:
+                self.fetches["grpc"] += 1
                 return got
         return 0
 
@@ -177,8 +198,8 @@ class PeerFetcher:
                     if lease_id is None:
                         # The peer answered: now make room (more arenas, if the budget allows).
                         await node.make_room(node.table(namespace), tenant, target)
-                        lease_id = self._open_lease(tenant)
-                        wanted = self._reserve(namespace, tenant, lease_id, target)
+                        lease_id = open_fetch_lease(node, tenant)
+                        wanted = reserve_missing(node, namespace, tenant, lease_id, target)
                         if not wanted:
                             return 0  # all hits or in flight meanwhile, or no room
                     block_hash = BlockHash(item.hash)
@@ -211,29 +232,7 @@ class PeerFetcher:
             if lease_id is not None:
                 # Runs on cancellation too: the lease's unwritten reservations
                 # are aborted. Expired meanwhile: expiry already aborted them.
-                with contextlib.suppress(KVStoreError):
-                    store.close_lease(lease_id, tenant, node.now())
-                node.publish_events()
-
-    def _open_lease(self, tenant: TenantId) -> LeaseId:
-        """The fetch's internal lease: the node's own, outside the tenant's lease limit.
-
-        At most `peer_fetch_concurrency` exist at once, so the node bounds them.
-        """
-        node = self.node
-        lease_id = LeaseId(secrets.randbits(63) | 1)
-        ttl = node.config.peer_fetch_timeout + 1.0
-        node.store.open_lease(lease_id, tenant, ttl, node.now(), internal=True)
-        return lease_id
-
-    def _reserve(
-        self, namespace: NamespaceId, tenant: TenantId, lease_id: LeaseId, target: list[BlockHash]
-    ) -> set[BlockHash]:
-        """Reserve ``target``'s missing blocks; returns those this fetch must write."""
-        node = self.node
-        result = node.store.reserve(namespace, tenant, lease_id, target, node.now())
-        node.publish_events()  # the reservation may have evicted blocks
-        return set(result.reserved_hashes())
+                close_fetch_lease(node, tenant, lease_id)
 
     def _stub(self, address: str) -> Any:
         channel = self._channels.get(address)

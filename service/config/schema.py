@@ -36,6 +36,7 @@ from service.config.values import (
     parse_names,
     parse_non_negative,
     parse_non_negative_float,
+    parse_peer_transport,
     parse_port,
     parse_positive,
     parse_positive_float,
@@ -175,6 +176,8 @@ class Config:
     """Engines whose vLLM KV events the node ingests: JSON list of {name, endpoint, model_id}."""
     engine_max_blocks: int = 1_000_000
     """Most blocks the node indexes per engine; later BlockStored blocks are counted and skipped."""
+    peer_transport: str = "auto"
+    """Peer fetch bytes: nixl (NIXL READ, pool to pool), grpc (stream), auto (nixl if installed)."""
 
 
 class ConfigError(ValueError):
@@ -243,6 +246,7 @@ _PARSERS: dict[str, Callable[[object], object]] = {
     "kv_events_buffer_batches": parse_positive(parse_int),
     "engine_kv_events": parse_engine_sources,
     "engine_max_blocks": parse_positive(parse_int),
+    "peer_transport": parse_peer_transport,
 }
 
 

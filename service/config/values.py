@@ -170,6 +170,13 @@ def parse_file_mode(value: object) -> int:
     return mode
 
 
+def parse_peer_transport(value: object) -> str:
+    mode = parse_str(value).strip().lower()
+    if mode not in ("auto", "nixl", "grpc"):
+        raise ValueError(f"expected auto, nixl or grpc, got {value!r}")
+    return mode
+
+
 def parse_huge_pages(value: object) -> str:
     mode = parse_str(value).strip().lower()
     if mode not in ("auto", "on", "off"):

@@ -141,6 +141,14 @@ class _ClusterCollector(Collector):
             return
         for name, doc, family in _CLUSTER_METRICS:
             yield family(f"kvstore_{name}", doc, value=info[name])
+        fetches = CounterMetricFamily(
+            "kvstore_peer_fetches",
+            "Peer fetches that brought blocks, per transport (nixl, grpc)",
+            labels=["transport"],
+        )
+        for transport in ("nixl", "grpc"):
+            fetches.add_metric([transport], info.get(f"peer_fetches_{transport}", 0.0))
+        yield fetches
 
 
 class TenantLabels:
