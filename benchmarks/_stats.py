@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import statistics
+import time
+from collections.abc import Callable
 from typing import Any
 
 
@@ -19,6 +21,17 @@ def summary_us(samples: list[float]) -> dict[str, float]:
         "p99_us": round(percentile(samples, 0.99) * 1e6, 1),
         "mean_us": round(statistics.fmean(samples) * 1e6, 1),
     }
+
+
+def median_call_us(fn: Callable[[], None], iterations: int) -> float:
+    """Median microseconds of one call of ``fn`` over ``iterations`` calls (after a warm-up)."""
+    fn()
+    times = []
+    for _ in range(iterations):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return round(statistics.median(times) * 1e6, 1)
 
 
 def gbps(nbytes: int, seconds: float) -> float:

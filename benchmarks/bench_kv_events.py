@@ -18,13 +18,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import time
-from collections.abc import Callable
 from typing import Any
 
 import msgpack
 
+from benchmarks._stats import median_call_us
 from kvstore.events import CacheEvent, EventKind
 from kvstore.hashing import HashScheme, hash_blocks
 from kvstore.types import BlockHash, NamespaceId, TenantId
@@ -33,16 +32,6 @@ from service.config.engines import EngineSource
 from service.events.engine_index import ChainStart, EngineIndex
 from service.events.publisher import KvEventPublisher
 from service.events.wire import decode_batch
-
-
-def _median_us(fn: Callable[[], None], iterations: int) -> float:
-    fn()  # warm up
-    times = []
-    for _ in range(iterations):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return round(statistics.median(times) * 1e6, 1)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -67,10 +56,10 @@ def main(argv: list[str] | None = None) -> None:
         wall=time.time,
     )
     try:
-        report["publish_us"] = _median_us(lambda: publisher.publish([event]), args.iterations)
+        report["publish_us"] = median_call_us(lambda: publisher.publish([event]), args.iterations)
     finally:
         publisher.close()
-    report["publish_baseline_watch_convert_us"] = _median_us(
+    report["publish_baseline_watch_convert_us"] = median_call_us(
         lambda: convert.event(event, "node", lambda t: t), args.iterations
     )
 
@@ -90,8 +79,8 @@ def main(argv: list[str] | None = None) -> None:
         index.ingest("e", decode_batch(payload))
         index.clear("e")
 
-    report["ingest_us"] = _median_us(ingest, args.iterations)
-    report["ingest_baseline_hash_tokens_us"] = _median_us(
+    report["ingest_us"] = median_call_us(ingest, args.iterations)
+    report["ingest_baseline_hash_tokens_us"] = median_call_us(
         lambda: hash_blocks(root, tokens, size), args.iterations
     )
     print(json.dumps(report))

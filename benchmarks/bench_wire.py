@@ -17,14 +17,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
-import time
 from array import array
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
+from benchmarks._stats import median_call_us
 from kvstore.api import wire
 from kvstore.client.convert import chain_fields, hit_from_proto, location_from_proto
 from kvstore.client.handles import Namespace
@@ -113,16 +112,6 @@ def _packed(mode: str, hashes: list[bytes], tokens: list[int], refs: Any) -> Cal
     return run
 
 
-def _median_us(fn: Callable[[], None], iterations: int) -> float:
-    fn()  # warm up
-    times = []
-    for _ in range(iterations):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return round(statistics.median(times) * 1e6, 1)
-
-
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.bench_wire")
     parser.add_argument("--blocks", type=int, default=512)
@@ -137,8 +126,8 @@ def main(argv: list[str] | None = None) -> None:
     refs = tuple(BlockRef(BlockHash(h), SlotId(i), 1) for i, h in enumerate(hashes))
     report: dict[str, Any] = {"blocks": args.blocks, "chain_tokens": len(tokens)}
     for mode in ("hashes", "tokens"):
-        old = _median_us(_per_block(mode, hashes, tokens, refs), args.iterations)
-        new = _median_us(_packed(mode, hashes, tokens, refs), args.iterations)
+        old = median_call_us(_per_block(mode, hashes, tokens, refs), args.iterations)
+        new = median_call_us(_packed(mode, hashes, tokens, refs), args.iterations)
         report[mode] = {
             "per_block_us": old,
             "packed_us": new,

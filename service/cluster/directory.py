@@ -32,48 +32,9 @@ from kvstore.types import BlockHash, NamespaceId, TenantId
 from service.cluster.keys import Keys, member
 from service.cluster.link import LuaScript
 
-LOCATE = LuaScript("""
--- KEYS[1] ns alive zset, KEYS[2] ns addr hash
--- ARGV[1] node-set key prefix, ARGV[2] node id to skip, ARGV[3..] chain members
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-local live = redis.call('ZRANGEBYSCORE', KEYS[1], now, '+inf')
-local total = #ARGV - 2
-local out = {}
-for _, id in ipairs(live) do
-  if id ~= ARGV[2] then
-    local key = ARGV[1] .. id
-    local held = 0
-    local first = 3
-    while first <= #ARGV do
-      local last = math.min(first + 999, #ARGV)
-      local flags = redis.call('SMISMEMBER', key, unpack(ARGV, first, last))
-      local run = 0
-      for i = 1, #flags do
-        if flags[i] == 1 then run = run + 1 else break end
-      end
-      held = held + run
-      if run < #flags then break end
-      first = last + 1
-    end
-    if held > 0 then
-      local addr = redis.call('HGET', KEYS[2], id) or ''
-      out[#out + 1] = id
-      out[#out + 1] = addr
-      out[#out + 1] = held
-    end
-  end
-end
-return {total, out}
-""")
-
-QUERY = LuaScript("""
--- KEYS[1] ns alive zset, KEYS[2] ns addr hash, KEYS[3] ns engines hash
--- ARGV[1] node-set key prefix, ARGV[2] engine-set key prefix, ARGV[3..] chain members
--- Returns {chain length, {node, address, held, engine, medium, ...}}; engine ''
--- is the node's own pool. Only holders of at least the first block are listed.
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+_HELD = """
+-- held(key): how many leading chain members (ARGV[3..]) the set at key holds,
+-- SMISMEMBER in chunks of 1,000, stopping at the first miss.
 local function held(key)
   local n = 0
   local first = 3
@@ -90,7 +51,46 @@ local function held(key)
   end
   return n
 end
+"""
+
+LOCATE = LuaScript(
+    """
+-- KEYS[1] ns alive zset, KEYS[2] ns addr hash
+-- ARGV[1] node-set key prefix, ARGV[2] node id to skip, ARGV[3..] chain members
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+"""
+    + _HELD
+    + """
+local live = redis.call('ZRANGEBYSCORE', KEYS[1], now, '+inf')
+local total = #ARGV - 2
 local out = {}
+for _, id in ipairs(live) do
+  if id ~= ARGV[2] then
+    local n = held(ARGV[1] .. id)
+    if n > 0 then
+      local addr = redis.call('HGET', KEYS[2], id) or ''
+      out[#out + 1] = id
+      out[#out + 1] = addr
+      out[#out + 1] = n
+    end
+  end
+end
+return {total, out}
+"""
+)
+
+QUERY = LuaScript(
+    """
+-- KEYS[1] ns alive zset, KEYS[2] ns addr hash, KEYS[3] ns engines hash
+-- ARGV[1] node-set key prefix, ARGV[2] engine-set key prefix, ARGV[3..] chain members
+-- Returns {chain length, {node, address, held, engine, medium, ...}}; engine ''
+-- is the node's own pool. Only holders of at least the first block are listed.
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+"""
+    + _HELD
+    + """local out = {}
 local function add(id, n, engine, medium)
   out[#out + 1] = id
   out[#out + 1] = redis.call('HGET', KEYS[2], id) or ''
@@ -119,7 +119,8 @@ for i = 1, #engines, 2 do
   end
 end
 return {#ARGV - 2, out}
-""")
+"""
+)
 
 NS_HEARTBEAT = LuaScript("""
 -- KEYS[1] ns alive zset, KEYS[2] ns addr hash, KEYS[3] this node's set,
