@@ -62,6 +62,13 @@ from kvstore.types import BlockHash
 
 log = logging.getLogger(__name__)
 
+IDLE_WAIT = 0.01
+"""Seconds the scheduler thread may wait, once per step, for a lookup in flight when the
+previous step scheduled nothing. vLLM then steps an empty batch about every millisecond
+(engine core and workers), taking the CPU from the lookup's own thread (same process,
+same GIL) and from the node; waiting instead lets the answer land sooner, and a new
+request that arrives meanwhile waits at most this long. Never when anything runs."""
+
 
 @dataclass(slots=True)
 class _Tracked:
@@ -130,6 +137,8 @@ class SchedulerSide:
         self._failures_seen = 0
         self._first_ask: dict[str, float] = {}
         """Requests asked about while the namespace was being registered: since when."""
+        self._may_wait = False
+        """The last step scheduled nothing and no lookup was waited on since (`IDLE_WAIT`)."""
 
     # --- hooks ---------------------------------------------------------------------------
 
@@ -190,6 +199,7 @@ class SchedulerSide:
     def build_meta(self, scheduler_output: Any) -> KVStoreConnectorMetadata:
         """This step's loads and saves; forgets preempted requests."""
         meta = KVStoreConnectorMetadata(failures_seen=self._failures_seen)
+        self._may_wait = not any(scheduler_output.num_scheduled_tokens.values())
         for req_id in getattr(scheduler_output, "preempted_req_ids", None) or ():
             self._forget(req_id)
         for req_id, (loads, hits) in self._pending_loads.items():
@@ -323,6 +333,9 @@ class SchedulerSide:
                 tracked.looked_up = True
                 return True
             tracked.lookup = future
+        if not future.done() and self._may_wait:
+            self._may_wait = False  # once per step, however many requests wait
+            concurrent.futures.wait([future], timeout=IDLE_WAIT)
         if not future.done():
             if not overdue:
                 return False
