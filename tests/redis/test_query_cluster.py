@@ -37,6 +37,13 @@ async def test_query_answers_across_slots_with_engines(cnodes, rc):  # noqa: F81
     model = MODELS[0]
     ns, chain = namespaces[model]
     tag = KEYS.ns_tag(ns)
+
+    async def both_alive() -> bool:
+        return len(await rc.zrange(KEYS.ns_alive(ns), 0, -1)) == 2
+
+    # Before both nodes' first heartbeat in the namespace, node-a's heartbeat would sweep
+    # node-b's engine field as a dead node's (docs/events.md, "On Redis").
+    await until(both_alive, what="both nodes' namespace heartbeats")
     await rc.hset(
         f"{tag}:engines",
         "node-b:vllm-0",
