@@ -36,7 +36,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tests.integrations.vllm.engines import Engine, Node, vllm_python
+from tests.integrations.vllm.engines import Engine, Node, published, vllm_python
 from tests.integrations.vllm.models import make_llama
 from tests.redis.server import RedisServer
 
@@ -69,17 +69,11 @@ def start_node(workdir: Path, redis: RedisServer | None) -> Node:
     return Node(workdir, namespace_capacity="1GiB", extra_args=flags).start()
 
 
-def published(redis: RedisServer, node_id: str) -> int:
-    """Blocks the Redis directory lists under ``node_id`` (every namespace and tenant)."""
-    with redis.client() as r:
-        return sum(int(r.scard(key)) for key in r.scan_iter(match=f"*:n:{node_id}"))
-
-
 def wait_published(redis: RedisServer, node_id: str, at_least: int, timeout: float = 60) -> int:
     """Wait until the directory lists ``at_least`` blocks of ``node_id`` (saves and directory
     writes run in the background); returns the count."""
     deadline = time.monotonic() + timeout
-    while (count := published(redis, node_id)) < at_least:
+    while (count := published(redis.url, node_id)) < at_least:
         if time.monotonic() > deadline:
             raise TimeoutError(f"{node_id} did not publish {at_least} blocks in {timeout} s")
         time.sleep(0.02)

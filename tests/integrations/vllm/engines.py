@@ -245,5 +245,13 @@ class Engine:
                     pipe.close()
 
 
+def published(redis_url: str, node_id: str) -> int:
+    """Blocks the Redis directory lists under ``node_id`` (every namespace and tenant)."""
+    import redis
+
+    with redis.Redis.from_url(redis_url, socket_timeout=5) as r:
+        return sum(int(r.scard(key)) for key in r.scan_iter(match=f"*:n:{node_id}"))
+
+
 def cleanup_dir(path: Path) -> None:
     shutil.rmtree(path, ignore_errors=True)

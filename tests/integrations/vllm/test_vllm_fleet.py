@@ -17,7 +17,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import redis
 
 from tests.integrations.vllm.common import (
     BLOCK,
@@ -32,7 +31,7 @@ from tests.integrations.vllm.common import (
     system,
     wait_for,
 )
-from tests.integrations.vllm.engines import Engine, Node, running
+from tests.integrations.vllm.engines import Engine, Node, published, running
 from tests.redis.server import REDIS_SERVER, RedisServer, free_port
 
 pytestmark = [
@@ -121,12 +120,6 @@ def engines(
 
 def ready_blocks(node: Node) -> int:
     return sum(int(ns.ready) for ns in node.stats().namespaces)
-
-
-def published(redis_url: str, node_id: str) -> int:
-    """Blocks the Redis directory lists under ``node_id`` (every namespace and tenant)."""
-    with redis.Redis.from_url(redis_url, socket_timeout=5) as r:
-        return sum(int(r.scard(key)) for key in r.scan_iter(match=f"*:n:{node_id}"))
 
 
 def save_on_host_1(engine: Engine, redis_url: str, prompt: list[int]) -> None:
