@@ -92,7 +92,7 @@ class Node:
             "--heartbeat-seconds", "0.5", "--directory-flush-seconds", "0.01",
             "--peer-fetch-timeout", "60", "--max-message-bytes", "64MiB",
             "--max-chain-blocks", "16384", "--arena-bytes", "256MiB",
-            "--pool-headroom-bytes", "256MiB",
+            "--pool-headroom-bytes", "256MiB", "--log-level", "INFO",
         )  # fmt: skip
         self.proc = ServerProcess.start(
             shm, capacity=capacity, extra_args=args, ready_timeout=120, prefix_stem="kvpeer"
@@ -105,6 +105,12 @@ class Node:
         pattern = rf'^kvstore_peer_fetches_total\{{transport="{transport}"\}} (\S+)$'
         match = re.search(pattern, page, re.M)
         return float(match.group(1)) if match else 0.0
+
+    def log_lines(self, limit: int = 40) -> list[str]:
+        """The node's last log lines about peers, NIXL and Redis (why a fetch fell short)."""
+        text = self.proc.log_path.read_text(errors="replace")
+        wanted = re.compile(r"peer|NIXL|nixl|offer|Redis|redis|locate|fetch", re.I)
+        return [line for line in text.splitlines() if wanted.search(line)][-limit:]
 
 
 def _layout(block_kib: int) -> KVLayout:
@@ -217,6 +223,10 @@ async def main() -> None:
                 figures["bytes_ok"] = all_ok
                 figures["blocks_fetched"] = fetched
                 figures["fetches_by_transport"] = reader.fetches(transport)
+                if figures["fetches_by_transport"] < len(fetched) or min(fetched) < args.blocks:
+                    # Not what was measured: say why, from the nodes' own logs.
+                    figures["reader_log"] = reader.log_lines()
+                    figures["holder_log"] = holder.log_lines()
                 result[transport] = figures
             data = np.random.default_rng(0).integers(0, 256, nbytes, dtype=np.uint8).tobytes()
             copy = _memcpy(data, layout.block_bytes)

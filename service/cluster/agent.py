@@ -95,6 +95,8 @@ class RedisAgent:
         self.resyncs = 0
         """Full resyncs done (the first one at start included)."""
         self.client: Any = None
+        self._beating: set[NamespaceId] = set()
+        """Namespaces whose liveness the last heartbeat (or an early one) wrote."""
         self._synced = asyncio.Event()
         self._wake = asyncio.Event()
         if self.engines is not None:
@@ -181,6 +183,7 @@ class RedisAgent:
                 if loop.time() >= next_beat:
                     await self._heartbeat()
                     next_beat = loop.time() + config.heartbeat_seconds
+                await self._beat_new_namespaces()
                 await self._flush()
             except REDIS_ERRORS as exc:
                 if self.connected or failures == 0:
@@ -291,10 +294,25 @@ class RedisAgent:
             log.info("node %s stopped heartbeating: removed from the registry", other)
         namespaces = [t.namespace for t in node.store.tables()]
         await self.directory.heartbeat(self.client, namespaces, self.address)
+        self._beating = set(namespaces)
         if self.engines is not None:
             pipe = self.client.pipeline(transaction=False)
             self.engine_sets.refresh(pipe, self.engines.live_sets())
             await pipe.execute()
+
+    async def _beat_new_namespaces(self) -> None:
+        """Write this node's liveness in namespaces registered since the last heartbeat.
+
+        Before their first blocks are flushed: `locate` lists only nodes live in
+        the namespace, so until then a peer would find the blocks held by nobody
+        (for up to `heartbeat_seconds` after a namespace's registration).
+        """
+        current = [t.namespace for t in self.node.store.tables()]
+        self._beating.intersection_update(current)  # a dropped one may come back
+        new = [namespace for namespace in current if namespace not in self._beating]
+        if new:
+            await self.directory.heartbeat(self.client, new, self.address)
+            self._beating.update(new)
 
     async def _flush(self) -> None:
         """Send queued directory changes and events in one pipeline."""

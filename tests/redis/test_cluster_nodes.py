@@ -10,7 +10,7 @@ import redis.asyncio as aioredis
 
 from kvstore.v1 import kvstore_pb2 as pb
 from service.cluster.directory import Directory
-from service.cluster.keys import Keys
+from service.cluster.keys import Keys, member
 from service.cluster.registry import NodeInfo, Registry
 from tests.redis.rpc import Rpc, block_bytes
 
@@ -110,6 +110,26 @@ async def test_directory_publish_evict_clear_and_locate(nodes, rclient):
     finally:
         await ra.close()
         await rb.close()
+
+
+async def test_a_new_namespace_is_locatable_as_soon_as_its_blocks_are_listed(nodes, rclient):
+    # A heartbeat far away: the liveness of a namespace registered after it
+    # must not wait for the next one (peers would find its blocks held by nobody).
+    a = await nodes.start("node-a", heartbeat_seconds=30.0, node_ttl_seconds=60.0)
+    await a.node.cluster.wait_synced()
+    ra = Rpc(a.address)
+    try:
+        ns = await ra.register()
+        chain = await ra.store(seed=2, blocks=3)
+        scope = a.node.table(ns).scope_of("default")
+        listed = KEYS.ns_node(ns, "node-a")
+        await until(
+            lambda: rclient.sismember(listed, member(chain[-1], scope)), what="blocks listed"
+        )
+        holders = await Directory(KEYS, "observer", 1000).locate(rclient, ns, scope, chain)
+        assert [(h.node_id, h.blocks) for h in holders] == [("node-a", 3)]
+    finally:
+        await ra.close()
 
 
 async def _is(value, expected) -> bool:
