@@ -74,6 +74,10 @@ class KVStoreConnectorMetadata(KVConnectorMetadata):
     failures_seen: int = 0
     """The highest worker failure number (`KVStoreWorkerReport.failure_seq`) the scheduler
     had processed when it built this step: saves of this step already account for it."""
+    idle: bool = False
+    """This step runs no forward (no tokens scheduled): loads are copied in
+    `start_load_kv` itself, where nothing waits on the step and the copy has
+    the host to itself, and are reported at this step's end."""
 
 
 @dataclass(slots=True)

@@ -28,8 +28,10 @@ order matches the backend, that view has the page's own strides and the
 copy runs at memory speed. The conversion is a permutation of the same
 elements: loading what was saved gives back the exact bytes.
 
-Loads copy each pool block straight into its place, per layer then per
-block, and saves copy each block out the same way: on the CPU this reads the
+Loads on the CPU copy each run of adjacent pool slots going to adjacent
+vLLM blocks with one copy per layer (`scatter_runs`: 64 blocks of a 6-layer
+model in 4.2 ms instead of 8.2 ms block by block); otherwise, and for
+saves, each block is copied into its place per layer then per block: on the CPU this reads the
 mapped pool once, with no staging tensor, about twice as fast as stacking
 the blocks and scattering them (16 blocks of 1.2 MB: about 3 ms instead of
 6-8 ms). On a GPU, where each copy is a kernel launch, the blocks are
@@ -119,6 +121,15 @@ class PagedLayer:
         else:  # [2, bs, H, D]
             out.copy_(self.tensor[:, block_id])
 
+    def write_blocks(self, first: int, kv: torch.Tensor) -> None:
+        """Copy ``kv`` (``[n, 2, block_size, kv_heads, head_dim]``) into blocks ``first`` to
+        ``first + n - 1``: one copy (strided when the source is a run of pool slots)."""
+        n = int(kv.shape[0])
+        if self.kind == "cpu":  # [n, H, 2, bs, D]
+            self._blocked()[first : first + n].copy_(kv.permute(0, 3, 1, 2, 4))
+        else:  # [2, n, bs, H, D]
+            self.tensor[:, first : first + n].copy_(kv.permute(1, 0, 2, 3, 4))
+
     def write_block(self, block_id: int, kv: torch.Tensor) -> None:
         """Copy one block's K and V (``[2, block_size, kv_heads, head_dim]``) into ``block_id``."""
         if self.kind == "cpu":  # [H, 2, bs, D]
@@ -173,6 +184,23 @@ def gather_blocks(
         for row, block_id in enumerate(block_ids):
             layer.read_block(block_id, out[row, :, index])
     return stored
+
+
+def scatter_runs(layers: Sequence[PagedLayer], runs: Sequence[tuple[int, torch.Tensor]]) -> None:
+    """Write runs of canonical blocks into runs of adjacent vLLM blocks.
+
+    Args:
+        layers: the engine's paged layers.
+        runs: ``(first vLLM block id, [n, 2, layers, bs, heads, dim])`` each: ``n`` adjacent
+            pool slots (an `as_canonical` view of them) going to blocks ``first`` to
+            ``first + n - 1``. One copy per layer and run instead of one per layer and block.
+    """
+    for _, run in runs:
+        if run.dim() != 6 or int(run.shape[2]) != len(layers):
+            raise InvalidArgument(f"a run of shape {tuple(run.shape)} for {len(layers)} layers")
+    for index, layer in enumerate(layers):
+        for first, run in runs:
+            layer.write_blocks(first, run[:, :, index])
 
 
 def scatter_blocks(

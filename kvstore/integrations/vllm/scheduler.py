@@ -198,8 +198,9 @@ class SchedulerSide:
 
     def build_meta(self, scheduler_output: Any) -> KVStoreConnectorMetadata:
         """This step's loads and saves; forgets preempted requests."""
-        meta = KVStoreConnectorMetadata(failures_seen=self._failures_seen)
-        self._may_wait = not any(scheduler_output.num_scheduled_tokens.values())
+        idle = not any(scheduler_output.num_scheduled_tokens.values())
+        meta = KVStoreConnectorMetadata(failures_seen=self._failures_seen, idle=idle)
+        self._may_wait = idle
         for req_id in getattr(scheduler_output, "preempted_req_ids", None) or ():
             self._forget(req_id)
         for req_id, (loads, hits) in self._pending_loads.items():

@@ -9,6 +9,14 @@ Nothing here makes vLLM's forward wait on the node:
   copies the pinned pool slots into the request's vLLM blocks. vLLM keeps
   the request waiting (``WAITING_FOR_REMOTE_KVS``) until ``get_finished``
   reports the load, so no forward ever reads a block that was not loaded.
+  In a step that runs no forward (nothing scheduled: the metadata's
+  ``idle``) and when the pool is mapped as the lookup saw it (nothing to ask
+  the node), the copy runs in ``start_load_kv`` itself instead: no forward
+  waits on that step, the copy does not share the cores and the GIL with
+  the engine's busy loop (for 8k tokens of a 6-layer model, 25-27 ms in the
+  thread against 13-15 ms), and the load is reported at the end of the same
+  step. On the CPU a run of adjacent slots going to adjacent blocks is one
+  copy per layer (`scatter_runs`).
   A copy counts only if it **finished while the pins were surely held**
   (`LoadSpec.pins_until`, from the scheduler's lease, checked on this
   host's monotonic clock after the copy): a stalled engine, a lost lease, a
@@ -32,6 +40,7 @@ Nothing here makes vLLM's forward wait on the node:
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import threading
@@ -42,6 +51,7 @@ from typing import Any
 
 import torch
 
+from kvstore.client.blocks import slot_runs
 from kvstore.errors import KVStoreError
 from kvstore.integrations.vllm.link import NodeLink
 from kvstore.integrations.vllm.metadata import (
@@ -57,8 +67,12 @@ from kvstore.integrations.vllm.paged import (
     gather_blocks,
     paged_layer,
     scatter_blocks,
+    scatter_runs,
+    stored_shape,
 )
 from kvstore.layout import KVLayout
+from kvstore.pool import HostMapping
+from kvstore.pool.views import torch_dtype
 from kvstore.types import SlotId
 
 log = logging.getLogger(__name__)
@@ -161,7 +175,22 @@ class WorkerSide:
                 with self._lock:
                     self._done_loads.append((load.request_id, load.block_ids))
                 continue
-            self._loader.submit(self._run_load, load)
+            if meta.idle and self._mapped_for(load):
+                self._run_load(load)  # no forward waits on this step: copy now
+            else:
+                self._loader.submit(self._run_load, load)
+
+    def _mapped_for(self, load: LoadSpec) -> bool:
+        """Whether ``load`` can be copied with no call to the node (never waits): the
+        namespace is registered and its mapping already covers the lookup's arenas.
+        Otherwise the load thread waits for the node, never the engine's step."""
+        ns = self.link.namespace()
+        mapping = ns.mapping if ns is not None else None
+        return (
+            mapping is not None
+            and not mapping.closed
+            and load.pool_version <= mapping.descriptor.version
+        )
 
     def _run_load(self, load: LoadSpec) -> None:
         failed: tuple[int, ...] = ()
@@ -203,11 +232,14 @@ class WorkerSide:
             mapping = ns.mapping
             if mapping is None or mapping.closed or mapping.descriptor.version < load.pool_version:
                 raise LoadFailed("the pool mapping could not follow the node's arenas")
-        views = [
-            as_canonical(mapping.torch_view(SlotId(slot), self.layout), self.layout, self.order)
-            for slot in load.slots
-        ]
-        scatter_blocks(self.layers, load.block_ids, views)
+        if isinstance(mapping, HostMapping) and self.layers and not self.layers[0].tensor.is_cuda:
+            scatter_runs(self.layers, self._runs(mapping, load))
+        else:
+            views = [
+                as_canonical(mapping.torch_view(SlotId(slot), self.layout), self.layout, self.order)
+                for slot in load.slots
+            ]
+            scatter_blocks(self.layers, load.block_ids, views)
         if self.layers and self.layers[0].tensor.is_cuda:
             torch.cuda.synchronize(self.layers[0].tensor.device)
         # The fence: every byte above was read before this instant, so while the
@@ -215,6 +247,23 @@ class WorkerSide:
         if self._clock() >= load.pins_until:
             raise LoadFailed("the copy outlasted the pins (lease lost, or the engine stalled)")
         self.loaded_blocks += len(load.block_ids)
+
+    def _runs(self, mapping: HostMapping, load: LoadSpec) -> list[tuple[int, torch.Tensor]]:
+        """The load as runs: adjacent slots of one arena going to adjacent vLLM blocks, each
+        one canonical-shaped view of the mapped pool (nothing copied here)."""
+        spa, block_bytes = mapping.descriptor.slots_per_arena, mapping.descriptor.block_bytes
+        slots, block_ids = load.slots, load.block_ids
+        dtype = torch_dtype(self.layout.dtype)
+        shape = stored_shape(self.layout, self.order)
+        runs = []
+        for a, b in itertools.pairwise(slot_runs(slots, block_ids, spa)):
+            offset = slots[a] % spa * block_bytes
+            arena = mapping.arena_buffer(slots[a] // spa)
+            flat = torch.frombuffer(arena[offset : offset + (b - a) * block_bytes], dtype=dtype)
+            runs.append(
+                (block_ids[a], as_canonical(flat.view(b - a, *shape), self.layout, self.order))
+            )
+        return runs
 
     def take_finished(self) -> set[str]:
         """Requests whose loads finished (done or failed) since the last call."""

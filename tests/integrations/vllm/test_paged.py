@@ -25,7 +25,7 @@ from kvstore.integrations.vllm.paged import (
 )
 from kvstore.integrations.vllm.worker import WorkerSide
 from kvstore.layout import KVLayout
-from kvstore.pool import CudaMapping, CudaPool
+from kvstore.pool import CudaMapping, CudaPool, HostMapping, HostPool
 from kvstore.types import NamespaceId
 from tests.kvstore.pool.fake_cuda import FakeCudaRuntime
 
@@ -116,7 +116,7 @@ def test_an_unknown_backend_shape_is_refused() -> None:
 
 @dataclass
 class _Namespace:
-    mapping: CudaMapping
+    mapping: CudaMapping | HostMapping
     epoch: int
 
 
@@ -184,6 +184,44 @@ def test_gpu_path_loads_cuda_pool_slots_into_a_flash_cache() -> None:
         stale = KVStoreConnectorMetadata(loads=[LoadSpec("r2", (3,), (6,), 0xE2, HELD)])
         worker.start_load(stale)
         assert finish(worker, "r2") == {3}
+    finally:
+        worker.shutdown()
+        mapping.close()
+        pool.close()
+
+
+@pytest.mark.parametrize("order", ["canonical", "cpu"])
+def test_cpu_loads_copy_runs_of_adjacent_slots_into_adjacent_blocks(tmp_path, order) -> None:
+    pool = HostPool.create(
+        NamespaceId("00112233aabbccdd"), LAYOUT.block_bytes, 8, 0xE1, directory=str(tmp_path)
+    )
+    mapping = HostMapping.open(pool.descriptor)
+    worker = WorkerSide(
+        _Link(_Namespace(mapping, 0xE1)),  # type: ignore[arg-type]
+        LAYOUT,
+        [f"layer.{i}" for i in range(LAYOUT.num_layers)],
+        fail_loads=False,
+        max_pending_save_bytes=1 << 20,
+        order=order,
+    )
+    try:
+        # Runs: slots 1-3 to blocks 0-2 (one copy per layer), slots 4-5 to blocks 4 and 3
+        # (adjacent slots, blocks backwards: two), slot 7 to block 5.
+        slots, block_ids = (1, 2, 3, 4, 5, 7), (0, 1, 2, 4, 3, 5)
+        stored = torch.randn(len(slots), *stored_shape(LAYOUT, order))
+        for slot, block in zip(slots, stored, strict=True):
+            pool.write(slot, block.numpy().tobytes())
+        cache = cpu_layers()
+        worker.register_kv_caches({f"layer.{i}": t for i, t in enumerate(cache)})
+        # An idle step (nothing scheduled) copies in start_load_kv: reported at once.
+        meta = KVStoreConnectorMetadata(loads=[LoadSpec("r", block_ids, slots, 0xE1, HELD)])
+        meta.idle = True
+        worker.start_load(meta)
+        assert worker.take_finished() == {"r"} and worker.take_load_errors() == set()
+        want = as_canonical(stored, LAYOUT, order)
+        assert torch.equal(gather_blocks(worker.layers, block_ids, LAYOUT), want)
+        # The same bytes in the pool's own order when saved back (exact round trip).
+        assert torch.equal(gather_blocks(worker.layers, block_ids, LAYOUT, order), stored)
     finally:
         worker.shutdown()
         mapping.close()
