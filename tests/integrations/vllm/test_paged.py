@@ -17,6 +17,7 @@ import torch
 from kvstore.errors import InvalidArgument
 from kvstore.integrations.vllm.metadata import KVStoreConnectorMetadata, LoadSpec, SaveSpec
 from kvstore.integrations.vllm.paged import (
+    BlockOrder,
     as_canonical,
     gather_blocks,
     paged_layer,
@@ -155,19 +156,27 @@ HELD = 1e18
 """A pins deadline far in the future (the scheduler's lease surely holds them)."""
 
 
+def mapped_worker(
+    mapping: CudaMapping | HostMapping, order: BlockOrder = "canonical"
+) -> WorkerSide:
+    """A worker whose namespace (epoch 0xE1) is mapped through ``mapping``."""
+    return WorkerSide(
+        _Link(_Namespace(mapping, 0xE1)),  # type: ignore[arg-type]
+        LAYOUT,
+        [f"layer.{i}" for i in range(LAYOUT.num_layers)],
+        fail_loads=False,
+        max_pending_save_bytes=1 << 20,
+        order=order,
+    )
+
+
 def test_gpu_path_loads_cuda_pool_slots_into_a_flash_cache() -> None:
     rt = FakeCudaRuntime(total_bytes=1 << 22)
     pool = CudaPool.create(
         NamespaceId("00112233aabbccdd"), LAYOUT.block_bytes, 8, 0xE1, device="cuda:0", runtime=rt
     )
     mapping = CudaMapping.open(pool.descriptor, runtime=rt)
-    worker = WorkerSide(
-        _Link(_Namespace(mapping, 0xE1)),  # type: ignore[arg-type]
-        LAYOUT,
-        [f"layer.{i}" for i in range(LAYOUT.num_layers)],
-        fail_loads=False,
-        max_pending_save_bytes=1 << 20,
-    )
+    worker = mapped_worker(mapping)
     try:
         stored = torch.randn(2, *LAYOUT.block_shape)
         for slot, block in zip((6, 2), stored, strict=True):
@@ -196,14 +205,7 @@ def test_cpu_loads_copy_runs_of_adjacent_slots_into_adjacent_blocks(tmp_path, or
         NamespaceId("00112233aabbccdd"), LAYOUT.block_bytes, 8, 0xE1, directory=str(tmp_path)
     )
     mapping = HostMapping.open(pool.descriptor)
-    worker = WorkerSide(
-        _Link(_Namespace(mapping, 0xE1)),  # type: ignore[arg-type]
-        LAYOUT,
-        [f"layer.{i}" for i in range(LAYOUT.num_layers)],
-        fail_loads=False,
-        max_pending_save_bytes=1 << 20,
-        order=order,
-    )
+    worker = mapped_worker(mapping, order)
     try:
         # Runs: slots 1-3 to blocks 0-2 (one copy per layer), slots 4-5 to blocks 4 and 3
         # (adjacent slots, blocks backwards: two), slot 7 to block 5.
