@@ -125,9 +125,15 @@ class Client(PrefixQueries):
         """Open the channel (idempotent); the lease opens on first need."""
         await self._rpc.connect()
 
-    async def close(self) -> None:
-        """Finish cleanups, end the lease, unmap the pools and close the channel."""
-        await self._session.close()
+    async def close(self, *, end_lease: bool = True) -> None:
+        """Finish cleanups, end the lease, unmap the pools and close the channel.
+
+        Args:
+            end_lease: False stops renewing the lease without ending it: its pins
+                hold until it expires (its TTL after the last renewal), for another
+                process still copying slots this client pinned for it.
+        """
+        await self._session.close(end_lease=end_lease)
         await self._rpc.close()
 
     async def __aenter__(self) -> Client:

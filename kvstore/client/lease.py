@@ -155,8 +155,11 @@ class LeaseKeeper:
                 with contextlib.suppress(KVStoreError):
                     await self.current()  # replace it now, not on the next call
 
-    async def close(self) -> None:
-        """Stop renewing and end the lease on the node (best effort); idempotent."""
+    async def close(self, *, end_lease: bool = True) -> None:
+        """Stop renewing and end the lease on the node (best effort); idempotent.
+
+        With ``end_lease`` False the lease is left to expire by itself.
+        """
         if self._closed:
             return
         self._closed = True
@@ -166,7 +169,7 @@ class LeaseKeeper:
                 with contextlib.suppress(asyncio.CancelledError, KVStoreError):
                     await task
         grant, self._grant = self._grant, None
-        if grant is not None:
+        if grant is not None and end_lease:
             try:
                 await self._close(grant.lease_id)
             except KVStoreError:

@@ -68,15 +68,17 @@ class NodeSession:
         self._valid_until: dict[LeaseId, tuple[float, float]] = {}
         """Per lease: (time before the last confirmed open or renewal was sent) + TTL, and TTL."""
 
-    async def close(self) -> None:
+    async def close(self, *, end_lease: bool = True) -> None:
         """Finish cleanups, unmap the pools and end the lease (the channel stays).
+
+        With ``end_lease`` False the lease is only no longer renewed (`LeaseKeeper.close`).
 
         Unmapped first: a CUDA node frees the arenas it took out of pools once
         the leases that mapped them end (`service.held_arenas`).
         """
         await self.background.drain()
         self.drop_mappings()
-        await self.lease.close()
+        await self.lease.close(end_lease=end_lease)
 
     # --- epochs -------------------------------------------------------------------------
 

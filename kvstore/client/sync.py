@@ -182,13 +182,16 @@ class SyncClient:
         """See `Client.ping`."""
         return self._run(self._client.ping(payload, timeout=timeout))
 
-    def close(self) -> None:
-        """Close the client, stop the loop and join its thread; idempotent."""
+    def close(self, *, end_lease: bool = True) -> None:
+        """Close the client, stop the loop and join its thread; idempotent.
+
+        ``end_lease``: see `Client.close`.
+        """
         if self._closed:
             return
         self._closed = True
         try:
-            self._run(self._client.close())
+            self._run(self._client.close(end_lease=end_lease))
         finally:
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join()

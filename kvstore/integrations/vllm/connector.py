@@ -17,6 +17,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
     KVConnectorWorkerMetadata,
 )
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 from vllm.v1.core.kv_cache_utils import generate_block_hash_extra_keys
 
 from kvstore.integrations.vllm.config import ConnectorConfig
@@ -31,6 +32,7 @@ from kvstore.integrations.vllm.logs import follow_vllm_logging
 from kvstore.integrations.vllm.metadata import KVStoreConnectorMetadata
 from kvstore.integrations.vllm.scheduler import SchedulerSide
 from kvstore.integrations.vllm.shutdown import on_stop
+from kvstore.integrations.vllm.stats import KVStoreConnectorStats, KVStorePromMetrics
 from kvstore.integrations.vllm.worker import WorkerSide
 
 if TYPE_CHECKING:
@@ -177,6 +179,26 @@ class KVStoreConnector(KVConnectorBase_V1):
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
         """Loads and saves finished this step (pins to release, saved blocks to count)."""
         return self._worker.take_report() if self._worker is not None else None
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        """This worker's load counts since the last step (vLLM's ``/metrics``)."""
+        return self._worker.take_stats() if self._worker is not None else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats:
+        """The counts of `get_kv_connector_stats`, rebuilt in vLLM's logger process."""
+        return KVStoreConnectorStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: Any,
+        metric_types: dict[type, type],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> KVStorePromMetrics:
+        """The connector's counters on vLLM's ``/metrics`` (`stats`)."""
+        return KVStorePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self) -> None:
         """Release pins, unmap the pool, close the client."""

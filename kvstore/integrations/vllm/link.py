@@ -258,8 +258,14 @@ class NodeLink:
 
     # --- life cycle --------------------------------------------------------------------
 
-    def close(self) -> None:
-        """Close the client (ends its lease: pins dropped, writes aborted); idempotent."""
+    def close(self, *, end_lease: bool = True) -> None:
+        """Close the client; idempotent.
+
+        Args:
+            end_lease: end the lease on the node now (pins dropped, writes aborted);
+                False leaves it to expire by itself (nothing renews it any more), so
+                pins another process copies from hold as long as it was told.
+        """
         with self._lock:
             self._closed = True
             client, self._client, self._namespaces = self._client, None, None
@@ -268,6 +274,6 @@ class NodeLink:
             connecting.cancel()
         if client is not None:
             try:
-                client.close()
+                client.close(end_lease=end_lease)
             except Exception as exc:  # shutting down: nothing left to do about it
                 log.debug("kvstore client close failed: %s", exc)

@@ -23,7 +23,8 @@ except ImportError:  # unit tests without vLLM
         """Stand-in for vLLM's base class."""
 
 
-from kvstore.types import BlockHash
+from kvstore.client import Hit
+from kvstore.types import HASH_BYTES, BlockHash
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,6 +45,20 @@ class LoadSpec:
     """The pool's arena set at the lookup: the worker maps at least this one first."""
     rank: int = 0
     """The tensor-parallel rank whose namespace holds the slots (the only worker to copy)."""
+    stamps: tuple[tuple[int, int], ...] = ()
+    """Per slot, the stamp it had at the lookup, (generation, ident) (`kvstore.pool.stamps`):
+    the worker reads the slots' stamps again once its copy has landed, and a block whose
+    stamp moved is a load error (vLLM recomputes it), whatever the pins said."""
+
+
+def expected_stamps(hit: Hit, first: int, last: int) -> tuple[tuple[int, int], ...]:
+    """The stamps blocks ``first`` to ``last`` of ``hit`` must still have after a copy."""
+    gens = hit.generations[first:last].tolist()
+    hashes = hit.hit_hashes
+    return tuple(
+        (int(gen), int.from_bytes(hashes[i * HASH_BYTES : i * HASH_BYTES + 8], "little"))
+        for i, gen in zip(range(first, last), gens, strict=True)
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,10 +99,12 @@ class KVStoreConnectorMetadata(KVConnectorMetadata):
 class KVStoreWorkerReport(KVConnectorWorkerMetadata):
     """What a worker finished since its last report (the scheduler side acts on it)."""
 
-    loaded: set[str] = field(default_factory=set)
-    """Requests whose load finished, done or failed: their pins may be released."""
-    failed_loads: set[str] = field(default_factory=set)
-    """Requests whose load failed (vLLM recomputes their blocks)."""
+    loaded: set[tuple[str, int]] = field(default_factory=set)
+    """(request, rank) whose load finished on that rank, done or failed: that rank's pins
+    may be released (another rank of the same request may still be copying)."""
+    failed_loads: set[tuple[str, int]] = field(default_factory=set)
+    """(request, rank) whose load failed (vLLM recomputes their blocks)."""
+
     failed_blocks: set[int] = field(default_factory=set)
     """vLLM block ids whose load failed: no request holding one is saved until recomputed."""
     failure_seq: int = 0

@@ -20,10 +20,10 @@ must never wait on the node (`docs/vllm.md`, "Never stalls vLLM"):
    the prompt's, and with ``save_decode`` the output's too, as they fill, under
    the chain hashes a later prompt repeating that text gets (a chat's next
    turn). Only blocks whose tokens are all known and computed are saved.
-4. ``update_connector_output``: the workers' report. A load's pins are
-   released only once the worker reported that load finished, whatever
-   happened to the request meanwhile (finished, aborted: vLLM schedules a
-   step ahead, the copy may still be queued). A request's saved blocks
+4. ``update_connector_output``: the workers' report. A rank's pins are
+   released only once *that rank* reported its load finished, whatever
+   happened to the request meanwhile (finished, aborted: it drains; vLLM
+   schedules a step ahead, the copy may still be queued). A request's saved blocks
    advance only on a confirmed commit; a save that did not happen is
    planned again; a request whose blocks touched a failed load is never
    saved.
@@ -34,7 +34,12 @@ must never wait on the node (`docs/vllm.md`, "Never stalls vLLM"):
    A preempted request's blocks were saved as they filled: when it resumes,
    its lookup covers its output too.
 6. Releases go out in the background (`NodeLink.release`); closing the
-   client at shutdown ends the lease, dropping whatever is still pinned.
+   client at shutdown ends the lease, dropping whatever is still pinned,
+   unless a load is in flight (the lease then expires by itself).
+
+A request's phase lives in `request_life` (one state machine); the worker
+proves every load with the slots' stamps, so a bookkeeping slip here costs
+a recompute, never wrong KV.
 """
 
 from __future__ import annotations
@@ -57,7 +62,9 @@ from kvstore.integrations.vllm.metadata import (
     KVStoreWorkerReport,
     LoadSpec,
     SaveSpec,
+    expected_stamps,
 )
+from kvstore.integrations.vllm.request_life import Phase, RequestLife
 from kvstore.types import BlockHash
 
 log = logging.getLogger(__name__)
@@ -72,7 +79,7 @@ request that arrives meanwhile waits at most this long. Never when anything runs
 
 @dataclass(slots=True)
 class _Tracked:
-    """What the scheduler side knows about one request."""
+    """What the scheduler side knows about one request (its phase: `life`)."""
 
     request: Any
     """vLLM's request: its ``all_token_ids`` grow as it decodes."""
@@ -84,12 +91,17 @@ class _Tracked:
     """Full blocks of the prompt (the save limit without ``save_decode``)."""
     asked_at: float
     """When vLLM first asked for this admission (the lookup's time budget starts)."""
+    life: RequestLife = field(default_factory=RequestLife)
+    """The request's phase (`request_life`): the only place it changes."""
     lookup: concurrent.futures.Future[list[Hit]] | None = None
-    """The Lookups in flight (one per rank, answered together), if any."""
-    looked_up: bool = False
-    """The lookup of this admission is answered or given up (never two)."""
+    """LOOKING_UP: the Lookups in flight (one per rank, answered together)."""
     hits: list[Hit] | None = None
-    """The pinned hits (one per rank), until a load is planned with them or they are dropped."""
+    """HIT to DRAINING: the pinned hits (one per rank); a rank's is released once that
+    rank reported its load."""
+    loads: list[LoadSpec] = field(default_factory=list)
+    """LOAD_PLANNED: the loads to send with the next step (one per rank)."""
+    pending_ranks: set[int] = field(default_factory=set)
+    """LOADING, DRAINING: ranks that have not reported their load finished."""
     local_tokens: int = 0
     """vLLM's (block-aligned) local hit when the hit was counted."""
     block_ids: list[int] = field(default_factory=list)
@@ -128,12 +140,12 @@ class SchedulerSide:
         self._chains = RequestChains(link, block_size, extra_keys)
         self._clock = clock
         self._requests: dict[str, _Tracked] = {}
-        self._pending_loads: dict[str, tuple[list[LoadSpec], list[Hit]]] = {}
-        """Loads planned by `after_alloc`, sent with the next step (always: vLLM waits)."""
+        """Every request with a phase other than DONE (a finished one while DRAINING)."""
+        self._planned: list[str] = []
+        """Requests whose loads `after_alloc` planned, sent with the next step (always:
+        vLLM waits for them)."""
         self._final_saves: list[SaveSpec] = []
         """Saves of finished requests whose blocks vLLM keeps until the workers report them."""
-        self._loading: dict[str, list[Hit]] = {}
-        """Pinned hits whose load was sent to the workers, until they report it finished."""
         self._failures_seen = 0
         self._first_ask: dict[str, float] = {}
         """Requests asked about while the namespace was being registered: since when."""
@@ -156,12 +168,21 @@ class SchedulerSide:
                 return None
             self._first_ask.pop(request.request_id, None)
             return 0
-        if not self.load:
+        life = tracked.life
+        if life.phase is Phase.NEW and (
+            not self.load or getattr(request, "skip_reading_prefix_cache", False)
+        ):
+            # Prompt logprobs need every prompt token computed: vLLM zeroes a hit itself,
+            # so a lookup would pin blocks for nothing. Its blocks are still saved.
+            life.move(Phase.RUNNING)
             return 0
-        if not tracked.looked_up and not self._answer_lookup(tracked):
+        if life.phase in (Phase.NEW, Phase.LOOKING_UP) and not self._answer_lookup(tracked):
             return None
         hits = tracked.hits
-        if not hits or any(hit.released for hit in hits):
+        if life.phase is not Phase.HIT or not hits:
+            return 0
+        if any(hit.released for hit in hits):  # the lease was lost: so were the pins
+            self._drop_hit(tracked)
             return 0
         hit_blocks = min(hit.hit_blocks for hit in hits)
         usable = min(hit_blocks, (int(request.num_tokens) - 1) // self.block_size)
@@ -176,13 +197,14 @@ class SchedulerSide:
             return
         tracked.block_ids = list(block_ids)
         hits = tracked.hits
-        if num_external_tokens <= 0 or not hits:
+        if tracked.life.phase is not Phase.HIT or not hits:
+            return
+        if num_external_tokens <= 0:
             self._drop_hit(tracked)
             return
         first = tracked.local_tokens // self.block_size
         last = first + num_external_tokens // self.block_size
-        tracked.hits = None
-        loads = [
+        tracked.loads = [
             LoadSpec(
                 request_id=request.request_id,
                 block_ids=tuple(block_ids[first:last]),
@@ -191,10 +213,12 @@ class SchedulerSide:
                 pins_until=0.0,
                 pool_version=hit.pool_version,
                 rank=rank,
+                stamps=expected_stamps(hit, first, last),
             )
             for rank, hit in enumerate(hits)
         ]
-        self._pending_loads[request.request_id] = (loads, hits)
+        tracked.life.move(Phase.LOAD_PLANNED)
+        self._planned.append(request.request_id)
 
     def build_meta(self, scheduler_output: Any) -> KVStoreConnectorMetadata:
         """This step's loads and saves; forgets preempted requests."""
@@ -203,13 +227,19 @@ class SchedulerSide:
         self._may_wait = idle
         for req_id in getattr(scheduler_output, "preempted_req_ids", None) or ():
             self._forget(req_id)
-        for req_id, (loads, hits) in self._pending_loads.items():
-            for load, hit in zip(loads, hits, strict=True):
+        for req_id in self._planned:
+            tracked = self._requests.get(req_id)
+            if tracked is None or not tracked.loads or tracked.hits is None:
+                continue
+            for load, hit in zip(tracked.loads, tracked.hits, strict=True):
                 # Read now, as late as possible: the keeper renews the lease meanwhile.
                 pins_until = self.link.pins_held_until(hit)
                 meta.loads.append(dataclasses.replace(load, pins_until=pins_until))
-            self._loading[req_id] = hits
-        self._pending_loads.clear()
+            tracked.loads = []
+            tracked.pending_ranks = set(range(len(tracked.hits)))
+            if tracked.life.phase is Phase.LOAD_PLANNED:
+                tracked.life.move(Phase.LOADING)
+        self._planned.clear()
         meta.saves.extend(self._final_saves)
         self._final_saves.clear()
         scheduled = scheduler_output.num_scheduled_tokens
@@ -239,9 +269,8 @@ class SchedulerSide:
         if not isinstance(report, KVStoreWorkerReport):
             return
         self._failures_seen = max(self._failures_seen, report.failure_seq)
-        for req_id in report.loaded:
-            for hit in self._loading.pop(req_id, ()):
-                self.link.release(hit)
+        for req_id, rank in report.loaded:
+            self._rank_loaded(req_id, rank)
         for req_id in report.poisoned:
             tracked = self._requests.get(req_id)
             if tracked is not None:
@@ -263,10 +292,28 @@ class SchedulerSide:
                 tracked.saved_by_rank.clear()
             tracked.planned_blocks = tracked.saved_blocks  # planned again next step
 
+    def _rank_loaded(self, req_id: str, rank: int) -> None:
+        """One rank finished copying a load (done or failed): its pins may go; once every
+        rank has, the request runs (or, finished meanwhile, is forgotten)."""
+        tracked = self._requests.get(req_id)
+        if tracked is None or not tracked.life.in_flight or rank not in tracked.pending_ranks:
+            return  # a report of a load this side no longer holds (never twice)
+        tracked.pending_ranks.discard(rank)
+        if tracked.hits is not None:
+            self.link.release(tracked.hits[rank])
+        if tracked.pending_ranks:
+            return
+        tracked.hits = None
+        if tracked.life.phase is Phase.LOADING:
+            tracked.life.move(Phase.RUNNING)
+        else:
+            tracked.life.move(Phase.DONE)
+            del self._requests[req_id]
+
     def request_finished(self, request: Any, block_ids: list[int]) -> bool:
         """The request is done (finished or aborted): drop what it still pins.
 
-        A load already sent to the workers keeps its pins until they report it.
+        A load already sent to the workers keeps its pins until every rank reports it.
 
         Returns:
             True when vLLM must keep the request's blocks until the workers report it
@@ -275,7 +322,7 @@ class SchedulerSide:
         request_id = request.request_id
         tracked = self._requests.get(request_id)
         delay = False
-        if tracked is not None and block_ids:
+        if tracked is not None and block_ids and tracked.life.phase is Phase.RUNNING:
             tracked.block_ids = list(block_ids)
             computed = int(getattr(request, "num_computed_tokens", 0))
             delay = self._plan_save(self._final_saves, tracked, computed, frees_blocks=True)
@@ -283,30 +330,41 @@ class SchedulerSide:
         return delay
 
     def shutdown(self) -> None:
-        """Close the client: its lease ends on the node, dropping every pin.
+        """Close the client; its lease ends on the node, dropping every pin, unless a load
+        is in flight.
 
-        vLLM may go on scheduling (draining requests after a stop signal): planned
-        loads are still sent, and fail (their pins are gone), so every request vLLM
-        keeps waiting for its load is reported; nothing new is looked up or saved.
+        A worker may still be copying a load this side sent: then the lease is left to
+        expire by itself (nothing renews it once the client is closed), so the pins hold
+        as long as the workers were told (`LoadSpec.pins_until`). vLLM may go on
+        scheduling (draining requests after a stop signal): planned loads are still
+        sent, and fail, so every request vLLM keeps waiting for its load is reported;
+        nothing new is looked up or saved.
         """
+        in_flight = any(t.life.in_flight or t.loads for t in self._requests.values())
         for tracked in self._requests.values():
             if tracked.lookup is not None:
                 tracked.lookup.cancel()
         self._requests.clear()
-        self._loading.clear()
-        self.link.close()
+        self._planned.clear()
+        self.link.close(end_lease=not in_flight)
         # Saves of finished requests are still sent (the workers skip them but report
         # them), or vLLM would hold their blocks for ever.
 
     @property
     def pins_in_use(self) -> int:
-        """Hits pinned (or being looked up) that a request may still read (for tests and logs)."""
-        held = sum(
+        """Requests holding pins (or looking up) that a worker may still read (for tests and
+        logs)."""
+        return sum(
             1
             for t in self._requests.values()
-            if t.lookup is not None or any(not hit.released for hit in t.hits or ())
+            if t.life.phase is Phase.LOOKING_UP
+            or (t.life.pinned and any(not hit.released for hit in t.hits or ()))
         )
-        return held + len(self._pending_loads) + len(self._loading)
+
+    def phase(self, request_id: str) -> Phase:
+        """The phase of a request (DONE when not tracked)."""
+        tracked = self._requests.get(request_id)
+        return tracked.life.phase if tracked is not None else Phase.DONE
 
     # --- internals -------------------------------------------------------------------------
 
@@ -314,16 +372,17 @@ class SchedulerSide:
         """Advance the admission's lookup; True once it is answered (or given up)."""
         budget = self.link.config.lookup_timeout
         overdue = self._clock() - tracked.asked_at >= budget
+        life = tracked.life
         future = tracked.lookup
         if future is None:
             if self.link.down:  # a call failed lately: compute without asking (back-off)
-                tracked.looked_up = True
+                life.move(Phase.RUNNING)
                 return True
             namespaces = self.link.namespaces()
             if namespaces is None:
                 if self.link.connecting and not overdue:
                     return False
-                tracked.looked_up = True
+                life.move(Phase.RUNNING)
                 return True
             client = self.link.client
             if client is not None:
@@ -331,9 +390,10 @@ class SchedulerSide:
                     self._lookup_ranks(client, namespaces, tracked.chains, budget)
                 )
             if future is None:
-                tracked.looked_up = True
+                life.move(Phase.RUNNING)
                 return True
             tracked.lookup = future
+            life.move(Phase.LOOKING_UP)
         if not future.done() and self._may_wait:
             self._may_wait = False  # once per step, however many requests wait
             concurrent.futures.wait([future], timeout=IDLE_WAIT)
@@ -341,22 +401,24 @@ class SchedulerSide:
             if not overdue:
                 return False
             tracked.lookup = None
-            tracked.looked_up = True
+            life.move(Phase.RUNNING)
             self._abandon(future)
             self.link.failed("look up on", TimeoutError(f"no answer within {budget:g} s"))
             return True
         tracked.lookup = None
-        tracked.looked_up = True
         try:
             hits = future.result()
         except (KVStoreError, concurrent.futures.CancelledError) as exc:
+            life.move(Phase.RUNNING)
             self.link.failed("look up on", exc)
             return True
         hit_blocks = min(hit.hit_blocks for hit in hits)
         if hit_blocks:
             tracked.hits = hits
             tracked.saved_blocks = tracked.planned_blocks = hit_blocks
+            life.move(Phase.HIT)
         else:
+            life.move(Phase.RUNNING)
             for hit in hits:
                 self.link.release(hit)
         return True
@@ -468,17 +530,30 @@ class SchedulerSide:
         return True
 
     def _drop_hit(self, tracked: _Tracked) -> None:
+        """HIT: vLLM did not take the hit (or its pins were lost): release it and compute."""
         hits, tracked.hits = tracked.hits, None
+        tracked.life.move(Phase.RUNNING)
         for hit in hits or ():
             self.link.release(hit)
 
     def _forget(self, req_id: str) -> None:
-        """Stop tracking a request; a load sent or about to be sent keeps its pins."""
+        """vLLM is done with a request (finished, aborted, preempted): release what it pins,
+        unless a worker may be copying it (DRAINING until every rank reports)."""
         self._first_ask.pop(req_id, None)
-        tracked = self._requests.pop(req_id, None)
+        tracked = self._requests.get(req_id)
         if tracked is None:
             return
+        life = tracked.life
+        if life.in_flight or life.phase is Phase.LOAD_PLANNED:
+            if life.phase is not Phase.DRAINING:
+                # A planned load is still sent with the next step (vLLM waits for it).
+                life.move(Phase.DRAINING)
+            return
+        del self._requests[req_id]
         if tracked.lookup is not None:
             self._abandon(tracked.lookup)
             tracked.lookup = None
-        self._drop_hit(tracked)
+        hits, tracked.hits = tracked.hits, None
+        life.move(Phase.DONE)
+        for hit in hits or ():
+            self.link.release(hit)

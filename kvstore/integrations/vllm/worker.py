@@ -40,6 +40,7 @@ Nothing here makes vLLM's forward wait on the node:
 
 from __future__ import annotations
 
+import enum
 import itertools
 import logging
 import os
@@ -49,6 +50,8 @@ from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+import numpy as np
+import numpy.typing as npt
 import torch
 
 from kvstore.client.blocks import slot_runs
@@ -70,8 +73,9 @@ from kvstore.integrations.vllm.paged import (
     scatter_runs,
     stored_shape,
 )
+from kvstore.integrations.vllm.stats import KVStoreConnectorStats
 from kvstore.layout import KVLayout
-from kvstore.pool import HostMapping
+from kvstore.pool import HostMapping, PoolMapping
 from kvstore.pool.views import torch_dtype
 from kvstore.types import SlotId
 
@@ -100,6 +104,24 @@ class LoadFailed(Exception):
 
 class _Unstaged(Exception):
     """A save needs a block that was not copied out (the node lost it since the lookup)."""
+
+
+class SaveEnd(enum.Enum):
+    """How a save ended, as the scheduler side is told (`KVStoreWorkerReport`)."""
+
+    SAVED = "saved"
+    """Every block is on the node: reported with the count."""
+    RETRY = "retry"
+    """Not (all) saved: planned again from the blocks confirmed so far."""
+    RESTAGE = "restage"
+    """The node lost a block before the copied-out ones: planned again from block 0."""
+    NOT_STAGED = "not_staged"
+    """Copying out failed before the save thread had it (the error goes to vLLM): nothing
+    to report."""
+
+
+class _NotAllStored(Exception):
+    """The node did not take every block of a save (no room, or another writer's)."""
 
 
 class WorkerSide:
@@ -151,7 +173,9 @@ class WorkerSide:
         self._closed = False
         """After `shutdown`: loads fail at once (vLLM recomputes), saves are skipped."""
         self.loaded_blocks = 0
-        """Blocks copied in from the node so far (for logs and tests)."""
+        """Blocks copied in from the node so far, proven by their stamps (for logs and tests)."""
+        self._stats = KVStoreConnectorStats()
+        """Counts since `take_stats` (vLLM's ``/metrics``)."""
         self.saved_blocks = 0
         """Blocks this worker committed to the node so far."""
 
@@ -172,13 +196,15 @@ class WorkerSide:
             if load.rank != self.rank:
                 continue
             if self._closed:  # vLLM may still drain requests after a stop signal
-                with self._lock:
-                    self._done_loads.append((load.request_id, load.block_ids))
+                self._load_done(load, load.block_ids)
                 continue
             if meta.idle and self._mapped_for(load):
                 self._run_load(load)  # no forward waits on this step: copy now
             else:
-                self._loader.submit(self._run_load, load)
+                try:
+                    self._loader.submit(self._run_load, load)
+                except RuntimeError:  # shut down meanwhile (another thread)
+                    self._load_done(load, load.block_ids)
 
     def _mapped_for(self, load: LoadSpec) -> bool:
         """Whether ``load`` can be copied with no call to the node (never waits): the
@@ -195,7 +221,7 @@ class WorkerSide:
     def _run_load(self, load: LoadSpec) -> None:
         failed: tuple[int, ...] = ()
         try:
-            self._load(load)
+            failed = self._load(load)
         except Exception as exc:  # any failure: vLLM recomputes these blocks
             failed = load.block_ids
             log.warning(
@@ -205,13 +231,22 @@ class WorkerSide:
                 type(exc).__name__,
                 exc,
             )
+        self._load_done(load, failed)
+
+    def _load_done(self, load: LoadSpec, failed: tuple[int, ...]) -> None:
         with self._lock:
             self._done_loads.append((load.request_id, failed))
+            self._stats.add("loaded_blocks", len(load.block_ids) - len(failed))
+            self._stats.add("load_error_blocks", len(failed))
+            self.loaded_blocks += len(load.block_ids) - len(failed)
 
-    def _load(self, load: LoadSpec) -> None:
+    def _load(self, load: LoadSpec) -> tuple[int, ...]:
+        """Copy one load; the vLLM block ids whose copy is not proven (empty: all are)."""
         if not load.block_ids:
-            return
+            return ()
         _hold_for_tests()
+        if self._closed:
+            raise LoadFailed("the connector is shutting down")
         if self.fail_loads:
             raise LoadFailed("fail_loads is set (testing)")
         if self._clock() >= load.pins_until:
@@ -232,6 +267,12 @@ class WorkerSide:
             mapping = ns.mapping
             if mapping is None or mapping.closed or mapping.descriptor.version < load.pool_version:
                 raise LoadFailed("the pool mapping could not follow the node's arenas")
+        slots = np.asarray(load.slots, dtype=np.uint64)
+        expected = np.asarray(load.stamps, dtype=np.uint64).reshape(-1, 2)
+        if len(expected) != len(slots):
+            raise LoadFailed(f"{len(expected)} stamps for {len(slots)} slots")
+        if self._moved(mapping, slots, expected).any():
+            raise LoadFailed("a slot no longer holds the block the lookup found")
         if isinstance(mapping, HostMapping) and self.layers and not self.layers[0].tensor.is_cuda:
             scatter_runs(self.layers, self._runs(mapping, load))
         else:
@@ -242,11 +283,31 @@ class WorkerSide:
             scatter_blocks(self.layers, load.block_ids, views)
         if self.layers and self.layers[0].tensor.is_cuda:
             torch.cuda.synchronize(self.layers[0].tensor.device)
-        # The fence: every byte above was read before this instant, so while the
-        # pins were held, or the copy does not count (the slots may be reused).
+        # The fence: every byte above was read before this instant. The proof: each
+        # slot's stamp is still the lookup's, so no writer was handed the slot before
+        # the copy landed (a seqlock's second read); a moved block is a load error.
+        moved = self._moved(mapping, slots, expected)
+        if self._closed:
+            raise LoadFailed("the connector shut down during the copy")
         if self._clock() >= load.pins_until:
             raise LoadFailed("the copy outlasted the pins (lease lost, or the engine stalled)")
-        self.loaded_blocks += len(load.block_ids)
+        failed = tuple(b for b, bad in zip(load.block_ids, moved.tolist(), strict=True) if bad)
+        if failed:
+            with self._lock:
+                self._stats.add("load_moved_blocks", len(failed))
+            log.warning(
+                "kvstore: %d of %d blocks of request %s were overwritten during their copy "
+                "(slot stamps moved); vLLM recomputes them",
+                len(failed),
+                len(load.block_ids),
+                load.request_id,
+            )
+        return failed
+
+    @staticmethod
+    def _moved(mapping: PoolMapping, slots: npt.NDArray[np.uint64], expected: Any) -> Any:
+        """Per slot: whether its stamp is no longer the lookup's (`kvstore.pool.stamps`)."""
+        return (mapping.read_stamps(slots) != expected).any(axis=1)
 
     def _runs(self, mapping: HostMapping, load: LoadSpec) -> list[tuple[int, torch.Tensor]]:
         """The load as runs: adjacent slots of one arena going to adjacent vLLM blocks, each
@@ -270,12 +331,12 @@ class WorkerSide:
         with self._lock:
             done, self._done_loads = self._done_loads, []
             for req_id, failed in done:
-                self._report.loaded.add(req_id)
+                self._report.loaded.add((req_id, self.rank))
                 if not failed:
                     continue
                 self._failure_seq += 1
                 self._load_errors.update(failed)
-                self._report.failed_loads.add(req_id)
+                self._report.failed_loads.add((req_id, self.rank))
                 self._report.failed_blocks.update(failed)
                 for block_id in failed:
                     self._tainted[block_id] = self._failure_seq
@@ -339,26 +400,29 @@ class WorkerSide:
                 ready = torch.cuda.Event()  # type: ignore[no-untyped-call]
                 ready.record()
         except BaseException:
-            self._saved(save, nbytes, None)
+            self._saved(save, nbytes, SaveEnd.NOT_STAGED)
             raise
         self._saver.submit(self._run_save, save, staged, ready, nbytes)
 
     def _run_save(
         self, save: SaveSpec, staged: torch.Tensor | None, ready: Any, nbytes: int
     ) -> None:
-        outcome: int | bool = False
+        end, blocks = SaveEnd.RETRY, 0
         try:
             if ready is not None:
                 ready.synchronize()  # the copy-out, queued on the forward's stream
-            outcome = self._store(save, staged)
+            blocks = self._store(save, staged)
+            end = SaveEnd.SAVED
         except _Unstaged:
-            outcome = True
+            end = SaveEnd.RESTAGE
+        except _NotAllStored as exc:
+            log.debug("kvstore: request %s not all saved: %s", save.request_id, exc)
         except KVStoreError as exc:
             self.link.failed("store on", exc)
         except Exception:
             log.exception("kvstore: saving request %s failed", save.request_id)
         finally:
-            self._saved(save, nbytes, outcome)
+            self._saved(save, nbytes, end, blocks)
 
     def _store(self, save: SaveSpec, staged: torch.Tensor | None) -> int:
         ns = self.link.wait_namespace(self.link.config.connect_timeout)
@@ -376,21 +440,29 @@ class WorkerSide:
             ns, hashes=list(save.hashes), blocks=block, timeout=self.link.config.store_timeout
         )
         self.saved_blocks += result.committed
+        if result.no_room or result.in_flight:
+            # Not every block is on the node (no room, or another writer's still in
+            # flight): say so, and the scheduler plans them again.
+            raise _NotAllStored(f"{result.no_room} had no room, {result.in_flight} in flight")
         return len(save.hashes)
 
-    def _saved(self, save: SaveSpec, nbytes: int, outcome: int | bool | None) -> None:
-        """Record a save's end: blocks now on the node (int), or not saved (restage: True)."""
+    def _saved(self, save: SaveSpec, nbytes: int, end: SaveEnd, blocks: int = 0) -> None:
+        """Record a save's end (``blocks``: leading blocks now on the node, when SAVED)."""
         with self._lock:
             self._pending_bytes -= nbytes
-            if outcome is None:
-                return
-            if isinstance(outcome, bool):
-                self._report.unsaved[save.request_id] = outcome
-            else:
-                self._report.saved[(save.request_id, self.rank)] = outcome
+            if end is SaveEnd.SAVED:
+                self._report.saved[(save.request_id, self.rank)] = blocks
                 self._report.unsaved.pop(save.request_id, None)
+            elif end is not SaveEnd.NOT_STAGED:
+                self._report.unsaved[save.request_id] = end is SaveEnd.RESTAGE
 
     # --- reports and life cycle --------------------------------------------------------
+
+    def take_stats(self) -> KVStoreConnectorStats | None:
+        """Load counts since the last call (None: nothing counted)."""
+        with self._lock:
+            stats, self._stats = self._stats, KVStoreConnectorStats()
+        return None if stats.is_empty() else stats
 
     def take_report(self) -> KVStoreWorkerReport | None:
         """What finished since the last call, for the scheduler side (None: nothing)."""
@@ -411,5 +483,7 @@ class WorkerSide:
             return
         self._closed = True
         self._saver.shutdown(wait=False, cancel_futures=True)
-        self._loader.shutdown(wait=True, cancel_futures=False)
+        # Queued loads are not run: vLLM is stopping, and the scheduler's lease may
+        # be ending. A copy under way fails at its end (`_closed`).
+        self._loader.shutdown(wait=True, cancel_futures=True)
         self.link.close()

@@ -256,8 +256,8 @@ def test_failed_or_unpinned_loads_report_their_blocks() -> None:
         assert finish(worker, "s") == {2}
         assert all(torch.equal(a, b) for a, b in zip(cache, before, strict=True))
         report = worker.take_report()
-        assert report is not None and report.loaded == {"r", "s"}
-        assert report.failed_loads == {"r", "s"} and report.failed_blocks == {0, 1, 2}
+        assert report is not None and report.loaded == {("r", 0), ("s", 0)}
+        assert report.failed_loads == {("r", 0), ("s", 0)} and report.failed_blocks == {0, 1, 2}
         # A save touching a failed load's blocks is refused until the scheduler saw it.
         worker.save(
             KVStoreConnectorMetadata(

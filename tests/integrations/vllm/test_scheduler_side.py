@@ -114,7 +114,7 @@ async def test_pins_of_a_sent_load_outlive_the_request_until_the_worker_reports(
             side.build_meta(step())
             assert pinned(address) == 3, "pins dropped while the worker may still copy"
             side.on_worker_output(
-                SimpleNamespace(kv_connector_worker_meta=KVStoreWorkerReport(loaded={"r1"}))
+                SimpleNamespace(kv_connector_worker_meta=KVStoreWorkerReport(loaded={("r1", 0)}))
             )
             deadline = time.monotonic() + 10
             while pinned(address) and time.monotonic() < deadline:
@@ -283,7 +283,7 @@ async def test_a_tensor_parallel_engine_looks_up_every_ranks_namespace_and_loads
             side.on_worker_output(
                 SimpleNamespace(
                     kv_connector_worker_meta=KVStoreWorkerReport(
-                        loaded={"tp"}, saved={("tp", 0): 3}
+                        loaded={("tp", 0), ("tp", 1)}, saved={("tp", 0): 3}
                     )
                 )
             )
