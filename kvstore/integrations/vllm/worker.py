@@ -43,7 +43,6 @@ from __future__ import annotations
 import enum
 import itertools
 import logging
-import os
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -80,22 +79,6 @@ from kvstore.pool.views import torch_dtype
 from kvstore.types import SlotId
 
 log = logging.getLogger(__name__)
-
-
-HOLD_LOADS_ENV = "KVSTORE_VLLM_TEST_HOLD_LOADS"
-"""Testing only: a file path; while that file exists each load waits before it starts
-(after touching ``<path>.reached``), so a test can stall the engine between lookup and load."""
-
-
-def _hold_for_tests() -> None:
-    path = os.environ.get(HOLD_LOADS_ENV)
-    if not path or not os.path.exists(path):
-        return
-    with open(path + ".reached", "w"):
-        pass
-    deadline = time.monotonic() + 600
-    while os.path.exists(path) and time.monotonic() < deadline:
-        time.sleep(0.01)
 
 
 class LoadFailed(Exception):
@@ -244,7 +227,6 @@ class WorkerSide:
         """Copy one load; the vLLM block ids whose copy is not proven (empty: all are)."""
         if not load.block_ids:
             return ()
-        _hold_for_tests()
         if self._closed:
             raise LoadFailed("the connector is shutting down")
         if self.fail_loads:
@@ -271,8 +253,10 @@ class WorkerSide:
         expected = np.asarray(load.stamps, dtype=np.uint64).reshape(-1, 2)
         if len(expected) != len(slots):
             raise LoadFailed(f"{len(expected)} stamps for {len(slots)} slots")
-        if self._moved(mapping, slots, expected).any():
-            raise LoadFailed("a slot no longer holds the block the lookup found")
+        if moved := int(self._moved(mapping, slots, expected).sum()):
+            with self._lock:
+                self._stats.add("load_moved_blocks", moved)
+            raise LoadFailed(f"{moved} slots no longer hold the blocks the lookup found")
         if isinstance(mapping, HostMapping) and self.layers and not self.layers[0].tensor.is_cuda:
             scatter_runs(self.layers, self._runs(mapping, load))
         else:

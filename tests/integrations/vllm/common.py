@@ -13,6 +13,9 @@ from typing import Any
 
 from tests.integrations.vllm.engines import Engine, Node
 
+FAULTS_ENV = "KVSTORE_TEST_FAULTS"
+"""The folder of the test connector's fault switches (tests/integrations/vllm/faulty.py)."""
+
 BLOCK = 32
 SYSTEM_TOKENS = 100
 SYSTEM_HIT = SYSTEM_TOKENS // BLOCK * BLOCK  # 96: the system prompt's full blocks

@@ -11,7 +11,9 @@ prints ``@@READY``, then answers one JSON command per stdin line with one
   answers each prompt's tokens, the logprob of each chosen token and the
   time to first token, plus the deltas of vLLM's prefix-cache counters
   (``external_hits``: tokens the connector supplied; ``local_hits``) and of
-  its preemptions. The prompts run one at a time, or all in one
+  its preemptions, and of the connector's load counters on vLLM's metrics
+  (``kvstore_loaded``, ``kvstore_load_errors``, ``kvstore_load_moved``,
+  ``kvstore_checksum_failed``). The prompts run one at a time, or all in one
   ``generate`` call with ``"batch": true``.
 - ``{"reset_prefix_cache": true}``: empties vLLM's own prefix cache.
 - ``{"exit": true}``: shuts the engine down.
@@ -31,6 +33,10 @@ COUNTERS = {
     "vllm:prefix_cache_hits": "local_hits",
     "vllm:prefix_cache_queries": "local_queries",
     "vllm:num_preemptions": "preemptions",
+    "vllm:kvstore_loaded_blocks": "kvstore_loaded",
+    "vllm:kvstore_load_error_blocks": "kvstore_load_errors",
+    "vllm:kvstore_load_moved_blocks": "kvstore_load_moved",
+    "vllm:kvstore_load_checksum_failed_blocks": "kvstore_checksum_failed",
 }
 
 
@@ -68,9 +74,13 @@ def build(spec: dict[str, Any]) -> Any:
 
         kwargs["kv_events_config"] = KVEventsConfig(**spec["kv_events_config"])
     if spec.get("connector") is not None:
+        # "faulty": the test connector with switchable faults (tests/integrations/vllm/faulty.py).
+        faulty = spec.get("faulty", False)
         kwargs["kv_transfer_config"] = {
-            "kv_connector": "KVStoreConnector",
-            "kv_connector_module_path": "kvstore.integrations.vllm",
+            "kv_connector": "FaultyConnector" if faulty else "KVStoreConnector",
+            "kv_connector_module_path": (
+                "tests.integrations.vllm.faulty" if faulty else "kvstore.integrations.vllm"
+            ),
             "kv_role": "kv_both",
             "kv_connector_extra_config": spec["connector"],
         }

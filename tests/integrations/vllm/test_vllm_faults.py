@@ -2,7 +2,8 @@
 
 One node and four engine processes shared by the module: ``ref`` without
 the connector (the reference outputs), ``a`` with the connector (a short
-lease and lookup timeout, and a test hook that can hold its loads), ``f``
+lease and lookup timeout; the test connector of `faulty`, whose faults the
+tests switch on: held loads, pins leaked while a load is sent), ``f``
 whose loads all fail, and ``p`` with a KV cache so small that a batch
 preempts. ``a``, ``f`` and ``p`` are one tenant, so they share blocks.
 Every fault is real: failed loads, an engine stopped with SIGSTOP past its
@@ -12,6 +13,11 @@ SIGSTOP under a stream of requests.
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -21,9 +27,9 @@ import pytest
 
 from kvstore.api.wire import layout_from_proto
 from kvstore.client import SyncClient
-from kvstore.integrations.vllm.worker import HOLD_LOADS_ENV
 from tests.integrations.vllm.common import (
     BLOCK,
+    FAULTS_ENV,
     USER_1,
     USER_2,
     assert_nothing_pinned,
@@ -34,7 +40,7 @@ from tests.integrations.vllm.common import (
     tokens,
     wait_for,
 )
-from tests.integrations.vllm.engines import Engine, Node, running
+from tests.integrations.vllm.engines import ROOT, Engine, Node, running
 
 pytestmark = [pytest.mark.vllm, pytest.mark.e2e, pytest.mark.timeout(900)]
 
@@ -46,8 +52,14 @@ ENGINE_DIFF = 1e-5
 
 
 @pytest.fixture(scope="module")
-def hold_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("hold") / "hold-loads"
+def faults(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The folder whose files switch engine ``a``'s faults on (`faulty`)."""
+    return tmp_path_factory.mktemp("faults")
+
+
+@pytest.fixture(scope="module")
+def hold_file(faults: Path) -> Path:
+    return faults / "hold-loads"
 
 
 @pytest.fixture(scope="module")
@@ -55,14 +67,18 @@ def engines(
     vllm_py: str,
     tiny_model: Path,
     node: Node,
-    hold_file: Path,
+    faults: Path,
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[dict[str, Engine]]:
     logs = tmp_path_factory.mktemp("fault-engines")
     quick = {"lease_ttl": LEASE_TTL, "lookup_timeout": LOOKUP_TIMEOUT}
     specs: dict[str, dict[str, Any]] = {
         "ref": {"connector": None},
-        "a": {"connector": connector(node, **quick), "env": {HOLD_LOADS_ENV: str(hold_file)}},
+        "a": {
+            "connector": connector(node, **quick),
+            "faulty": True,
+            "env": {FAULTS_ENV: str(faults)},
+        },
         "f": {"connector": connector(node, fail_loads=True)},
         # 24 blocks of 32 tokens: a batch of 32 prompts of ~5 blocks each preempts.
         "p": {"connector": connector(node), "num_gpu_blocks_override": 24, "max_model_len": 512},
@@ -187,3 +203,111 @@ def test_a_preempting_batch_is_exact_and_leaves_nothing_pinned(engines, node) ->
     answered = [(len(q) - len(USER_2) - 1) // BLOCK * BLOCK for q in follow]
     assert loaded == sum(answered), (loaded, answered)
     assert_nothing_pinned(node)
+
+
+def engine_namespace(node: Node) -> tuple[str, Any]:
+    """The model id and layout of the engines' namespace on the node."""
+    ns_stats = max(node.stats().namespaces, key=lambda n: n.capacity)
+    return ns_stats.model_id, layout_from_proto(ns_stats.layout)
+
+
+def test_a_slot_overwritten_under_a_load_is_recomputed(engines, node, faults) -> None:
+    """The pins of a sent load are dropped (a bookkeeping bug, injected) and another tenant
+    overwrites every slot before the worker copies: the stamps prove the copy wrong, the
+    blocks are load errors, vLLM recomputes them, and the counters say so."""
+    a, ref = engines["a"], engines["ref"]
+    prompt = system(50) + USER_2
+    run(a, system(50) + USER_1)  # the node holds the system prompt
+    a.command(reset_prefix_cache=True)
+    hold, leak = faults / "hold-loads", faults / "leak-pins"
+    reached = faults / "hold-loads.reached"
+    reached.unlink(missing_ok=True)
+    hold.touch()
+    leak.touch()
+    try:
+        ticket = a.send(prompts=[prompt], max_tokens=8)
+        wait_for("the load", reached.exists, 120, tail=a.tail)
+        # The lease is alive (pins_until holds): only the stamps can tell.
+        wait_for("the leaked pins to go", lambda: node.stats().pinned == 0, 30)
+        assert fill_pool(node, "filler") > 0
+    finally:
+        leak.unlink(missing_ok=True)
+        hold.unlink(missing_ok=True)
+    answer = a.answer(ticket)
+    got = {**answer["results"][0], **{k: v for k, v in answer.items() if k != "results"}}
+    assert got["external_hits"] == 3 * BLOCK  # the hit was counted, then not used
+    assert got["kvstore_load_errors"] == 3 and got["kvstore_load_moved"] == 3
+    assert "no longer hold the blocks the lookup found" in "".join(a.log)
+    assert_exact(got, run(ref, prompt))
+    assert_nothing_pinned(node)
+
+
+WRITER = """
+import sys, time, numpy as np
+from kvstore.api.wire import layout_from_proto
+from kvstore.client import SyncClient
+target, model, prompt = sys.argv[1], sys.argv[2], [int(t) for t in sys.argv[3].split(",")]
+with SyncClient(target, tenant="acme", timeout=10.0) as c:
+    stats = next(n for n in c.stats(timeout=10.0).namespaces if n.model_id == model)
+    layout = layout_from_proto(stats.layout)
+    ns = c.register_namespace(model, layout, timeout=10.0)
+    def block(i):
+        if i == 2:  # two blocks written, the third half-way: killed here
+            print("@@HALF", flush=True)
+            time.sleep(600)
+        return np.full(layout.block_shape, 7.0 + i, np.float32)  # not the model's KV
+    c.store(ns, prompt, block, timeout=600.0)
+"""
+
+
+def test_a_writer_killed_half_way_is_never_served(engines, node) -> None:
+    """A runner SIGKILLed while it writes the blocks of a prompt (torn writes, wrong bytes
+    under the right hashes) never committed them: an engine asking for that prompt finds
+    nothing, computes it, and answers exactly."""
+    a, ref = engines["a"], engines["ref"]
+    prompt = system(80) + USER_1
+    model, _ = engine_namespace(node)
+    writer = subprocess.Popen(
+        [sys.executable, "-c", WRITER, node.target, model, ",".join(map(str, prompt))],
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    try:
+        assert writer.stdout is not None
+        assert writer.stdout.readline().strip() == "@@HALF"
+        assert node.stats().writing > 0
+    finally:
+        writer.kill()
+        writer.wait()
+    got = run(a, prompt)
+    assert got["external_hits"] == 0
+    assert_exact(got, run(ref, prompt))
+    assert_nothing_pinned(node, within=4 * LEASE_TTL + 10)  # the dead writer's lease expires
+
+
+def test_sigterm_with_a_load_in_flight_leaks_nothing_and_saves_nothing_wrong(
+    engines, node, faults
+) -> None:
+    """SIGTERM to an engine whose load is copying: the copy fails once the connector is
+    closed, nothing stays pinned past the lease, and another engine loading the same
+    prompt answers exactly. (Last in the module: engine ``a`` is gone after it.)"""
+    a, p, ref = engines["a"], engines["p"], engines["ref"]
+    prompt = system(90) + USER_2
+    run(a, system(90) + USER_1)  # the node holds the system prompt
+    a.command(reset_prefix_cache=True)
+    hold, reached = faults / "hold-loads", faults / "hold-loads.reached"
+    reached.unlink(missing_ok=True)
+    hold.touch()
+    try:
+        a.send(prompts=[prompt], max_tokens=8)
+        wait_for("the load", reached.exists, 120, tail=a.tail)
+        os.killpg(a.proc.pid, signal.SIGTERM)
+        time.sleep(1.0)  # the connector closes while the load is held
+    finally:
+        hold.unlink(missing_ok=True)
+    a.proc.wait(120)
+    assert_nothing_pinned(node, within=4 * LEASE_TTL + 10)
+    got = run(p, prompt)
+    assert got["external_hits"] == 3 * BLOCK
+    assert_exact(got, run(ref, prompt))
