@@ -14,10 +14,15 @@ Rules (also in ``docs/leases.md``):
   unpin twice, a third release of the same block is a no-op. A release only
   ever drops the releasing lease's own pins.
 - Closing a lease releases everything it holds, like expiry, but at once.
-- A release may carry an id (the client's, one per hit): a release whose id
-  the lease has seen among its last `RELEASES_REMEMBERED` answers what it
-  answered then and drops nothing, so a retried release never drops the pin
-  another hit of the same lease holds on the same block.
+- Pins are named by the lookup that took them: a pinned lookup may declare a
+  release id (the client's, one per hit), and the lease records that id ->
+  the pins it took (a `PinSet`). A release naming the id drops exactly those
+  pins, once, and forgets the id; a release naming an id that names no live
+  pin set (spent, or never declared) drops nothing. So a retried release
+  never drops the pin another hit of the same lease holds on the same block,
+  however late the retry comes. Memory: O(live pin sets), freed on release,
+  close and expiry; `ANSWERS_REMEMBERED` recent answers only let a retry get
+  the same count back (correctness does not depend on them).
 """
 
 from __future__ import annotations
@@ -29,14 +34,26 @@ from dataclasses import dataclass, field
 
 from kvstore.block import Block
 from kvstore.errors import InvalidArgument, LeaseExpired, LimitExceeded, UnknownLease
-from kvstore.types import LeaseId, NamespaceId, TenantId
+from kvstore.types import BlockHash, LeaseId, NamespaceId, TenantId
 
-RELEASES_REMEMBERED = 4096
-"""Release ids a lease remembers (the most recent): a retry of an older one is applied again."""
+ANSWERS_REMEMBERED = 1024
+"""Spent release ids whose count a lease keeps (the most recent), so that a
+retry gets the count the first attempt got; an older retry answers 0. Either
+way a spent id drops nothing: this memory is for the answer only."""
 
 ENDED_MEMORY = 65536
 """How many ended lease ids are remembered to answer `LeaseExpired` rather
 than `UnknownLease`."""
+
+
+@dataclass(frozen=True, slots=True)
+class PinSet:
+    """The pins one pinned lookup took, named by the release id it declared."""
+
+    namespace: NamespaceId
+    """The namespace the lookup ran in."""
+    hashes: tuple[BlockHash, ...]
+    """The blocks it pinned, one pin each (a chain from its first block)."""
 
 
 @dataclass(slots=True, eq=False)
@@ -63,20 +80,64 @@ class Lease:
     """Pins held over all namespaces, counting repeats (bounded by config)."""
     internal: bool = False
     """Opened by the node itself (peer fetch): not counted against the tenant's lease limit."""
-    releases: dict[int, int] | None = None
-    """Release id -> pins that release dropped, the most recent last (None until the first)."""
+    pin_sets: dict[int, PinSet] = field(default_factory=dict)
+    """Release id -> the pins the pinned lookup that declared it took, while live."""
+    answers: dict[int, int] | None = None
+    """Spent release id -> the pins its release dropped, the most recent last
+    (at most `ANSWERS_REMEMBERED`; None until the first)."""
 
-    def released_before(self, release_id: int) -> int | None:
-        """The pins release ``release_id`` dropped, if this lease applied it (recently)."""
-        return None if self.releases is None else self.releases.get(release_id)
+    def declare_pin_set(self, release_id: int) -> None:
+        """Check that ``release_id`` may name a new pinned lookup's pins.
 
-    def remember_release(self, release_id: int, count: int) -> None:
-        """Record that release ``release_id`` dropped ``count`` pins (bounded memory)."""
-        if self.releases is None:
-            self.releases = {}
-        self.releases[release_id] = count
-        if len(self.releases) > RELEASES_REMEMBERED:
-            del self.releases[next(iter(self.releases))]  # the oldest
+        Raises:
+            InvalidArgument: a live pinned lookup of this lease declared it already.
+        """
+        if release_id in self.pin_sets:
+            raise InvalidArgument(
+                f"release_id {release_id} already names the pins of another live lookup "
+                f"of lease {self.lease_id}; choose a new id per pinned lookup"
+            )
+
+    def add_pin_set(
+        self, release_id: int, namespace: NamespaceId, hashes: tuple[BlockHash, ...]
+    ) -> None:
+        """Record the pins a lookup took under ``release_id`` (checked by `declare_pin_set`)."""
+        self.declare_pin_set(release_id)
+        self.pin_sets[release_id] = PinSet(namespace, hashes)
+        if self.answers is not None:
+            self.answers.pop(release_id, None)  # declared again: no longer spent
+
+    def take_pin_set(self, release_id: int, namespace: NamespaceId) -> PinSet | None:
+        """Remove and return the live pin set ``release_id`` names in ``namespace``, if any."""
+        pin_set = self.pin_sets.get(release_id)
+        if pin_set is None or pin_set.namespace != namespace:
+            return None
+        del self.pin_sets[release_id]
+        return pin_set
+
+    def answered(self, release_id: int) -> int:
+        """What the release of spent id ``release_id`` dropped, if remembered; else 0."""
+        return 0 if self.answers is None else self.answers.get(release_id, 0)
+
+    def remember_answer(self, release_id: int, count: int) -> None:
+        """Record that the release of ``release_id`` dropped ``count`` pins (bounded memory)."""
+        if self.answers is None:
+            self.answers = {}
+        self.answers[release_id] = count
+        if len(self.answers) > ANSWERS_REMEMBERED:
+            del self.answers[next(iter(self.answers))]  # the oldest
+
+    def forget_pin_sets(self, namespace: NamespaceId | None = None) -> None:
+        """Drop the record of the pin sets (in ``namespace``; None: all): their pins are gone.
+
+        Cost: O(the lease's pin sets), each of which holds at least one pin.
+        """
+        if namespace is None:
+            self.pin_sets.clear()
+            self.answers = None
+            return
+        for release_id in [i for i, p in self.pin_sets.items() if p.namespace == namespace]:
+            del self.pin_sets[release_id]
 
     def pins_in(self, namespace: NamespaceId) -> set[Block]:
         """The blocks this lease pins in one namespace (created on first use)."""

@@ -198,6 +198,7 @@ class Store:
         for lease in list(self._leases):
             if namespace in lease.pins or namespace in lease.writes:
                 p, w = table.drop_lease(lease, now)
+                lease.forget_pin_sets(namespace)
                 pins += p
                 writes += w
         removed = table.clear(now).removed
@@ -274,6 +275,7 @@ class Store:
             p, w = self._tables[namespace].drop_lease(lease, now, quarantine_until)
             pins += p
             writes += w
+        lease.forget_pin_sets()
         return ReleaseReport(lease.lease_id, lease.tenant, pins, writes)
 
     # --- block operations ---------------------------------------------------
@@ -294,15 +296,65 @@ class Store:
         lease_id: LeaseId | None = None,
         query_tokens: int | None = None,
         peek: bool = False,
+        release_id: int = 0,
     ) -> LookupResult:
         """Longest READY prefix of ``chain``; pinned under ``lease_id`` if given.
 
         ``peek=True`` counts nothing and moves nothing in the LRU (see `BlockTable.lookup`).
+        A nonzero ``release_id`` (with a lease) names the pins this lookup
+        takes: a `release` naming it drops exactly those, once
+        (`Lease.pin_sets`). A lookup that pins nothing records nothing.
+
+        Raises:
+            InvalidArgument: ``release_id`` without a lease, or already naming
+                a live pinned lookup of the lease (`check_release_id`).
         """
         self._check_len(chain)
         table = self.table(namespace)
         lease = self._leases.get(lease_id, tenant, now) if lease_id is not None else None
-        return table.lookup(tenant, chain, now, lease=lease, query_tokens=query_tokens, peek=peek)
+        if release_id:
+            if lease is None:
+                raise InvalidArgument("a release id names pins: it needs a pinned lookup")
+            lease.declare_pin_set(release_id)
+        result = table.lookup(tenant, chain, now, lease=lease, query_tokens=query_tokens, peek=peek)
+        if release_id and lease is not None and result.hashes:
+            lease.add_pin_set(release_id, namespace, tuple(result.hashes))
+        return result
+
+    def check_release_id(
+        self, tenant: TenantId, lease_id: LeaseId, release_id: int, now: float
+    ) -> None:
+        """Raise what `lookup` would for ``release_id``, before anything else is applied.
+
+        Raises:
+            InvalidArgument: a live pinned lookup of the lease declared it already.
+            LeaseExpired, UnknownLease: as for any use of the lease.
+        """
+        self._leases.get(lease_id, tenant, now).declare_pin_set(release_id)
+
+    def unpin_lookup(
+        self,
+        namespace: NamespaceId,
+        tenant: TenantId,
+        lease_id: LeaseId,
+        result: LookupResult,
+        now: float,
+        release_id: int = 0,
+    ) -> int:
+        """Undo a pinned lookup whose answer never reached its caller.
+
+        Drops the pins ``result`` took (under ``release_id``'s pin set when
+        it declared one) and forgets the id without spending it: the caller
+        may declare it again (a retried lookup).
+        """
+        lease = self._leases.get(lease_id, tenant, now)
+        table = self.table(namespace)
+        if release_id:
+            pin_set = lease.take_pin_set(release_id, namespace)
+            if pin_set is None:
+                return 0
+            return table.release(lease, pin_set.hashes, now)
+        return table.release(lease, result.hashes, now)
 
     def reserve(
         self,
@@ -352,22 +404,26 @@ class Store:
         now: float,
         release_id: int = 0,
     ) -> int:
-        """Drop this lease's pins on the named blocks (see `BlockTable.release`).
+        """Drop this lease's pins: those a lookup took, or one per named block.
 
-        A nonzero ``release_id`` makes the release idempotent: the same id
-        again (a retry) returns the first answer and drops nothing
-        (`Lease.released_before`).
+        With a nonzero ``release_id``: the pins the pinned lookup that
+        declared it took (its `PinSet`), exactly once; ``hashes`` are not
+        consulted. The id is then spent: a release naming it again (a retry),
+        or naming an id no live pinned lookup of this lease declared in this
+        namespace, drops nothing and answers the first count while the lease
+        remembers it (`ANSWERS_REMEMBERED`), else 0. Without an id: one of
+        this lease's pins on each named block (`BlockTable.release`).
         """
         self._check_len(hashes)
         table = self.table(namespace)
         lease = self._leases.get(lease_id, tenant, now)
-        if release_id:
-            before = lease.released_before(release_id)
-            if before is not None:
-                return before
-        count = table.release(lease, hashes, now)
-        if release_id:
-            lease.remember_release(release_id, count)
+        if not release_id:
+            return table.release(lease, hashes, now)
+        pin_set = lease.take_pin_set(release_id, namespace)
+        if pin_set is None:
+            return lease.answered(release_id)
+        count = table.release(lease, pin_set.hashes, now)
+        lease.remember_answer(release_id, count)
         return count
 
     def check_slot(self, namespace: NamespaceId, tenant: TenantId, ref: BlockRef) -> None:

@@ -23,10 +23,12 @@ Rules the client keeps:
   or its slots aborted; a failing or cancelled `store` aborts what it
   reserved (``except BaseException: abort; raise``); a cancelled `release`
   still goes out, from the background.
-* **Pins are dropped once per hit.** A hit's release carries the hit's own
-  id, which the node applies once per lease: a release retried after a
-  timeout, or sent again by the caller, never drops a pin that another hit
-  of the same lease holds (`kvstore.client.releases`).
+* **Pins are dropped once per hit.** A pinned lookup names its pins with a
+  fresh random id (``LookupRequest.release_id``) and the hit's release
+  carries it: the node drops exactly the pins that lookup took, once, so a
+  release retried after a timeout (however late), or sent again by the
+  caller, never drops a pin that another hit of the same lease holds
+  (`kvstore.client.releases`).
 """
 
 from __future__ import annotations
@@ -257,6 +259,7 @@ class Client(PrefixQueries):
                 allow_remote=allow_remote,
                 packed_reply=True,
                 packed_slots=True,
+                release_id=new_release_id() if pin else 0,  # names this lookup's pins
                 **fields,
             )
             try:
@@ -266,6 +269,7 @@ class Client(PrefixQueries):
                     continue
                 raise
             hit = hit_from_proto(ns, resp, generation, lease_id)
+            hit.release_id = req.release_id
             if "query_tokens" in fields:  # hashed here: the chain a tokens lookup answers
                 hit.packed_chain = fields["packed_hashes"]
             changed = self._session.observe_epoch(resp.pool_epoch)
@@ -322,14 +326,16 @@ class Client(PrefixQueries):
             return await asyncio.shield(call)
         except asyncio.CancelledError:
             # The node may pin before we stop listening: release what it pinned.
-            self._background.spawn(self._release_when_done(ns, LeaseId(req.lease_id), call))
+            self._background.spawn(
+                self._release_when_done(ns, LeaseId(req.lease_id), req.release_id, call)
+            )
             raise
 
     def _spawn_call(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Future[Any]:
         return asyncio.ensure_future(coro)
 
     async def _release_when_done(
-        self, ns: Namespace, lease_id: LeaseId, call: asyncio.Future[Any]
+        self, ns: Namespace, lease_id: LeaseId, release_id: int, call: asyncio.Future[Any]
     ) -> None:
         try:
             resp = await call
@@ -340,6 +346,8 @@ class Client(PrefixQueries):
             # Under the lease that pinned them: if it was replaced meanwhile,
             # the new lease's pins of the same blocks are not ours to drop.
             req = pb.ReleaseRequest(namespace_id=ns.id, lease_id=lease_id, packed_hashes=hashes)
+            if release_id:
+                req.release_ids.append(release_id)  # exactly the pins that lookup took
             await quietly("release", self._rpc.call("Release", req, None, idempotent=False))
 
     async def release(
@@ -412,7 +420,14 @@ class Client(PrefixQueries):
         if hit.lease_id is None:  # the pins' lease, never a replacement's
             return 0
         if not hit.release_id:
-            hit.release_id = new_release_id()
+            # Not from `lookup` (no id names its pins): one pin per block, by
+            # hash, never retried (a retry could drop another hit's pins).
+            req = pb.ReleaseRequest(
+                namespace_id=hit.namespace.id, lease_id=hit.lease_id, packed_hashes=hit.hit_hashes
+            )
+            resp = await self._rpc.call("Release", req, timeout, idempotent=False)
+            hit.release_answered = True
+            return int(resp.released)
         count = await self._releases.release(
             hit.namespace.id, hit.lease_id, hit.hit_hashes, hit.release_id, timeout
         )

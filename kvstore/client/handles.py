@@ -161,9 +161,10 @@ class Hit:
     """True once `Client.release` was called (or the pins were lost with the lease):
     no views from then on, since the node may have dropped the pins."""
     release_id: int = 0
-    """The id of this hit's release, chosen on its first `Client.release` (0 before):
-    every attempt sends it, so the node drops the hit's pins once, however often
-    the release is sent."""
+    """The id that names this hit's pins, chosen by `Client.lookup` and sent with the
+    pinned Lookup (``LookupRequest.release_id``; 0 when not pinned): every release
+    attempt sends it, so the node drops exactly the pins that lookup took, once,
+    however often and however late the release is sent."""
     release_answered: bool = False
     """True once the node answered this hit's release (a further release sends nothing)."""
     pool_version: int = 0

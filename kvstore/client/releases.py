@@ -27,11 +27,13 @@ Pins are dropped exactly once per hit, whatever happens to the caller:
   node that ignores the field, its releases go out again as a ``Release``
   (`settle_carried`), under the same ids.
 * Every hit's release carries its own id (``release_ids``, one per run):
-  the node applies an id once per lease and answers a repeat with the first
-  count, so a call whose outcome is unknown (a timeout, a lost connection)
-  is retried by the `RetryPolicy` like any idempotent call, and a caller
-  may release the same hit again: neither drops the pin that another hit of
-  the same lease holds on the same block.
+  the id its pinned Lookup declared (``LookupRequest.release_id``, chosen by
+  `Client.lookup` with `new_release_id`). The node drops exactly the pins
+  that Lookup took, once, and a spent id drops nothing, so a call whose
+  outcome is unknown (a timeout, a lost connection) is retried by the
+  `RetryPolicy` like any idempotent call, and a caller may release the same
+  hit again, however late: neither drops the pin that another hit of the
+  same lease holds on the same block.
 """
 
 from __future__ import annotations
@@ -69,7 +71,7 @@ class _Waiting:
 
 
 def new_release_id() -> int:
-    """A random nonzero 64-bit id for one hit's release."""
+    """A random nonzero 64-bit id that names one pinned lookup's pins (and its release)."""
     return secrets.randbits(64) or 1
 
 

@@ -598,6 +598,7 @@ class LookupRequest(_message.Message):
     QUERY_TOKENS_FIELD_NUMBER: _builtins.int
     RELEASE_FIELD_NUMBER: _builtins.int
     PACKED_SLOTS_FIELD_NUMBER: _builtins.int
+    RELEASE_ID_FIELD_NUMBER: _builtins.int
     namespace_id: _builtins.str
     lease_id: _builtins.int
     """required when pin is set"""
@@ -620,6 +621,14 @@ class LookupRequest(_message.Message):
     """With packed_reply: answer the slots and generations as packed_slots and
     packed_generations (little-endian uint64 each, concatenated), not as the
     repeated fields. A node that predates it answers the repeated fields.
+    """
+    release_id: _builtins.int
+    """With pin, optional: the id this lookup's pins are named by (nonzero, chosen
+    by the client: random, one per pinned lookup). A Release (or a carried
+    release) naming it in release_ids drops exactly the pins this lookup took,
+    once; the id is then spent and names nothing. An id that already names a
+    live pinned lookup of the same lease is INVALID_ARGUMENT (nothing is
+    applied). Set without pin: INVALID_ARGUMENT. 0: no id (release by hashes).
     """
     @_builtins.property
     def tokens(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
@@ -655,10 +664,11 @@ class LookupRequest(_message.Message):
         query_tokens: _builtins.int = ...,
         release: Global___ReleaseRequest | None = ...,
         packed_slots: _builtins.bool = ...,
+        release_id: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["release", b"release"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["allow_remote", b"allow_remote", "extras", b"extras", "hashes", b"hashes", "lease_id", b"lease_id", "namespace_id", b"namespace_id", "packed_hashes", b"packed_hashes", "packed_reply", b"packed_reply", "packed_slots", b"packed_slots", "packed_tokens", b"packed_tokens", "pin", b"pin", "query_tokens", b"query_tokens", "release", b"release", "tokens", b"tokens"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["allow_remote", b"allow_remote", "extras", b"extras", "hashes", b"hashes", "lease_id", b"lease_id", "namespace_id", b"namespace_id", "packed_hashes", b"packed_hashes", "packed_reply", b"packed_reply", "packed_slots", b"packed_slots", "packed_tokens", b"packed_tokens", "pin", b"pin", "query_tokens", b"query_tokens", "release", b"release", "release_id", b"release_id", "tokens", b"tokens"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1007,9 +1017,13 @@ class ReleaseRequest(_message.Message):
     @_builtins.property
     def release_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """Ids that make the release idempotent: one per run (one in all without runs),
-        nonzero, chosen by the client (random, one per hit). A release whose id this
-        lease already applied (among its last 4096) drops nothing and answers the
-        count it answered then, so a retry never drops another hit's pin. Empty: no ids.
+        nonzero, each the LookupRequest.release_id of the pinned Lookup whose pins
+        the run releases. A run with an id drops exactly the pins that Lookup took
+        (its hashes are not consulted) and spends the id; a run whose id names no
+        live pinned Lookup of this lease in this namespace (spent: a retry; or never
+        declared) drops nothing and answers the count of its first release while
+        the lease remembers it (its last 1024), else 0. So a retry, however late,
+        never drops another hit's pin. Empty: no ids, one pin per named block.
         """
 
     def __init__(

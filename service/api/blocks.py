@@ -7,7 +7,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from kvstore.block_table import BlockTable
-from kvstore.errors import KVStoreError
+from kvstore.errors import InvalidArgument, KVStoreError
 from kvstore.pool.base import BlockPool
 from kvstore.results import BlockRef, LookupResult, MissReason, ReserveResult
 from kvstore.types import BlockHash, LeaseId, NamespaceId, TenantId
@@ -56,6 +56,8 @@ class BlockRpcs(ServicerBase):
         A carried release (``request.release``) is checked with the rest of the
         request, then applied right before the lookup, with no ``await``
         between them: one call does a busy runner's Release and its next Lookup.
+        ``release_id`` (with ``pin``) names the pins this lookup takes: a
+        release naming it drops exactly those, once (docs/leases.md).
         """
         node = self.node
         tenant = node.tenant(context)
@@ -65,6 +67,9 @@ class BlockRpcs(ServicerBase):
             if not request.lease_id:
                 raise FieldError("lease_id", "pin=true needs the lease to pin under")
             lease_id = validate.lease_id(request.lease_id)
+        elif request.release_id:
+            raise FieldError("release_id", "names the pins of a pinned lookup; set pin=true")
+        release_id: int = request.release_id
         carried = releases.carried(request, node.config.max_chain_blocks)
         table = node.table(namespace)
         chain, query_tokens, from_tokens = await self.chain(table, tenant, request)
@@ -72,6 +77,12 @@ class BlockRpcs(ServicerBase):
             query_tokens = chains.hashed_from(
                 request.query_tokens, chain, from_tokens, table.block_size
             )
+        if release_id and lease_id is not None:
+            # Checked before the carried release is applied: a refused lookup applies nothing.
+            try:
+                node.store.check_release_id(tenant, lease_id, release_id, node.now())
+            except InvalidArgument as exc:
+                raise FieldError("release_id", str(exc)) from None
         released = None
         if carried is not None:
             released = releases.apply(
@@ -79,30 +90,41 @@ class BlockRpcs(ServicerBase):
             )
             node.publish_events()
         result = node.store.lookup(
-            namespace, tenant, chain, node.now(), lease_id=lease_id, query_tokens=query_tokens
+            namespace,
+            tenant,
+            chain,
+            node.now(),
+            lease_id=lease_id,
+            query_tokens=query_tokens,
+            release_id=release_id,
         )
         if (
             request.allow_remote
             and node.peers is not None
             and result.miss_reason is MissReason.ABSENT
         ):
-            first = list(result.hashes) if result.pinned and lease_id else []
+            first = result if result.pinned and result.hashes and lease_id else None
             try:
                 fetched = await node.peers.fetch(namespace, tenant, chain, result.hit_blocks)
             except BaseException:
                 # Cancelled (or failed) mid-fetch: the caller never learns of
                 # the first lookup's pins, so drop them here.
-                if first and lease_id is not None:
+                if first is not None and lease_id is not None:
                     with contextlib.suppress(KVStoreError):
-                        node.store.release(namespace, tenant, lease_id, first, node.now())
+                        node.store.unpin_lookup(
+                            namespace, tenant, lease_id, first, node.now(), release_id
+                        )
                 raise
             if fetched:
                 # Blocks arrived from a peer: drop the first lookup's pins (one
-                # per block), then look up again (counted as a second lookup).
-                # No await in between, so nothing is evicted in the gap, and
-                # the pin bound does not count the first pins twice.
-                if first and lease_id is not None:
-                    node.store.release(namespace, tenant, lease_id, first, node.now())
+                # per block; its release id unspent), then look up again
+                # (counted as a second lookup) under the same id. No await in
+                # between, so nothing is evicted in the gap, and the pin bound
+                # does not count the first pins twice.
+                if first is not None and lease_id is not None:
+                    node.store.unpin_lookup(
+                        namespace, tenant, lease_id, first, node.now(), release_id
+                    )
                 result = node.store.lookup(
                     namespace,
                     tenant,
@@ -110,6 +132,7 @@ class BlockRpcs(ServicerBase):
                     node.now(),
                     lease_id=lease_id,
                     query_tokens=query_tokens,
+                    release_id=release_id,
                 )
         pool = node.pool(namespace)
         node.memory.touch(namespace)  # a namespace in use gives its arenas back last
@@ -136,9 +159,10 @@ class BlockRpcs(ServicerBase):
             # Cancelled while the reply was built: the caller never learns of
             # these pins, so drop them (one per block, as the lookup took).
             if result.pinned and result.hit_blocks and lease_id is not None:
-                hashes = list(result.hashes)
                 with contextlib.suppress(KVStoreError):
-                    node.store.release(namespace, tenant, lease_id, hashes, node.now())
+                    node.store.unpin_lookup(
+                        namespace, tenant, lease_id, result, node.now(), release_id
+                    )
             raise
         return pb.LookupResponse(
             hit_blocks=result.hit_blocks,

@@ -17,12 +17,14 @@ Credentials are the gRPC call's, as headers: ``Authorization: Bearer
 auth off ``X-Kvstore-Tenant``. Answers: 200 with the answer; 400 bad input;
 401 no or unknown token; 403 another tenant or a model not allowed; 404 no
 such namespace or model here; 413 a body over the bound; 503 the node
-cannot answer now.
+cannot answer now (not serving yet, or its event loop did not answer within
+`ANSWER_TIMEOUT`), with ``Retry-After``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import json
 from collections.abc import Callable
 from typing import Any
@@ -37,6 +39,9 @@ BODY_BYTES_PER_REQUEST_BYTE = 4
 
 ANSWER_TIMEOUT = 30.0
 """Seconds the HTTP thread waits for the loop's answer before a 503."""
+
+RETRY_AFTER_SECONDS = 1
+"""The ``Retry-After`` of a 503: the node could not answer now (loop busy, not serving)."""
 
 _KEYS = {
     "model",
@@ -205,13 +210,32 @@ def handle(node: Node, environ: dict[str, Any]) -> tuple[str, dict[str, Any]]:
 
 
 def _on_loop(node: Node, make: Callable[[], Any]) -> PrefixAnswer:
-    """Await ``make()`` on the node's loop from this (HTTP) thread."""
+    """Await ``make()`` on the node's loop from this (HTTP) thread.
+
+    Raises:
+        _NotServing: the loop is not running.
+        _LoopBusy: the loop did not answer within `ANSWER_TIMEOUT` (the
+            query is cancelled there, so it does not run late for nobody).
+    """
     loop = node.loop
     if loop is None or not loop.is_running():
         raise _NotServing("the node is not serving yet")
-    result: PrefixAnswer = asyncio.run_coroutine_threadsafe(make(), loop).result(ANSWER_TIMEOUT)
+    future = asyncio.run_coroutine_threadsafe(make(), loop)
+    timeout = ANSWER_TIMEOUT
+    try:
+        result: PrefixAnswer = future.result(timeout)
+    except concurrent.futures.TimeoutError:
+        future.cancel()
+        raise _LoopBusy(
+            f"the node did not answer within {timeout:g} s (its event loop is busy or "
+            f"stalled); retry in {RETRY_AFTER_SECONDS} s or ask another node"
+        ) from None
     return result
 
 
 class _NotServing(KVStoreError):
     """The node's loop is not running (answered 503)."""
+
+
+class _LoopBusy(KVStoreError):
+    """The node's loop did not answer in time (answered 503 with ``Retry-After``)."""

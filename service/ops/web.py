@@ -218,6 +218,8 @@ class WebApp:
             log.exception("web request /query failed")
             return _json(start, "503 Service Unavailable", {"error": repr(exc)})
         extra = [("WWW-Authenticate", "Bearer")] if status.startswith("401") else None
+        if status.startswith("503"):  # the node cannot answer now: a router may retry
+            extra = [("Retry-After", str(query_http.RETRY_AFTER_SECONDS))]
         return _json(start, status, doc, extra)
 
     def _refuse(self, start: StartResponse, verdict: Verdict, page: bool) -> list[bytes]:

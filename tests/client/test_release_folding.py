@@ -104,3 +104,42 @@ async def test_a_retried_release_never_drops_another_hits_pin(
     assert len(other.numpy_views()) == 3
     assert await kv.release(other) == 3
     assert (await kv.stats()).namespaces[0].pinned == 0
+
+
+async def test_a_release_retried_after_5000_others_never_drops_another_hits_pin(
+    kv: Client, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """#31 item 3: the node remembered a lease's last 4,096 release ids, so a
+    retry that came after more releases than that (a lost answer, a busy
+    engine) was applied again and dropped the pins of another hit of the same
+    lease. Each pinned lookup now names its pins (``release_id``): a retry,
+    however late, drops nothing."""
+    ns, prompts = await stored_chains(kv, 2)
+    mine = await kv.lookup(ns, prompts[0], pin=True)
+    other = await kv.lookup(ns, prompts[0], pin=True)  # the same 3 blocks, pinned again
+    assert mine.release_id and other.release_id and mine.release_id != other.release_id
+    call = kv._rpc.call
+    lost = []
+
+    async def answer_lost(method: str, request: object, *args: object, **kw: object) -> object:
+        reply = await call(method, request, *args, **kw)
+        if method == "Release" and not lost:
+            lost.append(reply)
+            raise DeadlineExceeded("Release: the answer was lost")
+        return reply
+
+    monkeypatch.setattr(kv._rpc, "call", answer_lost)
+    with pytest.raises(DeadlineExceeded):
+        await kv.release(mine)
+    assert lost and (await kv.stats()).namespaces[0].pinned == 3
+    released = 0
+    for _ in range(20):  # 5,000 other hits, looked up and released in waves
+        hits = await asyncio.gather(*(kv.lookup(ns, prompts[1], pin=True) for _ in range(250)))
+        released += sum(await asyncio.gather(*(kv.release(h) for h in hits)))
+    assert released == 5000 * 3
+    assert await kv.release(mine) == 0  # the late retry: nothing dropped
+    stats = (await kv.stats()).namespaces[0]
+    assert stats.pinned == 3  # `other` still holds its pins
+    assert len(other.numpy_views()) == 3
+    assert await kv.release(other) == 3
+    assert (await kv.stats()).namespaces[0].pinned == 0

@@ -9,6 +9,7 @@ from kvstore import (
     LeaseExpired,
     LeaseId,
     LimitExceeded,
+    NamespaceSpec,
     Store,
     StoreLimits,
     TenantId,
@@ -128,18 +129,124 @@ def test_ttl_and_lease_count_bounds() -> None:
     store.open_lease(LeaseId(5), ALICE, 10.0, 1.0)
 
 
-def test_a_release_id_drops_pins_once_within_the_remembered_window(store: Store) -> None:
-    from kvstore.lease import RELEASES_REMEMBERED
+def _pinned_lookup(store: Store, runner: Runner, hashes: list, release_id: int) -> int:
+    return store.lookup(
+        NS, ALICE, hashes, 2.0, lease_id=runner.lease, release_id=release_id
+    ).hit_blocks
 
+
+def _lease_pins(store: Store, runner: Runner) -> int:
+    return store.lease(runner.lease, ALICE, 3.0).pin_total
+
+
+def test_a_retried_release_never_drops_another_hits_pins_however_late(store: Store) -> None:
+    # #31 item 3: the node once remembered a lease's last 4,096 release ids; a
+    # retry after more releases than that was applied again and dropped the
+    # pins that hit 2 (same lease, same blocks) held. Pins are now named by
+    # the lookup that took them, so a spent id drops nothing, ever.
     a = Runner(store, 1)
     stored = chain(prompt(1, 1))
     a.store_chain(stored)
-    a.hits(stored, pin=True)
-    a.hits(stored, pin=True)  # two hits of one lease: two pins a block
+    assert _pinned_lookup(store, a, stored, 11) == 5  # hit 1
+    assert _pinned_lookup(store, a, stored, 12) == 5  # hit 2: two pins a block
     assert store.release(NS, ALICE, a.lease, stored, 3.0, release_id=11) == 5
-    assert store.release(NS, ALICE, a.lease, stored, 3.0, release_id=11) == 5  # a retry
-    assert store.stats().namespaces[0].pinned == 5  # the other hit keeps its pins
-    for i in range(RELEASES_REMEMBERED):  # later releases push id 11 out of the window
-        store.release(NS, ALICE, a.lease, stored[:0], 3.0, release_id=1000 + i)
-    assert store.release(NS, ALICE, a.lease, stored, 3.0, release_id=11) == 5  # applied again
+    assert store.release(NS, ALICE, a.lease, stored, 3.0, release_id=11) == 5  # a quick retry
+    other = chain(prompt(2, 2))
+    a.store_chain(other)
+    for i in range(5000):  # many more releases of other hits than any window
+        assert _pinned_lookup(store, a, other[:1], 1000 + i) == 1
+        assert store.release(NS, ALICE, a.lease, other[:1], 3.0, release_id=1000 + i) == 1
+    assert store.release(NS, ALICE, a.lease, stored, 3.0, release_id=11) == 0  # a late retry
+    assert store.stats().namespaces[0].pinned == 5  # hit 2 keeps its pins
+    assert _lease_pins(store, a) == 5
+    assert store.evict(NS, 100, 4.0) == len(other)  # hit 2's blocks cannot be evicted
+    assert store.release(NS, ALICE, a.lease, stored, 4.0, release_id=12) == 5
     assert store.stats().namespaces[0].pinned == 0
+    lease = store.lease(a.lease, ALICE, 4.0)
+    assert not lease.pin_sets  # memory: O(live pin sets)
+
+
+def test_a_release_id_drops_exactly_its_lookups_pins(store: Store) -> None:
+    a = Runner(store, 1)
+    stored = chain(prompt(1, 1))
+    a.store_chain(stored)
+    assert _pinned_lookup(store, a, stored[:2], 21) == 2
+    assert _pinned_lookup(store, a, stored, 22) == 5
+    # The hashes a release sends are not consulted when it names a pin set.
+    assert store.release(NS, ALICE, a.lease, stored, 3.0, release_id=21) == 2
+    assert _lease_pins(store, a) == 5
+    assert store.release(NS, ALICE, a.lease, stored[:1], 3.0, release_id=22) == 5
+    assert _lease_pins(store, a) == 0
+
+
+def test_an_undeclared_release_id_drops_nothing_and_no_id_releases_by_hash(
+    store: Store,
+) -> None:
+    a = Runner(store, 1)
+    stored = chain(prompt(1, 1))
+    a.store_chain(stored)
+    a.hits(stored, pin=True)  # pinned without an id
+    assert store.release(NS, ALICE, a.lease, stored, 3.0, release_id=99) == 0
+    assert _lease_pins(store, a) == 5
+    assert store.release(NS, ALICE, a.lease, stored, 3.0) == 5  # by hash, as before
+    assert _lease_pins(store, a) == 0
+
+
+def test_a_release_id_of_another_namespace_drops_nothing(store: Store) -> None:
+    a = Runner(store, 1)
+    stored = chain(prompt(1, 1))
+    a.store_chain(stored)
+    _pinned_lookup(store, a, stored, 5)
+    other = NamespaceSpec("other-model", SPEC.layout)
+    store.register_namespace(other, 8)
+    assert store.release(other.namespace_id, ALICE, a.lease, stored, 3.0, release_id=5) == 0
+    assert store.release(NS, ALICE, a.lease, stored, 3.0, release_id=5) == 5
+
+
+def test_a_release_id_of_a_live_lookup_cannot_name_a_second_one(store: Store) -> None:
+    a = Runner(store, 1)
+    stored = chain(prompt(1, 1))
+    a.store_chain(stored)
+    _pinned_lookup(store, a, stored, 7)
+    with pytest.raises(InvalidArgument, match="release_id 7"):
+        _pinned_lookup(store, a, stored, 7)
+    assert _lease_pins(store, a) == 5  # the refused lookup pinned nothing
+    with pytest.raises(InvalidArgument):  # an id names pins: no lease, no id
+        store.lookup(NS, ALICE, stored, 2.0, release_id=8)
+    store.release(NS, ALICE, a.lease, stored, 3.0, release_id=7)
+    assert _pinned_lookup(store, a, stored, 7) == 5  # spent: may name a new lookup
+    assert store.release(NS, ALICE, a.lease, stored, 3.0, release_id=7) == 5
+    assert _pinned_lookup(store, a, chain(prompt(9, 9)), 8) == 0  # nothing pinned, nothing kept
+    assert not store.lease(a.lease, ALICE, 3.0).pin_sets
+
+
+def test_a_lookup_undone_by_the_node_leaves_its_id_unspent(store: Store) -> None:
+    a = Runner(store, 1)
+    stored = chain(prompt(1, 1))
+    a.store_chain(stored)
+    result = store.lookup(NS, ALICE, stored, 2.0, lease_id=a.lease, release_id=3)
+    assert store.unpin_lookup(NS, ALICE, a.lease, result, 2.0, release_id=3) == 5
+    assert _lease_pins(store, a) == 0
+    assert _pinned_lookup(store, a, stored, 3) == 5  # the caller's retry declares it again
+
+
+def test_pin_sets_are_freed_with_the_lease_and_the_namespace(store: Store) -> None:
+    a, b = Runner(store, 1), Runner(store, 2)
+    stored = chain(prompt(1, 1))
+    a.store_chain(stored)
+    _pinned_lookup(store, a, stored, 1)
+    _pinned_lookup(store, b, stored, 1)  # ids are per lease
+    lease_b = store.lease(b.lease, ALICE, 3.0)
+    store.drop_namespace(NS, 3.0, force=True)
+    assert not lease_b.pin_sets
+    store.register_namespace(SPEC, 64)
+    a.store_chain(stored, now=4.0)
+    _pinned_lookup(store, a, stored, 1)
+    lease_a = store.lease(a.lease, ALICE, 4.0)
+    assert lease_a.pin_sets
+    store.close_lease(a.lease, ALICE, 4.0)
+    assert not lease_a.pin_sets
+    _pinned_lookup(store, b, stored, 1)
+    lease_b = store.lease(b.lease, ALICE, 4.0)
+    store.expire(20.0)
+    assert not lease_b.pin_sets

@@ -34,8 +34,8 @@ async def test_a_carried_release_is_applied_before_the_lookup_and_answered(stub,
     ns = namespace.id
     chain = await store(stub, ns, lease, list(range(1, 1 + 4 * BLOCK_SIZE)))
     other = await store(stub, ns, lease, list(range(500, 500 + 3 * BLOCK_SIZE)))
-    first = await pin(stub, ns, lease, chain)  # 4 blocks
-    second = await pin(stub, ns, lease, other)  # 3 blocks
+    first = await pin(stub, ns, lease, chain, release_id=11)  # 4 blocks
+    second = await pin(stub, ns, lease, other, release_id=12)  # 3 blocks
     assert await pinned(stub) == 7
     resp = await stub.Lookup(
         carrying(
@@ -143,7 +143,7 @@ async def test_the_json_form_grpcurl_sends_carries_a_release(stub, namespace, le
     """grpcurl's JSON (reflection): ``release`` with base64 hashes and string ids."""
     ns = namespace.id
     chain = await store(stub, ns, lease, list(range(1, 1 + 2 * BLOCK_SIZE)))
-    hit = await pin(stub, ns, lease, chain)
+    hit = await pin(stub, ns, lease, chain, release_id=7)
     body = {
         "namespaceId": ns,
         "leaseId": str(lease),
@@ -155,3 +155,23 @@ async def test_the_json_form_grpcurl_sends_carries_a_release(stub, namespace, le
     assert resp.hit_blocks == 2 and resp.released.released == 2
     assert json_format.MessageToDict(resp)["released"] == {"released": 2}
     assert await pinned(stub) == 0  # released, and this lookup did not pin
+
+
+async def test_a_lookup_reusing_a_live_release_id_applies_no_carried_release(
+    stub, namespace, lease
+):
+    ns = namespace.id
+    chain = await store(stub, ns, lease, list(range(1, 1 + 2 * BLOCK_SIZE)))
+    other = await store(stub, ns, lease, list(range(500, 500 + 2 * BLOCK_SIZE)))
+    await pin(stub, ns, lease, chain, release_id=5)
+    second = await pin(stub, ns, lease, other, release_id=6)
+    request = carrying(ns, lease, chain, pb.ReleaseRequest(packed_hashes=second, release_ids=[6]))
+    request.release_id = 5  # names the first lookup's live pins
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await stub.Lookup(request)
+    assert err.value.code() == INVALID and field_of(err.value) == "release_id"
+    assert await pinned(stub) == 4  # neither the carried release nor the lookup happened
+    request.release_id = 9
+    resp = await stub.Lookup(request)
+    assert resp.released.released == 2 and resp.hit_blocks == 2
+    assert await pinned(stub) == 2

@@ -7,8 +7,10 @@ import http.client
 import json
 import os
 import sys
+import time
 import urllib.error
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 
 import grpc
@@ -18,6 +20,7 @@ from kvstore.client import Client, PrefixHolder
 from kvstore.errors import NotFound
 from kvstore.v1 import kvstore_pb2 as pb
 from service.config import Config
+from service.ops import query_http
 from tests.redis.server import free_port
 from tests.service.conftest import BLOCK_SIZE, tenant
 
@@ -328,3 +331,36 @@ async def test_cli_query(kv_server, stub, namespace, tmp_path):
     assert code == 1 and "NOT_FOUND" in err and "nope" in err
     code, _, err = await run_cli("query", "--model", MODEL, *target)
     assert code == 2 and "exactly one" in err
+
+
+def post_answer(port: int, body: object) -> tuple[int, dict, dict[str, str]]:
+    """``post``, with the answer's headers."""
+    req = urllib.request.Request(
+        f"http://127.0.0.1:{port}/query", data=json.dumps(body).encode(), method="POST"
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=10) as resp:
+            return resp.status, json.loads(resp.read()), dict(resp.headers)
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read()), dict(exc.headers)
+
+
+async def test_http_query_answers_503_with_retry_after_when_the_loop_stalls(
+    kv_server, stub, namespace, monkeypatch, caplog
+):
+    """#31 item 7: a loop that does not answer within the wait was the web layer's
+    catch-all (a logged traceback, ``{"error": "TimeoutError()"}``, no Retry-After)."""
+    await store(stub, namespace.id, PROMPT[: 3 * BLOCK_SIZE])
+    monkeypatch.setattr(query_http, "ANSWER_TIMEOUT", 0.2)
+    body = {"model": MODEL, "token_ids": PROMPT, "tenant_id": "default"}
+    with ThreadPoolExecutor(1) as pool:
+        asked = pool.submit(post_answer, kv_server.metrics_port, body)
+        time.sleep(1.5)  # noqa: ASYNC251 (on purpose: stall the node's loop, this test's)
+        status, doc, headers = asked.result(timeout=10)
+    assert status == 503, doc
+    assert headers.get("Retry-After") == "1"
+    assert "did not answer within 0.2 s" in doc["error"], doc
+    assert "web request /query failed" not in caplog.text  # an answer, not a bug
+    monkeypatch.setattr(query_http, "ANSWER_TIMEOUT", 30.0)
+    status, doc, _ = await asyncio.to_thread(post_answer, kv_server.metrics_port, body)
+    assert status == 200 and doc["longest_matched"] == 3 * BLOCK_SIZE  # and it serves again

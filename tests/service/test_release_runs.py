@@ -91,13 +91,14 @@ async def test_runs_are_bounded_before_any_work(stub, namespace, lease):
 
 
 async def test_a_release_id_is_applied_once_per_lease(stub, namespace, lease):
-    """Two hits of one lease pin the same blocks; the first hit's Release, sent twice
-    under its id (a retry after a lost answer), drops its pins once: the second
-    hit's stay. With runs, each run has its id."""
+    """Two hits of one lease pin the same blocks, each lookup naming its pins by an
+    id; the first hit's Release, sent twice under its id (a retry after a lost
+    answer), drops its pins once: the second hit's stay. With runs, each run
+    has its id."""
     ns = namespace.id
     chain = await store(stub, ns, lease, list(range(1, 1 + 3 * BLOCK_SIZE)))
-    await pin(stub, ns, lease, chain)
-    hit = await pin(stub, ns, lease, chain)  # the same 3 blocks pinned again
+    hit = await pin(stub, ns, lease, chain, release_id=7)
+    await pin(stub, ns, lease, chain, release_id=8)  # the same 3 blocks pinned again
     mine = pb.ReleaseRequest(namespace_id=ns, lease_id=lease, packed_hashes=hit, release_ids=[7])
     assert (await stub.Release(mine)).released == 3
     assert (await stub.Release(mine)).released == 3  # the first answer, nothing dropped
@@ -116,3 +117,56 @@ async def test_a_release_id_is_applied_once_per_lease(stub, namespace, lease):
             )
         assert err.value.code() == INVALID and field_of(err.value) == "release_ids"
         assert says in err.value.details(), err.value.details()
+
+
+async def test_a_late_retry_drops_nothing_and_undeclared_ids_drop_nothing(stub, namespace, lease):
+    """#31 item 3: a retry after more than 4,096 other releases was applied again.
+    A spent id, or one no pinned Lookup declared, now drops nothing; a release
+    without ids keeps releasing by hash."""
+    ns = namespace.id
+    chain = await store(stub, ns, lease, list(range(1, 1 + 3 * BLOCK_SIZE)))
+    other = await store(stub, ns, lease, list(range(900, 900 + BLOCK_SIZE)))
+    hit = await pin(stub, ns, lease, chain, release_id=1)
+    await pin(stub, ns, lease, chain, release_id=2)
+    first = pb.ReleaseRequest(namespace_id=ns, lease_id=lease, packed_hashes=hit, release_ids=[1])
+    assert (await stub.Release(first)).released == 3
+    runs = 1000
+    for round_ in range(5):  # 5,000 other hits' releases, 1,000 a call
+        one = await pin(stub, ns, lease, other, release_id=100)  # one pin set a run...
+        ids = [10_000 * (round_ + 1) + i for i in range(runs)]
+        ids[0] = 100  # ...the rest name nothing: they drop nothing
+        resp = await stub.Release(
+            pb.ReleaseRequest(
+                namespace_id=ns,
+                lease_id=lease,
+                packed_hashes=one * runs,
+                runs=[1] * runs,
+                release_ids=ids,
+            )
+        )
+        assert resp.released == 1
+    assert (await stub.Release(first)).released == 3  # spent: its first answer, nothing dropped
+    assert await pinned(stub) == 3  # the second hit's pins hold
+    assert (
+        await stub.Release(pb.ReleaseRequest(namespace_id=ns, lease_id=lease, packed_hashes=hit))
+    ).released == 3
+    assert await pinned(stub) == 0
+
+
+async def test_a_release_id_names_one_live_pinned_lookup(stub, namespace, lease):
+    ns = namespace.id
+    chain = await store(stub, ns, lease, list(range(1, 1 + 2 * BLOCK_SIZE)))
+    hit = await pin(stub, ns, lease, chain, release_id=5)
+    for request in (
+        pb.LookupRequest(namespace_id=ns, lease_id=lease, pin=True, hashes=chain, release_id=5),
+        pb.LookupRequest(namespace_id=ns, hashes=chain, release_id=6),  # no pin
+    ):
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await stub.Lookup(request)
+        assert err.value.code() == INVALID and field_of(err.value) == "release_id"
+    assert await pinned(stub) == 2
+    release = pb.ReleaseRequest(namespace_id=ns, lease_id=lease, packed_hashes=hit, release_ids=[5])
+    assert (await stub.Release(release)).released == 2
+    assert await pin(stub, ns, lease, chain, release_id=5) == hit  # spent: free to name anew
+    assert (await stub.Release(release)).released == 2
+    assert await pinned(stub) == 0

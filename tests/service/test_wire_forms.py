@@ -65,8 +65,9 @@ async def test_old_and_packed_lookups_answer_the_same(stub, namespace, lease):
     assert by_hashes.query_tokens == 5 * BLOCK_SIZE
 
 
-async def pin(stub, ns: str, lease: int, hashes: list[bytes]) -> bytes:
-    """Pin the leading hits of a chain (packed forms); their hashes, packed."""
+async def pin(stub, ns: str, lease: int, hashes: list[bytes], release_id: int = 0) -> bytes:
+    """Pin the leading hits of a chain (packed forms), named by ``release_id`` if
+    given; their hashes, packed."""
     hit = await stub.Lookup(
         pb.LookupRequest(
             namespace_id=ns,
@@ -74,6 +75,7 @@ async def pin(stub, ns: str, lease: int, hashes: list[bytes]) -> bytes:
             pin=True,
             packed_hashes=b"".join(hashes),
             packed_reply=True,
+            release_id=release_id,
         )
     )
     assert hit.pinned
