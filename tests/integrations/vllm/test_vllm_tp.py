@@ -20,6 +20,7 @@ import pytest
 
 from tests.integrations.vllm.common import (
     BLOCK,
+    FAULTS_ENV,
     SYSTEM_HIT,
     USER_1,
     USER_2,
@@ -29,6 +30,7 @@ from tests.integrations.vllm.common import (
     max_logprob_diff,
     run,
     system,
+    wait_for,
 )
 from tests.integrations.vllm.engines import Engine, Node, running
 
@@ -47,12 +49,27 @@ ENGINE_DIFF = 1e-5
 
 
 @pytest.fixture(scope="module")
+def faults(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The folder whose files switch engine ``a2``'s faults on (`faulty`)."""
+    return tmp_path_factory.mktemp("tp-faults")
+
+
+@pytest.fixture(scope="module")
 def engines(
-    vllm_py: str, tiny_model: Path, node: Node, tmp_path_factory: pytest.TempPathFactory
+    vllm_py: str,
+    tiny_model: Path,
+    node: Node,
+    faults: Path,
+    tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[dict[str, Engine]]:
     logs = tmp_path_factory.mktemp("tp-engines")
     specs: dict[str, dict[str, Any]] = {
-        "a2": {"connector": connector(node, lookup_timeout=LOOKUP_TIMEOUT), **TP2},
+        "a2": {
+            "connector": connector(node, lookup_timeout=LOOKUP_TIMEOUT),
+            "faulty": True,
+            "tensor_parallel_size": 2,
+            "env": {**TP2["env"], FAULTS_ENV: str(faults)},
+        },
         "b2": {"connector": connector(node, lookup_timeout=LOOKUP_TIMEOUT), **TP2},
         "ref2": {"connector": None, **TP2},
         "one": {"connector": connector(node, lookup_timeout=LOOKUP_TIMEOUT)},
@@ -104,4 +121,43 @@ def test_tp1_and_tp2_engines_never_share(engines, node) -> None:
     # Each engine still hits its own kind.
     assert run(one, system(61) + USER_3)["external_hits"] == SYSTEM_HIT
     assert run(a2, system(62) + USER_3)["external_hits"] == SYSTEM_HIT
+    assert_nothing_pinned(node)
+
+
+def rank_pins(node: Node, rank: int) -> int:
+    """Pins held in tensor-parallel rank ``rank``'s namespace."""
+    return sum(
+        int(ns.pinned) for ns in node.stats().namespaces if ns.model_id.endswith(f"#tp-2.{rank}")
+    )
+
+
+def test_a_slow_rank_keeps_its_pins_until_it_has_copied(engines, node, faults) -> None:
+    """vLLM reports each step's finished loads: rank 0's "done" arrives while rank 1 (held
+    here) still copies. Rank 1's pins must stay until rank 1 reports, whatever another
+    tenant writes meanwhile; the answer is exact."""
+    a2, ref2 = engines["a2"], engines["ref2"]
+    prompt = system(77) + USER_2
+    run(a2, system(77) + USER_1)  # the node holds the system prompt, rank by rank
+    a2.command(reset_prefix_cache=True)
+    hold, reached = faults / "hold-loads-rank-1", faults / "hold-loads-rank-1.reached"
+    reached.unlink(missing_ok=True)
+    hold.touch()
+    try:
+        # A long request keeps every step busy, so loads go to the load threads and the
+        # ranks report in different steps (an idle step copies in the step itself).
+        busy = a2.send(prompts=[system(78) + USER_3], max_tokens=300)
+        ticket = a2.send(prompts=[prompt], max_tokens=8)
+        wait_for("rank 1's load", reached.exists, 300, tail=a2.tail)
+        wait_for("rank 0's pins to go", lambda: rank_pins(node, 0) == 0, 60, tail=a2.tail)
+        assert rank_pins(node, 1) == 3, "rank 1's pins went with rank 0's report"
+    finally:
+        hold.unlink(missing_ok=True)
+    a2.answer(busy)
+    answer = a2.answer(ticket)
+    got = {**answer["results"][0], **{k: v for k, v in answer.items() if k != "results"}}
+    assert got["external_hits"] == SYSTEM_HIT
+    assert got["kvstore_load_errors"] == 0
+    want = run(ref2, prompt)
+    assert got["tokens"] == want["tokens"]
+    assert max_logprob_diff(got, want) <= ENGINE_DIFF
     assert_nothing_pinned(node)
