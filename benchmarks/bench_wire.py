@@ -78,6 +78,7 @@ def _packed(mode: str, hashes: list[bytes], tokens: list[int], refs: Any) -> Cal
         hashes=[r.hash for r in refs],
         slots=array("q", [r.slot for r in refs]),
         generations=array("Q", [r.generation for r in refs]),
+        checksums=array("Q", [r.checksum for r in refs]),
         pinned=True,
         miss_reason=MissReason.NONE,
     )

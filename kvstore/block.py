@@ -53,6 +53,8 @@ class Block:
     """`now` of the last lookup, commit or release that touched it."""
     created: float = 0.0
     """`now` when it was reserved."""
+    checksum: int = 0
+    """xxh3-64 of the bytes its writer wrote (`kvstore.checksum`); 0: the writer sent none."""
     lru_key: int = 0
     """Position in the namespace's eviction order (see `kvstore.eviction`)."""
     prev: Block | None = field(default=None, repr=False)

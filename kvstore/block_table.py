@@ -52,7 +52,7 @@ from kvstore.errors import (
 from kvstore.events import CacheEvent, EventKind, removed_events, stored_events
 from kvstore.layout import NamespaceSpec
 from kvstore.lease import Lease
-from kvstore.pins import lookup_result, pin_run, unpin_hashes, walk
+from kvstore.pins import keep_checksums, lookup_result, pin_run, unpin_hashes, walk
 from kvstore.residency import Residency
 from kvstore.results import (
     BlockInfo,
@@ -296,12 +296,15 @@ class BlockTable:
             self._emit_removed(removed, now)
         return ReserveResult(chain, statuses, slots, generations)
 
-    def commit(self, lease: Lease, hashes: Sequence[BlockHash], now: float) -> int:
+    def commit(
+        self, lease: Lease, hashes: Sequence[BlockHash], now: float, checksums: Sequence[int] = ()
+    ) -> int:
         """Make blocks this lease wrote READY; returns how many changed state.
 
         The call is validated whole before anything changes: a hash that is
         not WRITING under this lease raises `NotWriter` and commits nothing.
         A hash already READY is accepted (a retried commit) and not counted.
+        ``checksums[i]`` (`keep_checksums`) is kept with ``hashes[i]``'s block.
         """
         check_hashes(hashes)
         blocks = self._res.blocks(self.scope_of(lease.tenant))
@@ -319,6 +322,7 @@ class BlockTable:
         todo = list(dict.fromkeys(todo))
         if not todo:
             return 0
+        keep_checksums(blocks, hashes, checksums)
         self._res.mark_ready(todo, now)
         for block in todo:
             writes.discard(block)

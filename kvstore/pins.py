@@ -205,6 +205,22 @@ def _unpin_run(res: Residency, released: list[Block]) -> bool:
     return prefix
 
 
+def keep_checksums(
+    blocks: dict[BlockHash, Block], hashes: Sequence[BlockHash], checksums: Sequence[int]
+) -> None:
+    """Give each WRITING block of ``hashes`` its writer's checksum (``checksums[i]``, 0:
+    none sent; `kvstore.checksum`) before its commit; a READY block keeps its own.
+
+    ``checksums`` empty: none were sent, nothing changes.
+    """
+    if not checksums:
+        return
+    for h, checksum in zip(hashes, checksums, strict=True):
+        block = blocks[h]
+        if block.state is BlockState.WRITING:
+            block.checksum = checksum
+
+
 def lookup_result(
     chain: Sequence[BlockHash], hits: list[Block], pinned: bool, reason: MissReason
 ) -> LookupResult:
@@ -213,6 +229,7 @@ def lookup_result(
         hashes=tuple(chain[: len(hits)]),
         slots=array("q", [b.slot for b in hits]),  # a list first: faster than a map
         generations=array("Q", [b.generation for b in hits]),
+        checksums=array("Q", [b.checksum for b in hits]),
         pinned=pinned,
         miss_reason=reason,
     )

@@ -30,6 +30,8 @@ class BlockRef:
     """Slot in the namespace's pool."""
     generation: int
     """Slot generation; a different current generation means the slot was reused."""
+    checksum: int = 0
+    """Checksum of the bytes its writer wrote (`kvstore.checksum`); 0: none was sent."""
 
 
 class MissReason(IntEnum):
@@ -47,7 +49,7 @@ class MissReason(IntEnum):
 class LookupResult:
     """The longest READY prefix of a chain, as arrays (no object per block).
 
-    ``hashes[i]``, ``slots[i]`` and ``generations[i]`` describe the i-th hit;
+    ``hashes[i]``, ``slots[i]``, ``generations[i]`` and ``checksums[i]`` describe the i-th hit;
     `blocks` builds the same as `BlockRef` objects on first use, for callers
     that want them (a 512-block lookup need not pay 512 objects).
     """
@@ -58,6 +60,8 @@ class LookupResult:
     """Their slots (``array('q')``)."""
     generations: array[int]
     """Their slot generations (``array('Q')``)."""
+    checksums: array[int]
+    """Their writers' checksums (``array('Q')``, 0 where none was sent)."""
     pinned: bool
     """True when the hits are pinned under the caller's lease."""
     miss_reason: MissReason
@@ -76,7 +80,15 @@ class LookupResult:
         """The hits as `BlockRef` objects (built once, on first use)."""
         if not self._refs:
             self._refs.append(
-                tuple(map(BlockRef, self.hashes, self.slots, self.generations))  # type: ignore[arg-type]
+                tuple(
+                    map(
+                        BlockRef,  # type: ignore[arg-type]
+                        self.hashes,
+                        self.slots,
+                        self.generations,
+                        self.checksums,
+                    )
+                )
             )
         return self._refs[0]
 

@@ -376,11 +376,15 @@ class Store:
         lease_id: LeaseId,
         hashes: Sequence[BlockHash],
         now: float,
+        checksums: Sequence[int] | None = None,
     ) -> int:
-        """Make written blocks READY (see `BlockTable.commit`)."""
+        """Make written blocks READY, keeping their writer's checksums (see `BlockTable.commit`)."""
         self._check_len(hashes)
+        if checksums is not None and len(checksums) != len(hashes):
+            raise InvalidArgument(f"{len(checksums)} checksums for {len(hashes)} blocks")
         table = self.table(namespace)
-        return table.commit(self._leases.get(lease_id, tenant, now), hashes, now)
+        lease = self._leases.get(lease_id, tenant, now)
+        return table.commit(lease, hashes, now, checksums or ())
 
     def abort(
         self,

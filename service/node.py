@@ -268,19 +268,46 @@ class Node:
         await self.memory.make_room(table, tenant, chain)
 
     def commit(
-        self, namespace: NamespaceId, tenant: TenantId, lease: LeaseId, hashes: Sequence[BlockHash]
+        self,
+        namespace: NamespaceId,
+        tenant: TenantId,
+        lease: LeaseId,
+        hashes: Sequence[BlockHash],
+        checksums: Sequence[int] | None = None,
     ) -> int:
-        """Make written blocks READY (`Store.commit`) and publish the events; then keep the
-        pool's headroom (`NamespaceMemory.keep_ahead`: after the runner's copy, not during).
+        """Make written blocks READY (`Store.commit`, with their writer's checksums) and
+        publish the events; then keep the pool's headroom (`NamespaceMemory.keep_ahead`:
+        after the runner's copy, not during).
 
         Returns:
             Blocks committed.
         """
-        committed = self.store.commit(namespace, tenant, lease, hashes, self.now())
+        committed = self.store.commit(namespace, tenant, lease, hashes, self.now(), checksums)
         self.publish_events()
         if committed:
             self.memory.keep_ahead(self.store.table(namespace))
         return committed
+
+    def checksum_failed(
+        self, namespace: NamespaceId, tier: str, block_hash: BlockHash, holder: str
+    ) -> None:
+        """Count (``kvstore_checksum_failures_total``) and log a block whose bytes did not
+        match its writer's checksum; the caller does not serve or commit it.
+
+        Args:
+            namespace: the block's namespace.
+            tier: where the bytes came from: "peer" (a peer fetch) or "local" (this pool).
+            block_hash: the block.
+            holder: the node that held the bytes (a peer's id, or this node's).
+        """
+        self.metrics.checksum_failures.labels(namespace, tier).inc()
+        log.warning(
+            "checksum mismatch: block %s in %s (tier %s, held by %s): not served",
+            block_hash.hex()[:16],
+            namespace,
+            tier,
+            holder,
+        )
 
     async def drop(self, namespace: NamespaceId, force: bool) -> tuple[DropReport, int]:
         """Drop a namespace (`Store.drop_namespace`) and give its pool back to the budget.

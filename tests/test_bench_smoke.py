@@ -18,7 +18,12 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.parametrize(
-    ("module", "key"), [("benchmarks.bench_copy", "gbps"), ("benchmarks.bench_wire", "hashes")]
+    ("module", "key"),
+    [
+        ("benchmarks.bench_copy", "gbps"),
+        ("benchmarks.bench_wire", "hashes"),
+        ("benchmarks.bench_checksum", "sizes"),
+    ],
 )
 def test_a_quick_run_prints_its_figures(module: str, key: str) -> None:
     proc = subprocess.run(

@@ -107,7 +107,7 @@ def request_fields(
 def location_from_proto(msg: pb.BlockLocation) -> BlockLocation:
     """Where one block is."""
     return BlockLocation(
-        BlockHash(msg.hash), SlotId(msg.slot), msg.generation, msg.arena, msg.offset
+        BlockHash(msg.hash), SlotId(msg.slot), msg.generation, msg.arena, msg.offset, msg.checksum
     )
 
 
@@ -148,6 +148,12 @@ def hit_from_proto(
     else:
         slots = np.array(resp.slots, dtype=np.uint64)
         generations = np.array(resp.generations, dtype=np.uint64)
+    checksums = wire.unpack_u64(resp.packed_checksums, "packed_checksums")
+    if len(checksums) not in (0, len(slots)):
+        raise InvalidArgument(
+            f"the node's packed reply is inconsistent: {len(checksums)} checksums for "
+            f"{len(slots)} slots"
+        )
     if len(resp.hit_hashes) != HASH_BYTES * len(slots) or len(generations) != len(slots):
         raise InvalidArgument(
             f"the node's packed reply is inconsistent: {len(resp.hit_hashes)} bytes of "
@@ -158,6 +164,7 @@ def hit_from_proto(
         hit_hashes=resp.hit_hashes,
         slots=slots,
         generations=generations,
+        checksums=checksums,
         packed_chain=resp.packed_chain,
         slots_per_arena=resp.slots_per_arena,
         block_bytes=resp.block_bytes,

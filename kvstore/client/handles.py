@@ -24,6 +24,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvstore.api.wire import unpack_hashes
+from kvstore.checksum import mismatches
 from kvstore.client.blocks import slot_runs
 from kvstore.client.errors import PoolEpochChanged
 from kvstore.errors import FailedPrecondition, InvalidArgument
@@ -57,6 +58,9 @@ class Namespace:
     """The attached pool, or None (not attached, or dropped on an epoch change)."""
     stale: bool = False
     """True after an epoch change, until the client registers it again."""
+    verify_loads: bool = False
+    """The node asks runners to check the bytes of every hit they load against its
+    checksums (its ``verify_checksums`` is "all"): see `Hit.check_bytes`."""
 
     @property
     def layout(self) -> KVLayout:
@@ -114,6 +118,8 @@ class BlockLocation:
     """Arena of the pool holding the slot."""
     offset: int
     """Byte offset of the slot in that arena."""
+    checksum: int = 0
+    """Checksum of the bytes its writer wrote (`kvstore.checksum`); 0: none was sent."""
 
 
 @dataclass(slots=True, eq=False)
@@ -170,6 +176,11 @@ class Hit:
     pool_version: int = 0
     """The pool's arena set when the node answered (another process reading the
     slots maps at least this version first: `Client.follow_pool`)."""
+    checksums: npt.NDArray[np.uint64] = field(
+        default_factory=lambda: np.zeros(0, dtype=np.uint64), repr=False
+    )
+    """Each hit block's checksum of the bytes its writer wrote (`kvstore.checksum`),
+    in chain order; 0 where the writer sent none. Empty: a node that sends none."""
     _blocks: tuple[BlockLocation, ...] | None = field(default=None, repr=False)
     _chain: tuple[BlockHash, ...] | None = field(default=None, repr=False)
 
@@ -189,6 +200,7 @@ class Hit:
             hit_hashes=b"".join(b.hash for b in blocks),
             slots=np.array([b.slot for b in blocks], dtype=np.uint64),
             generations=np.array([b.generation for b in blocks], dtype=np.uint64),
+            checksums=np.array([b.checksum for b in blocks], dtype=np.uint64),
             packed_chain=b"".join(chain),
             **fields,
         )
@@ -208,6 +220,7 @@ class Hit:
             per_arena = self.slots_per_arena
             block_bytes = self.block_bytes
             hashes = self.hit_hashes
+            sums = self.checksums
             blocks = []
             for i, (slot, generation) in enumerate(
                 zip(self.slots.tolist(), self.generations.tolist(), strict=True)
@@ -220,6 +233,7 @@ class Hit:
                         generation,
                         arena,
                         index * block_bytes,
+                        int(sums[i]) if i < len(sums) else 0,
                     )
                 )
             self._blocks = tuple(blocks)
@@ -324,6 +338,36 @@ class Hit:
             size = (b - a) * block_bytes
             arena = mapping.arena_buffer(slots[a] // spa)
             target[a * block_bytes : a * block_bytes + size] = arena[offset : offset + size]
+
+    def check_bytes(self, buffers: Sequence[Any] | None = None) -> list[int]:
+        """Indices of the hit blocks whose bytes do not have their writer's checksum.
+
+        Call it after the copy out of the pool has landed (and before the
+        release, so the slots still hold what was copied): a block listed
+        must not be used (treat it and every later block as a miss). With
+        ``buffers`` (one per hit block, in chain order: the caller's copies,
+        or `Client.read_blocks`' bytes) those are checked; without, the
+        pool's slots through this hit's mapping (host pools). A block whose
+        checksum is 0 (its writer sent none, e.g. a CUDA pool's) is never
+        listed. Runs when asked; `Namespace.verify_loads` says whether the
+        node's operator wants every load checked.
+
+        Raises:
+            InvalidArgument: ``buffers`` is not one buffer per hit block.
+            FailedPrecondition: without ``buffers``: as `buffers` does, or a
+                CUDA pool (pass host copies).
+        """
+        sums = self.checksums.tolist() if len(self.checksums) else []
+        if not any(sums):
+            return []
+        if buffers is None:
+            mapping = self._live_mapping()
+            if not isinstance(mapping, HostMapping):
+                raise FailedPrecondition("check_bytes of a CUDA pool needs host copies (buffers)")
+            buffers = [mapping.buffer(slot) for slot in self._slot_ids()]
+        elif len(buffers) != len(sums):
+            raise InvalidArgument(f"{len(sums)} hit blocks, {len(buffers)} buffers to check")
+        return mismatches(buffers, sums)
 
     def torch_views(self) -> list[torch.Tensor]:
         """Zero-copy tensors of the hit blocks, with the layout's dtype and shape.

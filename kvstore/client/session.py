@@ -257,6 +257,7 @@ class NodeSession:
             "capacity": resp.capacity_blocks,
             "chain_root": BlockHash(resp.chain_root),
             "shared": resp.shared,
+            "verify_loads": resp.verify_local_loads,
         }
         if ns is None:
             ns = self._namespaces[spec] = Namespace(spec=spec, **fields)

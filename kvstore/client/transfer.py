@@ -23,9 +23,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+from array import array
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+from kvstore.checksum import block_checksum, block_checksums, pack_checksums
 from kvstore.client.background import quietly
 from kvstore.client.blocks import (
     BlockSupplier,
@@ -87,9 +89,12 @@ async def store_chain(
             if session.map_pool:
                 await session.refresh_arenas(ns, res.version, timeout)
                 await session.refresh_lease(lease_id)
-                _copy_in(ns, res, blocks, lambda: session.lease_alive(lease_id))
+                sums = _copy_in(ns, res, blocks, lambda: session.lease_alive(lease_id))
                 req_c = pb.CommitRequest(
-                    namespace_id=ns.id, lease_id=lease_id, packed_hashes=packed
+                    namespace_id=ns.id,
+                    lease_id=lease_id,
+                    packed_hashes=packed,
+                    packed_checksums=pack_checksums(sums) if sums else b"",
                 )
                 committed = (
                     await session.rpc.call("Commit", req_c, timeout, idempotent=False)
@@ -148,7 +153,9 @@ def _copy_in(
     res: Reservation,
     blocks: BlockSupplier,
     lease_alive: Callable[[], None],
-) -> None:
+) -> array[int] | None:
+    """Copy the reserved blocks into their slots; their checksums as written (None: a CUDA
+    pool, whose writers send none: no device kernel for it yet, docs/cuda.md)."""
     mapping = ns.mapping
     if mapping is None or mapping.closed:
         raise PoolEpochChanged("the pool mapping was dropped during a store; store again")
@@ -175,6 +182,10 @@ def _copy_in(
     # CUDA pools: the copies must be complete before Commit makes the blocks
     # visible to other processes (docs/cuda.md); host pools return at once.
     mapping.synchronize()
+    if not isinstance(mapping, HostMapping):
+        return None
+    # Of the bytes as they lie in the slots, read in place: what a reader will check.
+    return block_checksums(mapping.buffer(slot) for slot in slots)
 
 
 def _check_placement(descriptor: PoolDescriptor, res: Reservation) -> None:
@@ -252,7 +263,8 @@ async def _stream_in(
         header = pb.WriteBlocksHeader(namespace_id=ns.id, lease_id=lease_id, commit=True)
         yield pb.WriteBlocksRequest(header=header)
         for digest, data in payloads:
-            yield pb.WriteBlocksRequest(block=pb.BlockData(hash=digest, data=data))
+            block = pb.BlockData(hash=digest, data=data, checksum=block_checksum(data))
+            yield pb.WriteBlocksRequest(block=block)
 
     resp = await session.rpc.call("WriteBlocks", requests(), timeout, idempotent=False)
     return int(resp.committed)

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import numpy.typing as npt
 
+from kvstore.checksum import block_checksum
 from kvstore.errors import FailedPrecondition, InvalidArgument
 from kvstore.pool.views import numpy_block_view, torch_block_view
 from kvstore.types import NamespaceId, SlotId
@@ -162,6 +163,10 @@ class BlockPool(ABC):
     def read(self, slot: SlotId) -> bytes:
         """A copy of one slot's bytes."""
         return bytes(self.view(slot))
+
+    def checksum(self, slot: SlotId) -> int:
+        """The checksum of one slot's bytes as they lie now (`kvstore.checksum`)."""
+        return block_checksum(self.view(slot))
 
     def write(self, slot: SlotId, data: bytes | bytearray | memoryview) -> None:
         """Copy ``data`` (exactly ``block_bytes`` long) into ``slot``.

@@ -38,6 +38,7 @@ import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+from kvstore.checksum import block_checksum
 from kvstore.errors import InvalidArgument, LimitExceeded
 from kvstore.pool.base import ArenaSpec, BlockPool, PoolDescriptor, PoolUnavailable
 from kvstore.pool.cuda_runtime import (
@@ -257,6 +258,10 @@ class CudaPool(BlockPool):
             InvalidArgument: always.
         """
         raise InvalidArgument("a CUDA pool's slots are in GPU memory: use read() and write()")
+
+    def checksum(self, slot: SlotId) -> int:
+        """The checksum of a host copy of one slot's bytes (no kernel on the device yet)."""
+        return block_checksum(self.read(slot))
 
     def read(self, slot: SlotId) -> bytes:
         """A host copy of one slot's bytes (device to host ``cudaMemcpy``)."""

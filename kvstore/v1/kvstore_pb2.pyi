@@ -392,6 +392,7 @@ class RegisterNamespaceResponse(_message.Message):
     SHARED_FIELD_NUMBER: _builtins.int
     LAYOUT_FIELD_NUMBER: _builtins.int
     SCHEME_FIELD_NUMBER: _builtins.int
+    VERIFY_LOCAL_LOADS_FIELD_NUMBER: _builtins.int
     namespace_id: _builtins.str
     created: _builtins.bool
     """false when it already existed (idempotent)"""
@@ -402,6 +403,10 @@ class RegisterNamespaceResponse(_message.Message):
     shared: _builtins.bool
     """tenants share blocks in this namespace"""
     scheme: Global___HashScheme.ValueType
+    verify_local_loads: _builtins.bool
+    """The node's verify_checksums is "all": a runner checks the bytes of every hit it
+    copies out of the pool against LookupResponse's checksums (Hit.check_bytes).
+    """
     @_builtins.property
     def layout(self) -> Global___KVLayout: ...
     def __init__(
@@ -415,10 +420,11 @@ class RegisterNamespaceResponse(_message.Message):
         shared: _builtins.bool = ...,
         layout: Global___KVLayout | None = ...,
         scheme: Global___HashScheme.ValueType = ...,
+        verify_local_loads: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["layout", b"layout"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_bytes", b"block_bytes", "capacity_blocks", b"capacity_blocks", "chain_root", b"chain_root", "created", b"created", "layout", b"layout", "namespace_id", b"namespace_id", "scheme", b"scheme", "shared", b"shared"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_bytes", b"block_bytes", "capacity_blocks", b"capacity_blocks", "chain_root", b"chain_root", "created", b"created", "layout", b"layout", "namespace_id", b"namespace_id", "scheme", b"scheme", "shared", b"shared", "verify_local_loads", b"verify_local_loads"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -548,11 +554,14 @@ class BlockLocation(_message.Message):
     GENERATION_FIELD_NUMBER: _builtins.int
     ARENA_FIELD_NUMBER: _builtins.int
     OFFSET_FIELD_NUMBER: _builtins.int
+    CHECKSUM_FIELD_NUMBER: _builtins.int
     hash: _builtins.bytes
     slot: _builtins.int
     generation: _builtins.int
     arena: _builtins.int
     offset: _builtins.int
+    checksum: _builtins.int
+    """xxh3-64 of the bytes its writer wrote; 0: none was sent"""
     def __init__(
         self,
         *,
@@ -561,10 +570,11 @@ class BlockLocation(_message.Message):
         generation: _builtins.int = ...,
         arena: _builtins.int = ...,
         offset: _builtins.int = ...,
+        checksum: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["arena", b"arena", "generation", b"generation", "hash", b"hash", "offset", b"offset", "slot", b"slot"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["arena", b"arena", "checksum", b"checksum", "generation", b"generation", "hash", b"hash", "offset", b"offset", "slot", b"slot"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -696,6 +706,7 @@ class LookupResponse(_message.Message):
     RELEASED_FIELD_NUMBER: _builtins.int
     PACKED_SLOTS_FIELD_NUMBER: _builtins.int
     PACKED_GENERATIONS_FIELD_NUMBER: _builtins.int
+    PACKED_CHECKSUMS_FIELD_NUMBER: _builtins.int
     hit_blocks: _builtins.int
     hit_tokens: _builtins.int
     pinned: _builtins.bool
@@ -718,6 +729,10 @@ class LookupResponse(_message.Message):
     """slots, little-endian uint64 each (packed_slots asked)"""
     packed_generations: _builtins.bytes
     """generations, the same way (packed_slots asked)"""
+    packed_checksums: _builtins.bytes
+    """The hit blocks' checksums (packed_reply asked): xxh3-64 of the bytes their
+    writers wrote, little-endian uint64 each, in hit order; 0: none was sent.
+    """
     @_builtins.property
     def blocks(self) -> _containers.RepeatedCompositeFieldContainer[Global___BlockLocation]:
         """unless packed_reply was asked"""
@@ -755,10 +770,11 @@ class LookupResponse(_message.Message):
         released: Global___ReleaseResponse | None = ...,
         packed_slots: _builtins.bytes = ...,
         packed_generations: _builtins.bytes = ...,
+        packed_checksums: _builtins.bytes = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["released", b"released"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_bytes", b"block_bytes", "blocks", b"blocks", "chain", b"chain", "generations", b"generations", "hit_blocks", b"hit_blocks", "hit_hashes", b"hit_hashes", "hit_tokens", b"hit_tokens", "miss_reason", b"miss_reason", "packed_chain", b"packed_chain", "packed_generations", b"packed_generations", "packed_slots", b"packed_slots", "pinned", b"pinned", "pool_epoch", b"pool_epoch", "pool_version", b"pool_version", "query_tokens", b"query_tokens", "released", b"released", "slots", b"slots", "slots_per_arena", b"slots_per_arena"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_bytes", b"block_bytes", "blocks", b"blocks", "chain", b"chain", "generations", b"generations", "hit_blocks", b"hit_blocks", "hit_hashes", b"hit_hashes", "hit_tokens", b"hit_tokens", "miss_reason", b"miss_reason", "packed_chain", b"packed_chain", "packed_checksums", b"packed_checksums", "packed_generations", b"packed_generations", "packed_slots", b"packed_slots", "pinned", b"pinned", "pool_epoch", b"pool_epoch", "pool_version", b"pool_version", "query_tokens", b"query_tokens", "released", b"released", "slots", b"slots", "slots_per_arena", b"slots_per_arena"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -899,10 +915,16 @@ class CommitRequest(_message.Message):
     LEASE_ID_FIELD_NUMBER: _builtins.int
     HASHES_FIELD_NUMBER: _builtins.int
     PACKED_HASHES_FIELD_NUMBER: _builtins.int
+    PACKED_CHECKSUMS_FIELD_NUMBER: _builtins.int
     namespace_id: _builtins.str
     lease_id: _builtins.int
     packed_hashes: _builtins.bytes
     """or the hashes concatenated (32 bytes each); not both"""
+    packed_checksums: _builtins.bytes
+    """The writer's checksum of each block's bytes as written (xxh3-64, kvstore.checksum),
+    little-endian uint64 each, in hash order; 0 for a block it computed none for.
+    Empty: none sent. Otherwise exactly 8 bytes per hash (else INVALID_ARGUMENT).
+    """
     @_builtins.property
     def hashes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bytes]: ...
     def __init__(
@@ -912,10 +934,11 @@ class CommitRequest(_message.Message):
         lease_id: _builtins.int = ...,
         hashes: _abc.Iterable[_builtins.bytes] | None = ...,
         packed_hashes: _builtins.bytes = ...,
+        packed_checksums: _builtins.bytes = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["hashes", b"hashes", "lease_id", b"lease_id", "namespace_id", b"namespace_id", "packed_hashes", b"packed_hashes"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["hashes", b"hashes", "lease_id", b"lease_id", "namespace_id", b"namespace_id", "packed_checksums", b"packed_checksums", "packed_hashes", b"packed_hashes"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1130,17 +1153,23 @@ class BlockData(_message.Message):
 
     HASH_FIELD_NUMBER: _builtins.int
     DATA_FIELD_NUMBER: _builtins.int
+    CHECKSUM_FIELD_NUMBER: _builtins.int
     hash: _builtins.bytes
     data: _builtins.bytes
+    checksum: _builtins.int
+    """xxh3-64 of data as its writer wrote it; 0: unknown. FetchBlocks and ReadBlocks
+    send the stored one; a WriteBlocks writer's is checked against data and kept.
+    """
     def __init__(
         self,
         *,
         hash: _builtins.bytes = ...,
         data: _builtins.bytes = ...,
+        checksum: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["data", b"data", "hash", b"hash"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["checksum", b"checksum", "data", b"data", "hash", b"hash"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1309,12 +1338,15 @@ class OfferedBlock(_message.Message):
     ADDRESS_FIELD_NUMBER: _builtins.int
     LENGTH_FIELD_NUMBER: _builtins.int
     ARENA_FIELD_NUMBER: _builtins.int
+    CHECKSUM_FIELD_NUMBER: _builtins.int
     hash: _builtins.bytes
     address: _builtins.int
     """in the holder's NIXL-registered memory"""
     length: _builtins.int
     arena: _builtins.int
     """its arena: adjacent blocks of one arena may travel as one"""
+    checksum: _builtins.int
+    """its writer's xxh3-64 (0: unknown): checked where it lands"""
     def __init__(
         self,
         *,
@@ -1322,10 +1354,11 @@ class OfferedBlock(_message.Message):
         address: _builtins.int = ...,
         length: _builtins.int = ...,
         arena: _builtins.int = ...,
+        checksum: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "arena", b"arena", "hash", b"hash", "length", b"length"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "arena", b"arena", "checksum", b"checksum", "hash", b"hash", "length", b"length"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

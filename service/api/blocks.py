@@ -255,7 +255,10 @@ class BlockRpcs(ServicerBase):
         """Make written blocks READY."""
         node = self.node
         named = self._named_blocks(request, context, node.config.max_chain_blocks)
-        return pb.CommitResponse(committed=node.commit(*named))
+        checksums = None
+        if request.packed_checksums:
+            checksums = validate.checksums(request.packed_checksums, len(named[3]))
+        return pb.CommitResponse(committed=node.commit(*named, checksums=checksums))
 
     @guard_unary("Abort")
     async def Abort(self, request: pb.AbortRequest, context: Any) -> pb.AbortResponse:

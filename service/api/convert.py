@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
+from kvstore import checksum
 from kvstore.api import wire
 from kvstore.block import BlockState
 from kvstore.errors import InvalidArgument
@@ -84,6 +85,7 @@ def locations(pool: BlockPool, refs: Iterable[BlockRef]) -> list[pb.BlockLocatio
                 generation=ref.generation,
                 arena=arena,
                 offset=index * block_bytes,
+                checksum=ref.checksum,
             )
         )
     return out
@@ -108,6 +110,7 @@ def packed_locations(
         "hit_hashes": b"".join(result.hashes),
         "slots_per_arena": descriptor.slots_per_arena,
         "block_bytes": descriptor.block_bytes,
+        "packed_checksums": checksum.pack_checksums(result.checksums),
     }
     if packed_slots:  # one bytes copy each: a repeated field costs a Python int per item
         reply["packed_slots"] = wire.pack_u64(result.slots)
@@ -138,7 +141,12 @@ def location(pool: BlockPool, ref: BlockRef) -> pb.BlockLocation:
     """Where a block's bytes are: slot, generation, arena and offset."""
     arena, offset = pool.locate(ref.slot)
     return pb.BlockLocation(
-        hash=ref.hash, slot=ref.slot, generation=ref.generation, arena=arena, offset=offset
+        hash=ref.hash,
+        slot=ref.slot,
+        generation=ref.generation,
+        arena=arena,
+        offset=offset,
+        checksum=ref.checksum,
     )
 
 

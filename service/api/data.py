@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
+from kvstore import checksum
 from kvstore.results import BlockRef
 from kvstore.types import BlockHash, LeaseId, SlotId
 from kvstore.v1 import kvstore_pb2 as pb
@@ -72,7 +73,7 @@ class DataRpcs(ServicerBase):
         lease_id: LeaseId = validate.lease_id(header.lease_id, "header.lease_id")
         pool = node.pool(namespace)
         block_bytes = pool.descriptor.block_bytes
-        written: dict[BlockHash, None] = {}
+        written: dict[BlockHash, int] = {}  # hash -> its writer's checksum
         async for message in messages:
             if message.WhichOneof("item") != "block":
                 raise FieldError("header", "only the first WriteBlocks message may be a header")
@@ -88,10 +89,17 @@ class DataRpcs(ServicerBase):
                     "block",
                     f"at most {node.config.max_chain_blocks} blocks a call (max_chain_blocks)",
                 )
+            if not checksum.matches(item.data, item.checksum):
+                raise FieldError(
+                    "block.checksum",
+                    f"block {hash_.hex()[:16]}'s data does not have the checksum sent with it",
+                )
             slot = node.store.writing_slot(namespace, tenant, lease_id, hash_, node.now())
             pool.write(slot, item.data)
-            written[hash_] = None
+            written[hash_] = item.checksum
         committed = 0
         if header.commit and written:
-            committed = node.commit(namespace, tenant, lease_id, list(written))
+            committed = node.commit(
+                namespace, tenant, lease_id, list(written), checksums=list(written.values())
+            )
         return pb.WriteBlocksResponse(written=len(written), committed=committed)

@@ -80,7 +80,9 @@ class PeerRpcs(ServicerBase):
                 node.store.check_slot(namespace, tenant, ref)
             except StaleSlot:
                 return  # evicted since the lookup: the caller keeps what it got
-            yield pb.BlockData(hash=ref.hash, data=pool.read(ref.slot))
+            # The checksum its writer sent, not one of the bytes now: the
+            # reader checks that what lands is what was written.
+            yield pb.BlockData(hash=ref.hash, data=pool.read(ref.slot), checksum=ref.checksum)
 
     @guard_unary("OfferBlocks")
     async def OfferBlocks(

@@ -115,6 +115,7 @@ class KVStoreServicer(
             shared=table.shared,
             layout=convert.layout_to_proto(table.spec.layout),
             scheme=convert.scheme_to_proto(table.spec.scheme),
+            verify_local_loads=node.config.verify_checksums == "all",
         )
 
     @guard_unary("AttachPool")

@@ -8,11 +8,14 @@ and saying what was wrong, which the error guard sends as
 from __future__ import annotations
 
 import re
+from array import array
 from collections.abc import Sequence
 from typing import cast
 
 import numpy as np
 
+from kvstore import checksum
+from kvstore.errors import InvalidArgument
 from kvstore.types import HASH_BYTES, BlockHash, LeaseId, NamespaceId
 from service.api.errors import FieldError
 
@@ -46,6 +49,14 @@ def block_hash(value: bytes, field: str) -> BlockHash:
     if len(value) != HASH_BYTES:
         raise FieldError(field, f"a block hash is {HASH_BYTES} bytes, got {len(value)}")
     return BlockHash(value)
+
+
+def checksums(packed: bytes, count: int, field: str = "packed_checksums") -> array[int]:
+    """Per-block checksums packed as little-endian uint64, one per named hash (or none)."""
+    try:
+        return checksum.unpack_checksums(packed, count)
+    except InvalidArgument as exc:
+        raise FieldError(field, str(exc).removeprefix(f"{field} ")) from None
 
 
 def block_hashes(

@@ -59,5 +59,10 @@ class LocalNode(Protocol):
     ) -> None:
         """Grow a namespace's pool before a reserve of ``chain`` if the budget allows."""
 
+    def checksum_failed(
+        self, namespace: NamespaceId, tier: str, block_hash: BlockHash, holder: str
+    ) -> None:
+        """Count and log a block whose bytes did not match its checksum (it is not served)."""
+
     def publish_events(self) -> None:
         """Fan out the store's pending events (to watchers and to the agent)."""

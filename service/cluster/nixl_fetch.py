@@ -11,8 +11,11 @@
    (the loop stays free) until done or the offer is about to be forgotten.
 4. End the offer (`EndOffer`): the holder answers how many leading offered
    blocks are still the very blocks it offered (`service.cluster.nixl_offers`:
-   checked, not pinned). Check our slots are still this lease's, commit
-   exactly the intact ones, close the lease (aborting the rest).
+   checked, not pinned). Check the intact blocks' bytes, where they landed,
+   against the checksums offered with them (the first mismatch and what
+   follows are dropped, counted and logged), check our slots are still this
+   lease's, commit exactly the intact, verified ones with their checksums,
+   close the lease (aborting the rest).
 
 Any failure (an error state, the deadline, the caller's cancellation) aborts
 the reservation: a miss, never wrong KV. A transfer that is still in flight
@@ -35,7 +38,7 @@ from typing import Any
 import grpc
 
 from kvstore.errors import KVStoreError
-from kvstore.types import BlockHash, LeaseId, NamespaceId, TenantId
+from kvstore.types import BlockHash, LeaseId, NamespaceId, SlotId, TenantId
 from kvstore.v1 import kvstore_pb2 as pb
 from service.cluster.directory import Holder
 from service.cluster.fetch_lease import close_fetch_lease, open_fetch_lease, reserve_missing
@@ -115,7 +118,7 @@ class NixlPuller:
             return await self._end_offer(stub, metadata, offer.offer_id)
 
         try:
-            return await self._take(offer, address, namespace, tenant, target, have, end_offer)
+            return await self._take(offer, holder, namespace, tenant, target, have, end_offer)
         finally:
             if not ended:  # gave up early: let the holder forget it now
                 self._spawn(end_offer())
@@ -123,7 +126,7 @@ class NixlPuller:
     async def _take(
         self,
         offer: pb.OfferBlocksResponse,
-        address: str,
+        holder: Holder,
         namespace: NamespaceId,
         tenant: TenantId,
         target: list[BlockHash],
@@ -131,6 +134,7 @@ class NixlPuller:
         end_offer: Callable[[], Awaitable[int]],
     ) -> int | None:
         """Check the offer, reserve, READ, end the offer, commit; None when NIXL failed."""
+        address = holder.address
         loop = asyncio.get_running_loop()
         deadline = loop.time() + offer.hold_ms / 1000 - HOLD_SAFETY_SECONDS
         node, store = self.node, self.node.store
@@ -159,6 +163,7 @@ class NixlPuller:
             local: list[Place] = []
             remote: list[Place] = []
             hashes: list[BlockHash] = []
+            slots: list[SlotId] = []
             for block in blocks:
                 block_hash = BlockHash(block.hash)
                 if block_hash not in wanted:
@@ -170,6 +175,7 @@ class NixlPuller:
                 local.append(place)
                 remote.append(Place(block.arena, block.address))
                 hashes.append(block_hash)
+                slots.append(slot)
             if not hashes:
                 return 0
             try:
@@ -186,11 +192,14 @@ class NixlPuller:
             # over were read whole; the rest may be anything: not committed.
             intact = {BlockHash(b.hash) for b in blocks[: await end_offer()]}
             good = [h for h in hashes if h in intact]
+            good = await self._verified(namespace, holder, blocks, hashes, slots, good)
             # Still this lease's WRITING slots (raises if it expired meanwhile).
             for block_hash in good:
                 store.writing_slot(namespace, tenant, lease_id, block_hash, node.now())
             if good:
-                store.commit(namespace, tenant, lease_id, good, node.now())
+                offered = {BlockHash(b.hash): b.checksum for b in blocks}
+                sums = [offered[h] for h in good]
+                store.commit(namespace, tenant, lease_id, good, node.now(), sums)
             if len(good) < len(hashes):
                 log.info("%d of %d blocks from %s changed meanwhile: dropped",
                          len(hashes) - len(good), len(hashes), address)  # fmt: skip
@@ -206,6 +215,38 @@ class NixlPuller:
                 if transfer is not None:
                     transfer.release()
                 close_fetch_lease(node, tenant, lease_id)
+
+    async def _verified(
+        self,
+        namespace: NamespaceId,
+        holder: Holder,
+        blocks: list[pb.OfferedBlock],
+        hashes: list[BlockHash],
+        slots: list[SlotId],
+        good: list[BlockHash],
+    ) -> list[BlockHash]:
+        """The leading blocks of ``good`` whose bytes, as they landed, have the offered checksum.
+
+        The first mismatch is counted and logged, and it and every later block
+        are dropped (aborted with the lease: a miss). Hashed in a worker thread:
+        a long chain is ~1 GB; the slots are our lease's WRITING slots, which
+        nobody else touches, and they are checked still ours after this.
+        """
+        pool = self.node.pool(namespace)
+        expected = {BlockHash(b.hash): b.checksum for b in blocks}
+        slot_of = dict(zip(hashes, slots, strict=True))
+        todo = [(slot_of[h], expected[h]) for h in good]
+
+        def first_bad() -> int:
+            for k, (slot, want) in enumerate(todo):
+                if want and pool.checksum(slot) != want:
+                    return k
+            return len(todo)
+
+        bad = await asyncio.to_thread(first_bad) if any(w for _, w in todo) else len(todo)
+        if bad < len(good):
+            self.node.checksum_failed(namespace, "peer", good[bad], holder.node_id)
+        return good[:bad]
 
     def _load(self, address: str, offer: pb.OfferBlocksResponse) -> None:
         """Make sure the offering agent's current metadata is loaded."""

@@ -113,6 +113,7 @@ class OfferBook:
                     address=place.address,
                     length=pool.descriptor.block_bytes,
                     arena=place.arena,
+                    checksum=ref.checksum,
                 )
             )
         offer_id = secrets.randbits(63) | 1

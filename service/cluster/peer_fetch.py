@@ -17,6 +17,13 @@ The caller's lookup is then redone against the local store.
 - A peer that vanishes mid-fetch, a Redis outage, a timeout, a size
   mismatch: the blocks that arrived are kept, the rest is a miss, never an
   error of the caller's lookup.
+- Checksums: each block's bytes are checked where they landed in our pool
+  against the checksum its writer sent (which the holder kept with it,
+  `kvstore.checksum`); a mismatch ends the fetch there (that block and the
+  rest of the chain are aborted: a miss), is counted in
+  ``kvstore_checksum_failures_total{tier="peer"}`` and logged with the
+  block, the tier and the holder. A block whose writer sent no checksum (0)
+  is taken unchecked and stays 0 here.
 - Tenants: the directory is asked with the caller's scope, and the peer
   reads in the tenant's scope, so a fetch only ever copies the caller's
   own tenant's blocks (or a shared namespace's). The internal lease is the
@@ -184,6 +191,7 @@ class PeerFetcher:
         )
         lease_id: LeaseId | None = None
         written: list[BlockHash] = []
+        checksums: list[int] = []
         try:
             try:
                 item = await call.read()
@@ -209,7 +217,14 @@ class PeerFetcher:
                             namespace, tenant, lease_id, block_hash, node.now()
                         )
                         pool.write(slot, item.data)
+                        # Checked where it landed: a torn or misdirected write on
+                        # either side, or bytes flipped on the way, is a miss.
+                        if item.checksum and pool.checksum(slot) != item.checksum:
+                            self.failed_fetches += 1
+                            node.checksum_failed(namespace, "peer", block_hash, holder.node_id)
+                            break  # this block and the rest stay uncommitted: aborted
                         written.append(block_hash)
+                        checksums.append(item.checksum)
                     # else: a local hit meanwhile, or another lease writes it
                     item = await call.read()
             except grpc.RpcError as err:
@@ -222,7 +237,7 @@ class PeerFetcher:
                 )
             if written:
                 assert lease_id is not None
-                store.commit(namespace, tenant, lease_id, written, node.now())
+                store.commit(namespace, tenant, lease_id, written, node.now(), checksums)
                 self.fetched_blocks += len(written)
             return len(written)
         finally:

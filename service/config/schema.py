@@ -43,6 +43,7 @@ from service.config.values import (
     parse_secret,
     parse_size,
     parse_str,
+    parse_verify_checksums,
 )
 
 log = logging.getLogger(__name__)
@@ -160,6 +161,8 @@ class Config:
     """Peer fetches running at once; more lookups with allow_remote are served locally."""
     peer_fetch_timeout: float = 5.0
     """Seconds a peer fetch (locate + stream) may take before it counts as a miss."""
+    verify_checksums: str = "peer"
+    """Block checksums checked on peer fetches ("peer"), or also on runners' local loads ("all")."""
     kv_events_endpoint: str = ""
     """ZMQ PUB endpoint of the node's block events in vLLM's format (tcp://*:5560); empty = off."""
     kv_events_replay_endpoint: str = ""
@@ -238,6 +241,7 @@ _PARSERS: dict[str, Callable[[object], object]] = {
     "cluster_token": parse_str,
     "peer_fetch_concurrency": parse_positive(parse_int),
     "peer_fetch_timeout": parse_positive_float,
+    "verify_checksums": parse_verify_checksums,
     "kv_events_endpoint": parse_str,
     "kv_events_replay_endpoint": parse_str,
     "kv_events_topic": parse_str,

@@ -96,6 +96,14 @@ def parse_event_encoding(value: object) -> str:
     return text
 
 
+def parse_verify_checksums(value: object) -> str:
+    """Where block checksums are checked: "peer" (peer fetches) or "all" (also local loads)."""
+    text = str(value).strip().lower()
+    if text not in ("peer", "all"):
+        raise ValueError(f'expected "peer" or "all", got {value!r}')
+    return text
+
+
 def parse_port(value: object) -> int:
     port = parse_int(value)
     if not 0 <= port <= 65535:

@@ -224,6 +224,13 @@ class Metrics:
         self.watch_dropped = Counter(
             "kvstore_watch_dropped_events", "Events dropped for slow watchers", registry=r
         )
+        self.checksum_failures = Counter(
+            "kvstore_checksum_failures",
+            "Blocks whose bytes did not match their writer's checksum (served as misses), "
+            "by where they were checked (peer: a peer fetch; local: a node-side local read)",
+            ["namespace", "tier"],
+            registry=r,
+        )
         if snapshot is not None:
             r.register(_StoreCollector(snapshot))
         self._http: WSGIServer | None = None

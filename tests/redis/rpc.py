@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import grpc
 
+from kvstore.checksum import block_checksum
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc
 from tests.service.conftest import BLOCK_BYTES, BLOCK_SIZE, LAYOUT
@@ -45,7 +46,8 @@ class Rpc:
         return self.namespace
 
     async def store(self, seed: int, blocks: int) -> list[bytes]:
-        """Store a prompt's blocks (bytes from `block_bytes`); returns the chain."""
+        """Store a prompt's blocks (bytes from `block_bytes`, with their checksums); returns
+        the chain."""
         lease = await self.stub.OpenLease(pb.OpenLeaseRequest(ttl_seconds=30), metadata=self.md)
         tokens = prompt(seed, blocks)
         res = await self.stub.Reserve(
@@ -64,7 +66,11 @@ class Rpc:
             if entry.status == pb.RESERVE_STATUS_RESERVED:
                 items.append(
                     pb.WriteBlocksRequest(
-                        block=pb.BlockData(hash=entry.hash, data=block_bytes(seed, i))
+                        block=pb.BlockData(
+                            hash=entry.hash,
+                            data=block_bytes(seed, i),
+                            checksum=block_checksum(block_bytes(seed, i)),
+                        )
                     )
                 )
         await self.stub.WriteBlocks(iter(items), metadata=self.md, timeout=10)

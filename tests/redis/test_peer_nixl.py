@@ -27,7 +27,7 @@ from kvstore.client import Client
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc
 from service.cluster.keys import Keys, member
-from tests.redis.rpc import Rpc, block_bytes
+from tests.redis.rpc import MODEL, Rpc, block_bytes, prompt
 from tests.redis.server import REDIS_SERVER, RedisServer, free_port
 from tests.redis.test_cluster_nodes import until
 
@@ -65,6 +65,16 @@ class Node:
         )
         assert match, f"no peer fetch counter for {transport} in the metrics"
         return float(match.group(1))
+
+    def failures(self) -> float:
+        """Peer blocks this node refused for their checksum, all namespaces (from /metrics)."""
+        url = f"http://127.0.0.1:{self.metrics_port}/metrics"
+        with urllib.request.urlopen(url, timeout=5) as resp:
+            page = resp.read().decode()
+        found = re.findall(
+            r'^kvstore_checksum_failures_total\{[^}]*tier="peer"[^}]*\} (\S+)$', page, re.M
+        )
+        return sum(float(v) for v in found)
 
 
 @pytest.fixture(scope="module")
@@ -142,6 +152,30 @@ async def test_nixl_moves_the_right_bytes_and_unpins(redis_url, holder, reader):
         assert digest(await rr.read(1, 40)) == digest(expected)
         # Nothing pinned or reserved is left on either side.
         assert await nothing_held(holder.address)
+        assert await nothing_held(reader.address)
+    finally:
+        await rh.close()
+        await rr.close()
+
+
+async def test_nixl_checks_checksums_where_the_bytes_landed(redis_url, holder, reader):
+    """A bit flipped in the holder's pool after commit: the blocks before it are
+    committed, it and the rest are a miss, and the reader counts the failure."""
+    rh, rr, _ = await stored(redis_url, holder, reader, seed=9, blocks=6)
+    try:
+        layout = KVLayout(num_layers=2, num_kv_heads=2, head_dim=4, block_size=4, dtype="float16")
+        async with Client(holder.address, tenant=TENANT, timeout=5.0) as kv:
+            ns = await kv.register_namespace(MODEL, layout)
+            held = await kv.lookup(ns, prompt(9, 6), pin=True)
+            assert held.hit_blocks == 6 and all(held.checksums.tolist())
+            held.buffers()[3][7] ^= 0x80
+            await kv.release(held)
+        before = reader.fetches("nixl"), reader.failures()
+        hit = await rr.lookup(9, 6, remote=True)
+        assert hit.hit_blocks == 3
+        assert reader.fetches("nixl") == before[0] + 1
+        assert reader.failures() == before[1] + 1
+        assert await rr.read(9, 3) == [block_bytes(9, i) for i in range(3)]
         assert await nothing_held(reader.address)
     finally:
         await rh.close()

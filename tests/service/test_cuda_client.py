@@ -186,6 +186,17 @@ async def test_release_without_torch_cuda_waits_for_the_device(node, rt):
     assert before(rt.calls, "synchronize:0", "rpc:Release")
 
 
+async def test_cuda_pool_writers_send_no_checksums(node, gpu):
+    """No device kernel for them yet (docs/cuda.md): 0, never checked."""
+    async with Client(node.address, tenant="acme", timeout=5.0) as kv:
+        ns = await kv.register_namespace("m", LAYOUT)
+        await kv.store(ns, TOKENS, BLOCKS)
+        hit = await kv.lookup(ns, TOKENS, pin=True)
+        assert hit.hit_blocks == 3 and hit.checksums.tolist() == [0, 0, 0]
+        assert hit.check_bytes() == []
+        await kv.release(hit)
+
+
 def test_host_pools_wait_for_nothing(tmp_path):
     with HostPool.create(NamespaceId("ab" * 8), 256, 2, 7, directory=str(tmp_path)) as pool:
         mapping = attach(pool.descriptor)

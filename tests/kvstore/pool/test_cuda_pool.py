@@ -8,6 +8,7 @@ import sys
 import pytest
 import torch
 
+from kvstore.checksum import block_checksum
 from kvstore.errors import InvalidArgument, LimitExceeded
 from kvstore.layout import KVLayout
 from kvstore.pool import (
@@ -110,6 +111,16 @@ def test_server_read_write_round_trip_and_checks(rt):
     pool.close()
     with pytest.raises(PoolUnavailable, match="closed"):
         pool.read(SlotId(0))
+
+
+def test_a_slots_checksum_is_of_its_bytes_copied_to_the_host(rt):
+    """No device kernel: the checksum of a CUDA slot hashes a host copy (peer fetches)."""
+    pool = make_pool(rt)
+    data = bytes(range(256)) * (BLOCK // 256)
+    pool.write(SlotId(3), data)
+    assert pool.checksum(SlotId(3)) == block_checksum(data)
+    assert pool.checksum(SlotId(4)) == block_checksum(bytes(BLOCK))
+    pool.close()
 
 
 def test_capacity_beyond_free_memory_is_limit_exceeded(rt):

@@ -1,0 +1,101 @@
+"""The SDK's checksums: sent with every store, answered with every hit, checked on
+a load when asked (`Hit.check_bytes`)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import numpy as np
+import pytest
+
+from kvstore.checksum import block_checksum, unpack_checksums
+from kvstore.client import Client
+from kvstore.errors import InvalidArgument
+from service.server import Server
+
+from .conftest import LAYOUT
+
+
+def blocks_of(n: int, seed: int) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    return rng.integers(0, 255, (n, LAYOUT.block_bytes), dtype=np.uint8)
+
+
+def tokens_of(n: int, start: int) -> list[int]:
+    return [start + t for t in range(n * LAYOUT.block_size)]
+
+
+async def test_store_sends_the_checksums_of_the_bytes_written(
+    kv: Client, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ns = await kv.register_namespace("sums", LAYOUT)
+    sent: list[Any] = []
+    call = kv._rpc.call
+
+    async def record(method: str, request: Any, *args: Any, **kw: Any) -> Any:
+        sent.append((method, request))
+        return await call(method, request, *args, **kw)
+
+    monkeypatch.setattr(kv._rpc, "call", record)
+    data = blocks_of(3, 1)
+    assert (await kv.store(ns, tokens_of(3, 100), data)).committed == 3
+    commit = next(req for method, req in sent if method == "Commit")
+    expected = [block_checksum(row) for row in data]
+    assert list(unpack_checksums(commit.packed_checksums, 3)) == expected
+
+    hit = await kv.lookup(ns, tokens_of(3, 100), pin=True)
+    assert hit.checksums.tolist() == expected
+    assert [b.checksum for b in hit.blocks] == expected
+    assert hit.check_bytes() == []
+    await kv.release(hit)
+
+
+async def test_check_bytes_names_the_blocks_whose_bytes_changed(kv: Client) -> None:
+    ns = await kv.register_namespace("sums", LAYOUT)
+    data = blocks_of(4, 2)
+    await kv.store(ns, tokens_of(4, 200), data)
+    hit = await kv.lookup(ns, tokens_of(4, 200), pin=True)
+    buffers = hit.buffers()
+    buffers[2][17] ^= 0x01  # one flipped bit in the pool
+    assert hit.check_bytes() == [2]
+    # The caller's own copies are checked when given.
+    copies = [bytes(b) for b in buffers]
+    copies[2], copies[3] = copies[3], copies[2]  # misplaced blocks
+    assert hit.check_bytes(copies) == [2, 3]
+    with pytest.raises(InvalidArgument, match="4 hit blocks, 3 buffers"):
+        hit.check_bytes(copies[:3])
+    await kv.release(hit)
+
+
+async def test_an_unmapped_client_sends_checksums_with_write_blocks(kv_server: Server) -> None:
+    async with Client(kv_server.address, tenant="acme", timeout=5.0, map_pool=False) as kv:
+        ns = await kv.register_namespace("sums", LAYOUT)
+        data = blocks_of(2, 3)
+        assert (await kv.store(ns, tokens_of(2, 300), data)).committed == 2
+        hit = await kv.lookup(ns, tokens_of(2, 300), pin=True)
+        assert hit.checksums.tolist() == [block_checksum(row) for row in data]
+        read = await kv.read_blocks(hit)
+        assert hit.check_bytes(read) == []
+        assert hit.check_bytes([read[1], read[0]]) == [0, 1]
+        await kv.release(hit)
+
+
+async def test_blocks_without_checksums_are_never_listed(kv: Client) -> None:
+    ns = await kv.register_namespace("sums", LAYOUT)
+    hit = await kv.lookup(ns, tokens_of(2, 400), pin=True)  # a miss: nothing to check
+    assert hit.check_bytes() == []
+
+
+@pytest.mark.parametrize(("setting", "verify"), [("peer", False), ("all", True)])
+async def test_namespace_says_whether_the_operator_wants_loads_checked(
+    server_config, clock, setting: str, verify: bool
+) -> None:
+    server = Server(dataclasses.replace(server_config, verify_checksums=setting), clock=clock)
+    await server.start()
+    try:
+        async with Client(server.address, tenant="acme", timeout=5.0) as kv:
+            ns = await kv.register_namespace("sums", LAYOUT)
+            assert ns.verify_loads is verify
+    finally:
+        await server.stop(0.1)
