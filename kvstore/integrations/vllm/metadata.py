@@ -49,6 +49,9 @@ class LoadSpec:
     """Per slot, the stamp it had at the lookup, (generation, ident) (`kvstore.pool.stamps`):
     the worker reads the slots' stamps again once its copy has landed, and a block whose
     stamp moved is a load error (vLLM recomputes it), whatever the pins said."""
+    checksums: tuple[int, ...] = ()
+    """Per slot, the writer's checksum (0: none): checked after the copy when the node
+    asks for full verification (``verify_checksums = "all"``)."""
 
 
 def expected_stamps(hit: Hit, first: int, last: int) -> tuple[tuple[int, int], ...]:

@@ -214,6 +214,7 @@ class SchedulerSide:
                 pool_version=hit.pool_version,
                 rank=rank,
                 stamps=expected_stamps(hit, first, last),
+                checksums=tuple(hit.checksums[first:last].tolist()) if len(hit.checksums) else (),
             )
             for rank, hit in enumerate(hits)
         ]

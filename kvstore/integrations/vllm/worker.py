@@ -53,6 +53,7 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
+from kvstore.checksum import mismatches
 from kvstore.client.blocks import slot_runs
 from kvstore.errors import KVStoreError
 from kvstore.integrations.vllm.link import NodeLink
@@ -253,10 +254,10 @@ class WorkerSide:
         expected = np.asarray(load.stamps, dtype=np.uint64).reshape(-1, 2)
         if len(expected) != len(slots):
             raise LoadFailed(f"{len(expected)} stamps for {len(slots)} slots")
-        if moved := int(self._moved(mapping, slots, expected).sum()):
+        if stale := int(self._moved(mapping, slots, expected).sum()):
             with self._lock:
-                self._stats.add("load_moved_blocks", moved)
-            raise LoadFailed(f"{moved} slots no longer hold the blocks the lookup found")
+                self._stats.add("load_moved_blocks", stale)
+            raise LoadFailed(f"{stale} slots no longer hold the blocks the lookup found")
         if isinstance(mapping, HostMapping) and self.layers and not self.layers[0].tensor.is_cuda:
             scatter_runs(self.layers, self._runs(mapping, load))
         else:
@@ -271,22 +272,43 @@ class WorkerSide:
         # slot's stamp is still the lookup's, so no writer was handed the slot before
         # the copy landed (a seqlock's second read); a moved block is a load error.
         moved = self._moved(mapping, slots, expected)
+        bad = moved | self._corrupt(mapping, load) if ns.verify_loads else moved
         if self._closed:
             raise LoadFailed("the connector shut down during the copy")
         if self._clock() >= load.pins_until:
             raise LoadFailed("the copy outlasted the pins (lease lost, or the engine stalled)")
-        failed = tuple(b for b, bad in zip(load.block_ids, moved.tolist(), strict=True) if bad)
-        if failed:
+        if n_moved := int(moved.sum()):
             with self._lock:
-                self._stats.add("load_moved_blocks", len(failed))
+                self._stats.add("load_moved_blocks", n_moved)
             log.warning(
                 "kvstore: %d of %d blocks of request %s were overwritten during their copy "
                 "(slot stamps moved); vLLM recomputes them",
-                len(failed),
+                n_moved,
                 len(load.block_ids),
                 load.request_id,
             )
-        return failed
+        return tuple(b for b, wrong in zip(load.block_ids, bad.tolist(), strict=True) if wrong)
+
+    def _corrupt(self, mapping: PoolMapping, load: LoadSpec) -> npt.NDArray[np.bool_]:
+        """Per slot: whether its bytes differ from their writer's checksum (full
+        verification; host pools, where the bytes are readable here)."""
+        bad = np.zeros(len(load.slots), dtype=bool)
+        if not load.checksums or not isinstance(mapping, HostMapping):
+            return bad  # CUDA writers send no checksum yet (docs/cuda.md)
+        buffers = [mapping.buffer(SlotId(slot)) for slot in load.slots]
+        wrong = mismatches(buffers, load.checksums)
+        if wrong:
+            bad[wrong] = True
+            with self._lock:
+                self._stats.add("load_checksum_failed_blocks", len(wrong))
+            log.warning(
+                "kvstore: %d blocks of request %s do not match their writer's checksum "
+                "(tier local, first slot %d); vLLM recomputes them",
+                len(wrong),
+                load.request_id,
+                load.slots[wrong[0]],
+            )
+        return bad
 
     @staticmethod
     def _moved(mapping: PoolMapping, slots: npt.NDArray[np.uint64], expected: Any) -> Any:

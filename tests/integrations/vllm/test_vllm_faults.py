@@ -52,6 +52,21 @@ ENGINE_DIFF = 1e-5
 
 
 @pytest.fixture(scope="module")
+def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Node]:
+    """The shared node of `conftest`, with full verification: runners check every load's
+    bytes against their writer's checksum (``verify_checksums = "all"``)."""
+    node = Node(
+        tmp_path_factory.mktemp("node"),
+        namespace_capacity="2MiB",
+        extra_args=("--verify-checksums", "all"),
+    ).start()
+    try:
+        yield node
+    finally:
+        node.stop()
+
+
+@pytest.fixture(scope="module")
 def faults(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The folder whose files switch engine ``a``'s faults on (`faulty`)."""
     return tmp_path_factory.mktemp("faults")
@@ -238,6 +253,30 @@ def test_a_slot_overwritten_under_a_load_is_recomputed(engines, node, faults) ->
     assert got["external_hits"] == 3 * BLOCK  # the hit was counted, then not used
     assert got["kvstore_load_errors"] == 3 and got["kvstore_load_moved"] == 3
     assert "no longer hold the blocks the lookup found" in "".join(a.log)
+    assert_exact(got, run(ref, prompt))
+    assert_nothing_pinned(node)
+
+
+def test_a_bit_flipped_in_a_committed_block_is_recomputed(engines, node) -> None:
+    """One bit of a cached block flips in the pool (bad memory, a stray write): with full
+    verification the engine's load finds the bytes are not their writer's, reports the
+    block as a load error, and vLLM recomputes it."""
+    a, ref = engines["a"], engines["ref"]
+    prompt = system(60) + USER_2
+    run(a, system(60) + USER_1)  # the node holds the system prompt (3 blocks)
+    model, layout = engine_namespace(node)
+    with SyncClient(node.target, tenant="acme", timeout=10.0) as client:
+        ns = client.register_namespace(model, layout, timeout=10.0)
+        assert ns.verify_loads
+        hit = client.lookup(ns, prompt, pin=True, timeout=10.0)
+        assert hit.hit_blocks == 3
+        block = hit.numpy_views()[1].reshape(-1).view(np.uint8)
+        block[3] ^= 0x40  # an exponent bit of the first float32: a large change
+        client.release(hit, timeout=10.0)
+    got = run(a, prompt)
+    assert got["external_hits"] == 3 * BLOCK
+    assert got["kvstore_checksum_failed"] == 1 and got["kvstore_load_errors"] >= 1
+    assert "do not match their writer's checksum" in "".join(a.log)
     assert_exact(got, run(ref, prompt))
     assert_nothing_pinned(node)
 
