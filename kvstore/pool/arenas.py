@@ -103,6 +103,18 @@ class ArenaPool(BlockPool):
         if self._closed:
             raise PoolUnavailable(f"the pool of namespace {self.descriptor.namespace} is closed")
 
+    def stamp(self, slot: SlotId, generation: int, ident: int) -> None:
+        """Write ``slot``'s stamp into its arena's stamp file (nothing once closed).
+
+        The node's `kvstore.stamps.StampSink` for this namespace's block table:
+        arenas added later are covered as they come, and a stamp file goes
+        with its arena when it is given back.
+        """
+        if self._closed:
+            return  # dropped: the stamp files are gone with the arenas
+        part, local = self._part(slot)
+        part.stamp(local, generation, ident)
+
     def view(self, slot: SlotId) -> memoryview:
         """Writable zero-copy view of one slot (host arenas only)."""
         part, local = self._part(slot)
