@@ -26,7 +26,7 @@ from __future__ import annotations
 import grp
 import logging
 import secrets
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Protocol
 
@@ -417,21 +417,23 @@ class PoolStamps:
     dropped namespace never writes into the pool of one registered again.
     """
 
-    __slots__ = ("_pool",)
+    __slots__ = ("_bound", "stamp")
 
     def __init__(self) -> None:
-        self._pool: ArenaPool | None = None
+        self._bound = False
+        self.stamp: Callable[[SlotId, int, int], None] = _unbound
+        """Write one slot's stamp: the pool's `ArenaPool.stamp` itself once bound
+        (no call in between: it runs twice for every block written)."""
 
     def bind(self, pool: ArenaPool) -> None:
         """Write into ``pool``'s stamp table from now on (once)."""
-        assert self._pool is None, "bug: a namespace's stamps bound twice"
-        self._pool = pool
+        assert not self._bound, "bug: a namespace's stamps bound twice"
+        self._bound = True
+        self.stamp = pool.stamp
 
-    def stamp(self, slot: SlotId, generation: int, ident: int) -> None:
-        """Write one slot's stamp (`ArenaPool.stamp`)."""
-        if self._pool is None:
-            raise RuntimeError("bug: a slot stamped before its pool was adopted")
-        self._pool.stamp(slot, generation, ident)
+
+def _unbound(slot: SlotId, generation: int, ident: int) -> None:
+    raise RuntimeError("bug: a slot stamped before its pool was adopted")
 
 
 def _open_device(config: Config, runtime: CudaRuntime | None) -> tuple[CudaRuntime, CudaDevice]:
