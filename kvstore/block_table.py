@@ -28,13 +28,11 @@ every step of random interleavings):
 Pins and writes are recorded in the lease as well as in the block, so ending
 a lease costs O(what it holds).
 
-Over 400 lines on purpose: this file is one concept, the block life cycle
-as leases drive it (lookup/pin, reserve, commit, abort, release, lease
-expiry), whose transitions share the lease and chain bookkeeping and are
-checked together by the state-machine test. What sits below them (slots,
-LRU, counts, quotas) is in `kvstore.residency`; the per-block loops of
-lookup, pin and release (one pass each, arrays for results) are in
-`kvstore.pins`.
+Over 400 lines on purpose: one concept, the block life cycle as leases drive
+it (lookup/pin, reserve, commit, abort, release, lease expiry), its transitions
+sharing the lease and chain bookkeeping, checked together by the state-machine
+test. Below them: slots, LRU, counts, quotas and stamps in `kvstore.residency`;
+the per-block loops of lookup, pin and release (arrays for results) in `kvstore.pins`.
 """
 
 from __future__ import annotations
@@ -64,6 +62,7 @@ from kvstore.results import (
     ReserveResult,
     ReserveStatus,
 )
+from kvstore.stamps import GenerationCounter, StampSink
 from kvstore.tenant_counters import TenantCounterBook
 from kvstore.types import SHARED_SCOPE, BlockHash, SlotId, TenantId, check_hashes
 
@@ -81,6 +80,8 @@ class BlockTable:
         max_pins_per_lease: int = 0,
         quota: QuotaOf | None = None,
         max_tenant_counters: int = 0,
+        generations: GenerationCounter | None = None,
+        stamps: StampSink | None = None,
     ) -> None:
         """Create an empty table.
 
@@ -90,10 +91,10 @@ class BlockTable:
             shared: when True all tenants share one scope (operator's choice).
             events: list to append events to (the store's); a private one if None.
             max_pins_per_lease: bound on one lease's pins (0 = unbounded).
-            quota: scope → most resident blocks it may hold here (0 = no
-                quota); asked on every new block, so it may change at runtime.
+            quota: scope → most resident blocks it may hold (0 = none); asked per new block.
             max_tenant_counters: tenants with lookup counters of their own; the
                 rest share one record (`kvstore.tenant_counters`; 0 = unbounded).
+            generations, stamps: the node's counter; the pool's stamp table (`kvstore.stamps`).
         """
         if capacity <= 0:
             raise InvalidArgument(f"capacity must be a positive number of blocks, got {capacity}")
@@ -104,7 +105,7 @@ class BlockTable:
         self.block_size = spec.layout.block_size
         self.max_pins_per_lease = max_pins_per_lease
         self._events = events if events is not None else []
-        self._res = Residency(capacity, quota)
+        self._res = Residency(capacity, quota, generations, stamps)
         self._counters = TenantCounterBook(max_tenant_counters)
 
     # --- queries -------------------------------------------------------------
@@ -120,6 +121,10 @@ class BlockTable:
     def generation(self, slot: SlotId) -> int:
         """Current generation of a slot."""
         return self._res.generation(slot)
+
+    def stamp_of(self, slot: SlotId) -> tuple[int, int]:
+        """The (generation, ident) stamp of a slot as runners read it; (0, 0) out of range."""
+        return self._res.stamp_of(slot) if 0 <= slot < self.capacity else (0, 0)
 
     def check_slot(self, tenant: TenantId, ref: BlockRef) -> Block:
         """The READY or WRITING block that ``ref`` names, or `StaleSlot`.
@@ -271,7 +276,7 @@ class BlockTable:
                 # hash, scope, slot, generation, parent, depth, state, writer,
                 # refcount, hits, last_used, created (positional: the hot loop)
                 block = Block(
-                    h, scope, slot, res.generation(slot), prev, depth,
+                    h, scope, slot, res.hand_to_writer(slot), prev, depth,
                     BlockState.WRITING, writer, 0, 0, now, now,
                 )  # fmt: skip
                 res.add_writing(block)

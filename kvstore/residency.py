@@ -28,14 +28,21 @@ from kvstore.block import Block, BlockState
 from kvstore.eviction import ScopedLRU
 from kvstore.results import BlockInfo, QuotaOf
 from kvstore.slots import SlotAllocator
+from kvstore.stamps import GenerationCounter, StampSink, stamp_ident
 from kvstore.types import BlockHash, SlotId, TenantId
 
 
 class Residency:
     """Scope maps, slots, LRU, pin and WRITING counts of one namespace's pool."""
 
-    def __init__(self, capacity: int, quota: QuotaOf | None) -> None:
-        """Empty residency of ``capacity`` slots; ``quota`` as in `BlockTable`."""
+    def __init__(
+        self,
+        capacity: int,
+        quota: QuotaOf | None,
+        generations: GenerationCounter | None = None,
+        stamps: StampSink | None = None,
+    ) -> None:
+        """Empty residency of ``capacity`` slots; the arguments as in `BlockTable`."""
         self.capacity = capacity
         self.writing = 0
         """Blocks in state WRITING."""
@@ -44,7 +51,7 @@ class Residency:
         self.evictions = 0
         """Blocks evicted to make room (clear and abort are not evictions)."""
         self._scopes: dict[TenantId, dict[BlockHash, Block]] = {}
-        self._slots = SlotAllocator(capacity)
+        self._slots = SlotAllocator(capacity, generations, stamps)
         self._lru = ScopedLRU()
         self._quota = quota
         self._resident: dict[TenantId, int] = {}
@@ -69,6 +76,18 @@ class Residency:
     def generation(self, slot: SlotId) -> int:
         """Current generation of a slot."""
         return self._slots.generation(slot)
+
+    def stamp_of(self, slot: SlotId) -> tuple[int, int]:
+        """The (generation, ident) stamp of a slot, as runners read it."""
+        return self._slots.stamp_of(slot)
+
+    def hand_to_writer(self, slot: SlotId) -> int:
+        """Stamp a slot `allocate` gave as WRITING (a new generation, ident 0); returns it.
+
+        Before the writer hears of the slot: a reader still holding the
+        slot's old stamp sees it move before any byte of it is rewritten.
+        """
+        return self._slots.restamp(slot)
 
     def blocks(self, scope: TenantId) -> dict[BlockHash, Block]:
         """The blocks of ``scope`` by hash (read only: change them through this class)."""
@@ -232,6 +251,8 @@ class Residency:
         where ascending adjacent slots make one copy per run (`Client.store`,
         `Hit.copy_into`), about twice as fast on a host pool. Only for blocks
         whose slots nobody has been told yet (one Reserve's new blocks).
+        Every one of those slots was stamped WRITING when its block took it
+        (`hand_to_writer`), so a block takes its new slot's generation.
         Returns whether any slot moved.
         """
         slots = [block.slot for block in blocks]
@@ -251,9 +272,16 @@ class Residency:
         self._resident[block.scope] = self._resident.get(block.scope, 0) + 1
 
     def mark_ready(self, blocks: list[Block], now: float) -> None:
-        """WRITING blocks become READY (committed); the caller then `touch`es them."""
+        """WRITING blocks become READY (committed); the caller then `touch`es them.
+
+        Each slot is stamped READY first: a new generation (what Lookup
+        answers from now on, never the one it was written under) and the
+        block's ident.
+        """
+        restamp = self._slots.restamp
         for block in blocks:
             assert block.state is BlockState.WRITING, "bug: committing a block not WRITING"
+            block.generation = restamp(block.slot, stamp_ident(block.hash))
             block.state = BlockState.READY
             block.writer = None
             block.last_used = now

@@ -1,9 +1,13 @@
 """The slots of one namespace's pool: which are free, quarantined, and their generations.
 
 A slot is a block-sized place in the pool's memory, numbered 0 … capacity-1.
-Every slot has a generation number, bumped each time the slot is given
-back, so a (slot, generation) pair handed to a runner goes stale the moment
-the slot could hold another block.
+Every slot has a stamp (`kvstore.stamps`): a generation taken from the
+node's one `GenerationCounter` (so never repeated, even across namespaces
+dropped and registered again) and an ident. The stamp moves on when the slot
+is handed to a writer, when its block is committed, and when it is freed or
+quarantined, so a (slot, generation) pair handed to a runner goes stale the
+moment the slot could hold other bytes. Each new stamp is written through
+the `StampSink` before the slot changes hands.
 
 A generation only fences the node's own RPCs: a runner that maps the pool
 writes the memory directly and never shows the node a generation. So a
@@ -15,9 +19,10 @@ slot freed cleanly rests as long as the free list allows before its next
 owner writes it.
 
 The pool grows and shrinks by whole arenas at its end (`add_slots`,
-`retire_tail`): slot ids stay ``0 … capacity-1``. A retired slot keeps its
-generation, so when the same id comes back with a new arena, a handle issued
-before the retirement is still stale.
+`retire_tail`): slot ids stay ``0 … capacity-1``. A slot added with a new
+arena starts at generation 0, never stamped, like the new arena's zeroed
+stamp memory: no handle ever carries generation 0, so a handle issued before
+an id was retired is still stale when the id comes back.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from __future__ import annotations
 from array import array
 from collections import deque
 
+from kvstore.stamps import NEVER_STAMPED, GenerationCounter, MemoryStamps, StampSink
 from kvstore.types import SlotId
 
 
@@ -36,10 +42,24 @@ class SlotAllocator:
     *end* of the free list, after every ordinary free slot.
     """
 
-    __slots__ = ("_free", "_generation", "_quarantine", "capacity")
+    __slots__ = ("_counter", "_free", "_generation", "_ident", "_quarantine", "_sink", "capacity")
 
-    def __init__(self, capacity: int) -> None:
+    def __init__(
+        self,
+        capacity: int,
+        generations: GenerationCounter | None = None,
+        stamps: StampSink | None = None,
+    ) -> None:
+        """``capacity`` free, never stamped slots.
+
+        Args:
+            capacity: slots of the pool.
+            generations: the node's counter (shared by its namespaces); a private one if None.
+            stamps: where the stamps go (the pool's stamp table); kept in memory if None.
+        """
         self.capacity = capacity
+        self._counter = generations if generations is not None else GenerationCounter()
+        self._sink: StampSink = stamps if stamps is not None else MemoryStamps()
         # A FIFO, not a stack: the least recently freed slot is reused first,
         # so a freed slot stays unused as long as the pool's churn allows.
         self._free: deque[SlotId] = deque(SlotId(s) for s in range(capacity))
@@ -49,6 +69,7 @@ class SlotAllocator:
         # later entry merely waits behind an earlier one (never released early).
         self._quarantine: deque[tuple[float, SlotId]] = deque()
         self._generation = array("Q", bytes(8 * capacity))
+        self._ident = array("Q", bytes(8 * capacity))
 
     @property
     def free(self) -> int:
@@ -63,6 +84,23 @@ class SlotAllocator:
     def generation(self, slot: SlotId) -> int:
         """Current generation of a slot."""
         return int(self._generation[slot])
+
+    def stamp_of(self, slot: SlotId) -> tuple[int, int]:
+        """The (generation, ident) last written for ``slot``, as runners read it."""
+        return int(self._generation[slot]), int(self._ident[slot])
+
+    def restamp(self, slot: SlotId, ident: int = NEVER_STAMPED) -> int:
+        """Give ``slot`` a new generation (and ``ident``: nonzero for READY only); returns it.
+
+        Written to the sink at once: callers restamp *before* the slot changes
+        hands (handed to a writer, freed), so a reader that saw the old stamp
+        sees it move.
+        """
+        generation = self._counter.next()
+        self._generation[slot] = generation
+        self._ident[slot] = ident
+        self._sink.stamp(slot, generation, ident)
+        return generation
 
     def release_due(self, now: float) -> int:
         """Move quarantined slots whose release time is at or before ``now`` to the free list.
@@ -103,17 +141,17 @@ class SlotAllocator:
         self._free.extendleft(reversed(slots))
 
     def give_back(self, slot: SlotId) -> None:
-        """Return a slot; its generation moves on so old handles go stale."""
-        self._generation[slot] += 1
+        """Return a slot; its stamp moves on first, so old handles and stamps go stale."""
+        self.restamp(slot)
         self._free.append(slot)
 
     def quarantine(self, slot: SlotId, until: float) -> None:
         """Return a slot that its writer may still touch; reusable from ``until`` on.
 
-        The generation moves on at once, like `give_back`: the node's own
-        RPCs refuse the old (slot, generation) from now.
+        The stamp moves on at once, like `give_back`: the node's own RPCs
+        refuse the old (slot, generation) from now, and readers see it move.
         """
-        self._generation[slot] += 1
+        self.restamp(slot)
         self._quarantine.append((until, slot))
 
     def quarantine_snapshot(self) -> list[tuple[float, SlotId]]:
@@ -126,9 +164,15 @@ class SlotAllocator:
             raise ValueError(f"bug: adding {n} slots")
         first = self.capacity
         self.capacity += n
-        missing = self.capacity - len(self._generation)
-        if missing > 0:  # ids seen before (retired) keep their generations
-            self._generation.extend([0] * missing)
+        seen = len(self._generation)  # ids below this were used (and retired) before
+        missing = self.capacity - seen
+        if missing > 0:
+            self._generation.extend([NEVER_STAMPED] * missing)
+            self._ident.extend([NEVER_STAMPED] * missing)
+        # Ids seen before (retired) start over as never stamped, like the new
+        # arena's zeroed stamp memory; no handle carries generation 0.
+        for s in range(first, min(self.capacity, seen)):
+            self._generation[s] = self._ident[s] = NEVER_STAMPED
         # At the end of the FIFO: the slots freed before are used first, so the
         # last arena stays the emptiest one, the cheapest to give back.
         self._free.extend(SlotId(s) for s in range(first, self.capacity))

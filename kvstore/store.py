@@ -33,6 +33,7 @@ from kvstore.results import (
     ReleaseReport,
     ReserveResult,
 )
+from kvstore.stamps import GenerationCounter, StampSink, stamp_ident
 from kvstore.types import BlockHash, LeaseId, NamespaceId, SlotId, TenantId
 
 WRITE_QUARANTINE = 300.0
@@ -120,6 +121,7 @@ class Store:
             max_leases_of=max_leases_of,
         )
         self._expired_total = 0
+        self._generations = GenerationCounter()  # one for every namespace: never repeats
 
     # --- namespaces -----------------------------------------------------------
 
@@ -130,13 +132,16 @@ class Store:
         *,
         shared: bool = False,
         quota: QuotaOf | None = None,
+        stamps: StampSink | None = None,
     ) -> BlockTable:
         """Create a namespace with ``capacity`` slots, or return the existing one.
 
         Idempotent for an identical spec (the capacity of the first
         registration stays). The same model id with another layout or scheme
         is a `LayoutConflict`: runners of one model must agree on its KV.
-        ``quota`` bounds each scope's resident blocks (see `BlockTable`).
+        ``quota`` bounds each scope's resident blocks (see `BlockTable`);
+        ``stamps`` is where its slot stamps go (its pool's stamp table). Every
+        namespace draws generations from the store's one counter.
         """
         existing = self.existing_namespace(spec)
         if existing is not None:
@@ -153,6 +158,8 @@ class Store:
             max_pins_per_lease=self.limits.max_pins_per_lease,
             quota=quota,
             max_tenant_counters=self.limits.max_tenant_counters,
+            generations=self._generations,
+            stamps=stamps,
         )
         self._tables[spec.namespace_id] = table
         self._by_model[spec.model_id] = spec
@@ -433,6 +440,20 @@ class Store:
     def check_slot(self, namespace: NamespaceId, tenant: TenantId, ref: BlockRef) -> None:
         """Raise `StaleSlot` unless ``ref`` still names a resident block."""
         self.table(namespace).check_slot(tenant, ref)
+
+    def stamp_intact(self, namespace: NamespaceId, ref: BlockRef) -> bool:
+        """Whether ``ref``'s slot still carries the READY stamp of ``ref``'s block.
+
+        The check a runner makes on the stamp table after a copy, made on the
+        node's record of it: the generation (never repeated in the node's
+        life, whatever was dropped and registered again) and the hash's
+        ident. A WRITING or free slot's ident is 0, never a READY block's
+        stamp. False for a namespace that is gone.
+        """
+        table = self._tables.get(namespace)
+        if table is None or not ref.generation:
+            return False
+        return table.stamp_of(ref.slot) == (ref.generation, stamp_ident(ref.hash))
 
     def pinned_slot(
         self, namespace: NamespaceId, tenant: TenantId, lease_id: LeaseId, ref: BlockRef, now: float

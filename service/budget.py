@@ -50,10 +50,11 @@ from collections.abc import Callable, Sequence
 from kvstore.block_table import BlockTable
 from kvstore.errors import LimitExceeded, UnknownNamespace
 from kvstore.pool.base import BlockPool
+from kvstore.stamps import StampSink
 from kvstore.store import DropReport, Store
 from kvstore.types import BlockHash, NamespaceId, TenantId
 from service.api.errors import ResourceExhausted
-from service.pools import PoolManager, PoolPlan
+from service.pools import PoolManager, PoolPlan, PoolStamps
 
 log = logging.getLogger(__name__)
 
@@ -96,9 +97,12 @@ class NamespaceMemory:
 
     async def create(
         self, namespace: NamespaceId, block_bytes: int, requested_bytes: int,
-        make_table: Callable[[int], BlockTable],
+        make_table: Callable[[int, StampSink], BlockTable],
     ) -> BlockTable:  # fmt: skip
-        """Build the first arena of a new namespace, then its table (``make_table(slots)``).
+        """Build the first arena of a new namespace, then its table (``make_table(slots, stamps)``).
+
+        ``stamps`` is the sink the table writes slot stamps through: the pool's
+        stamp table once the pool is adopted (`PoolStamps`).
 
         Call with `lock` held.
 
@@ -119,12 +123,13 @@ class NamespaceMemory:
             self.pools.settle(plan.arena_cost)
             raise
         try:
-            table = make_table(plan.slots_per_arena)
+            stamps = PoolStamps()
+            table = make_table(plan.slots_per_arena, stamps)
         except BaseException:
             first.close()
             self.pools.settle(plan.arena_cost)
             raise
-        self.pools.adopt(namespace, first, plan)
+        self.pools.adopt(namespace, first, plan, stamps)
         self.touch(namespace)
         await self._grow(table, plan, self._headroom_need(table, plan), ahead=True)
         return table

@@ -252,11 +252,12 @@ class Node:
                 spec.namespace_id,
                 spec.layout.block_bytes,
                 requested_bytes,
-                lambda slots: self.store.register_namespace(
+                lambda slots, stamps: self.store.register_namespace(
                     spec,
                     slots,
                     shared=self.is_shared(spec.model_id),
                     quota=self.quota_of if self.directory is not None else None,
+                    stamps=stamps,
                 ),
             )
             return table, True

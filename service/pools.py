@@ -26,7 +26,7 @@ from __future__ import annotations
 import grp
 import logging
 import secrets
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Protocol
 
@@ -37,7 +37,7 @@ from kvstore.pool.base import BlockPool, PoolUnavailable
 from kvstore.pool.cuda import IPC_GRANULARITY, CudaDevice, CudaPool, find_device
 from kvstore.pool.cuda_runtime import CudaRuntime, default_runtime
 from kvstore.pool.host import HostPool, cleanup_stale
-from kvstore.types import LeaseId, NamespaceId
+from kvstore.types import LeaseId, NamespaceId, SlotId
 from kvstore.v1 import kvstore_pb2 as pb
 from service.api.errors import ResourceExhausted
 from service.config import Config, ConfigError
@@ -261,6 +261,14 @@ class PoolManager:
                 device=self.cuda_device.uuid,
                 arena_bytes=plan.arena_bytes,
                 runtime=self.cuda_runtime,
+                # The slot stamps live in host shared memory, named like host
+                # arenas (so `cleanup_stale` finds them): runners read them
+                # without a GPU sync.
+                stamp_directory=self.config.shm_dir,
+                prefix=self.config.pool_prefix,
+                mode=0o660 if self.config.pool_file_group else self.config.pool_file_mode,
+                group=pool_group_id(self.config.pool_file_group),
+                first_index=serial,
             )
         return HostPool.create(
             namespace,
@@ -282,11 +290,23 @@ class PoolManager:
         """Bytes of the host pools the kernel backs with huge pages (as measured when built)."""
         return sum(p.huge_page_bytes for p in self._pools.values())
 
-    def adopt(self, namespace: NamespaceId, first: BlockPool, plan: PoolPlan) -> None:
-        """Own a new namespace's pool, made of its first (promised) arena."""
+    def adopt(
+        self,
+        namespace: NamespaceId,
+        first: BlockPool,
+        plan: PoolPlan,
+        stamps: PoolStamps | None = None,
+    ) -> None:
+        """Own a new namespace's pool, made of its first (promised) arena.
+
+        ``stamps`` (the sink its block table was made with, if any) writes
+        into the pool's stamp table from now on.
+        """
         if namespace in self._pools:
             raise RuntimeError(f"bug: pool of namespace {namespace} created twice")
         self._pools[namespace] = ArenaPool(first, self.next_serial())
+        if stamps is not None:
+            stamps.bind(self._pools[namespace])
         self._plans[namespace] = plan
         self.settle(plan.arena_cost)
         if self.watcher is not None:
@@ -386,6 +406,34 @@ class PoolManager:
                 pool.close()
             except Exception:
                 log.exception("closing the pool of namespace %s failed", namespace)
+
+
+class PoolStamps:
+    """The `kvstore.stamps.StampSink` of a namespace's block table: its pool's stamp table.
+
+    Made before the pool is adopted (the table is made between the first
+    arena and the adoption, and stamps nothing until its first Reserve),
+    bound to the namespace's `ArenaPool` once, at adoption: a table of a
+    dropped namespace never writes into the pool of one registered again.
+    """
+
+    __slots__ = ("_bound", "stamp")
+
+    def __init__(self) -> None:
+        self._bound = False
+        self.stamp: Callable[[SlotId, int, int], None] = _unbound
+        """Write one slot's stamp: the pool's `ArenaPool.stamp` itself once bound
+        (no call in between: it runs twice for every block written)."""
+
+    def bind(self, pool: ArenaPool) -> None:
+        """Write into ``pool``'s stamp table from now on (once)."""
+        assert not self._bound, "bug: a namespace's stamps bound twice"
+        self._bound = True
+        self.stamp = pool.stamp
+
+
+def _unbound(slot: SlotId, generation: int, ident: int) -> None:
+    raise RuntimeError("bug: a slot stamped before its pool was adopted")
 
 
 def _open_device(config: Config, runtime: CudaRuntime | None) -> tuple[CudaRuntime, CudaDevice]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 from kvstore.client.blocks import BlockSource, BlockSupplier
 from kvstore.client.client import Client
 from kvstore.client.errors import (
+    BlocksMoved,
     DeadlineExceeded,
     PoolEpochChanged,
     ServerError,
@@ -17,7 +18,7 @@ from kvstore.client.errors import (
     error_from_rpc,
     error_from_status,
 )
-from kvstore.client.handles import BlockLocation, Hit, Namespace, StoreResult
+from kvstore.client.handles import BlockLocation, Hit, Namespace, StoreResult, Verification
 from kvstore.client.lease import LeaseGrant, LeaseKeeper
 from kvstore.client.query import PrefixAnswer, PrefixHolder
 from kvstore.client.retry import Backoff, RetryPolicy
@@ -28,6 +29,7 @@ from kvstore.client.tls import TLSOptions
 __all__ = [
     "Backoff",
     "BlockLocation",
+    "BlocksMoved",
     "BlockSource",
     "BlockSupplier",
     "Client",
@@ -48,6 +50,7 @@ __all__ = [
     "SyncClient",
     "TLSOptions",
     "Unauthenticated",
+    "Verification",
     "error_from_rpc",
     "error_from_status",
     "shard_of",

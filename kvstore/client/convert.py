@@ -38,6 +38,7 @@ def descriptor_from_proto(msg: pb.AttachPoolResponse) -> PoolDescriptor:
                 size_bytes=a.size_bytes,
                 path=a.path,
                 cuda_ipc_handle=a.cuda_ipc_handle,
+                stamp_path=a.stamp_path,
             )
             for a in msg.arenas
         ),

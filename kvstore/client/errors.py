@@ -11,7 +11,8 @@ Exception tree (client additions marked ``+``)::
     ├── InvalidArgument                INVALID_ARGUMENT, OUT_OF_RANGE
     ├── NotFound                       NOT_FOUND (unknown namespace or lease)
     ├── FailedPrecondition             FAILED_PRECONDITION (lease expired, stale slot)
-    │   └── + PoolEpochChanged         the node restarted: mappings were dropped
+    │   ├── + PoolEpochChanged         the node restarted: mappings were dropped
+    │   └── + BlocksMoved              a copied block's slot stamp moved: recompute it
     ├── AlreadyExists                  ALREADY_EXISTS (a layout conflict)
     ├── PermissionDenied               PERMISSION_DENIED
     │   └── + Unauthenticated          UNAUTHENTICATED (missing or bad token)
@@ -49,6 +50,21 @@ class PoolEpochChanged(FailedPrecondition):
         """The epoch the mapping was attached with."""
         self.new = new
         """The epoch the node reports now."""
+
+
+class BlocksMoved(FailedPrecondition):
+    """A load copied blocks whose slot stamps moved: those bytes must not be used.
+
+    Raised by `Hit.copy_into` after its copy (`Hit.verify` says the same as a
+    value). The blocks before ``intact`` were proven; recompute from there.
+    """
+
+    def __init__(self, message: str, intact: int, moved: tuple[int, ...]) -> None:
+        super().__init__(message)
+        self.intact = intact
+        """Leading blocks whose copied bytes are proven (usable)."""
+        self.moved = moved
+        """Indices of the blocks whose stamp moved."""
 
 
 class Unauthenticated(PermissionDenied):

@@ -26,11 +26,12 @@ import numpy.typing as npt
 from kvstore.api.wire import unpack_hashes
 from kvstore.checksum import mismatches
 from kvstore.client.blocks import slot_runs
-from kvstore.client.errors import PoolEpochChanged
+from kvstore.client.errors import BlocksMoved, PoolEpochChanged
 from kvstore.errors import FailedPrecondition, InvalidArgument
 from kvstore.hashing import Extra, HashScheme, Tokens, hash_blocks
 from kvstore.layout import KVLayout, NamespaceSpec
 from kvstore.pool import HostMapping, PoolMapping
+from kvstore.pool.stamps import idents_of
 from kvstore.results import MissReason
 from kvstore.types import HASH_BYTES, BlockHash, LeaseId, NamespaceId, SlotId
 
@@ -120,6 +121,25 @@ class BlockLocation:
     """Byte offset of the slot in that arena."""
     checksum: int = 0
     """Checksum of the bytes its writer wrote (`kvstore.checksum`); 0: none was sent."""
+
+
+@dataclass(frozen=True, slots=True)
+class Verification:
+    """What `Hit.verify` found: which copied blocks still held their bytes when checked."""
+
+    intact: int
+    """Leading blocks whose slot stamps are unchanged: their copied bytes are the
+    blocks' bytes (use these, and only these)."""
+    moved: tuple[int, ...]
+    """Indices (chain order) of the checked blocks whose stamp moved: rewritten or
+    reused since the lookup. Never use their bytes, nor any block's after the first."""
+    checked: int
+    """Blocks checked (the first ``checked`` of the hit)."""
+
+    @property
+    def ok(self) -> bool:
+        """True when every checked block is intact."""
+        return not self.moved
 
 
 @dataclass(slots=True, eq=False)
@@ -277,6 +297,57 @@ class Hit:
             )
         return mapping
 
+    @property
+    def idents(self) -> npt.NDArray[np.uint64]:
+        """The stamp ident of each hit block: its hash's first 8 bytes, little-endian."""
+        return idents_of(self.hit_hashes)
+
+    @property
+    def expected_stamps(self) -> npt.NDArray[np.uint64]:
+        """What each hit block's slot stamp must read, ``(hit_blocks, 2)`` uint64:
+        the lookup's (READY) generation, then the ident. Compare with
+        ``mapping.read_stamps(hit.slots)`` (or use `verify`)."""
+        return np.stack([self.generations.astype(np.uint64), self.idents], axis=1)
+
+    def verify(self, count: int | None = None) -> Verification:
+        """Check the slot stamps of the first ``count`` hit blocks (all by default).
+
+        Call it **after the copy out of the slots has landed**: host pools
+        once the copy returned; CUDA pools once the copy's stream is
+        synchronised (``torch.cuda.current_stream().synchronize()``, or
+        `PoolMapping.read_fence`'s wait), never on a copy still queued. No
+        RPC and no GPU work: the stamps are in host shared memory.
+
+        A block is intact when its stamp still reads the generation the
+        lookup answered and its hash's ident: the node moves a slot's stamp
+        on before the slot is freed, reused or handed to a writer, and a
+        generation never repeats, so an unchanged stamp after the copy means
+        the bytes copied were the block's. Pins make a moved block rare;
+        this makes it harmless. Valid for a released or unpinned hit too, as
+        long as the copy landed before this call.
+
+        Raises:
+            InvalidArgument: ``count`` is not in ``[0, hit_blocks]``.
+            PoolEpochChanged: the hit's mapping was dropped.
+            FailedPrecondition: the pool is not mapped here (or sends no stamps).
+        """
+        n = self.hit_blocks if count is None else count
+        if not 0 <= n <= self.hit_blocks:
+            raise InvalidArgument(f"cannot verify {n} of {self.hit_blocks} hit blocks")
+        mapping = self.mapping
+        if mapping is None:
+            raise FailedPrecondition("the pool is not mapped in this process: nothing to verify")
+        if mapping.closed or mapping.descriptor.epoch != self.epoch:
+            raise PoolEpochChanged(
+                "the pool mapping of this hit was dropped; its copies cannot be verified",
+                old=self.epoch,
+            )
+        if n == 0:
+            return Verification(0, (), 0)
+        moved = mapping.stamps_moved(self.slots[:n], self.generations[:n], self.idents[:n])
+        indices = tuple(int(i) for i in moved)
+        return Verification(indices[0] if indices else n, indices, n)
+
     def _slot_ids(self) -> list[SlotId]:
         return self.slots.tolist()  # type: ignore[no-any-return]
 
@@ -294,17 +365,21 @@ class Hit:
     def numpy_views(self) -> list[npt.NDArray[np.generic]]:
         """Zero-copy numpy arrays of the hit blocks (``layout.block_shape`` each).
 
+        Copy out of them, then `verify` before using the copies.
         Raises as `buffers` does (a pinned hit only).
         """
         mapping = self._live_mapping()
         layout = self.namespace.layout
         return [mapping.numpy_view(slot, layout) for slot in self._slot_ids()]
 
-    def copy_into(self, out: npt.NDArray[Any]) -> None:
-        """Copy the hit blocks' bytes into ``out``, in chain order (host pools).
+    def copy_into(self, out: npt.NDArray[Any]) -> Verification:
+        """Copy the hit blocks' bytes into ``out``, in chain order (host pools), and prove them.
 
         One copy per run of adjacent slots in an arena, not one per block:
-        the fastest way to load a hit into the caller's memory.
+        the fastest way to load a hit into the caller's memory. Then the
+        slot stamps are checked (`verify`): a block whose stamp moved is
+        `BlocksMoved`, whose ``intact`` says how many leading blocks of
+        ``out`` hold proven bytes (the rest must be recomputed).
 
         Args:
             out: a writable C-contiguous array of exactly ``hit_blocks``
@@ -315,6 +390,10 @@ class Hit:
             InvalidArgument: ``out`` is not such an array.
             FailedPrecondition: the hit is not pinned or was released, the
                 pool is not mapped, or it is a CUDA pool (use `torch_views`).
+            BlocksMoved: a block's stamp moved during the copy (see above).
+
+        Returns:
+            The verification (every block intact).
         """
         mapping = self._live_mapping()
         if not isinstance(mapping, HostMapping):
@@ -338,6 +417,15 @@ class Hit:
             size = (b - a) * block_bytes
             arena = mapping.arena_buffer(slots[a] // spa)
             target[a * block_bytes : a * block_bytes + size] = arena[offset : offset + size]
+        verification = self.verify()
+        if not verification.ok:
+            raise BlocksMoved(
+                f"{len(verification.moved)} of {len(slots)} copied blocks were rewritten or "
+                f"reused during the copy (first at {verification.intact}): recompute from there",
+                verification.intact,
+                verification.moved,
+            )
+        return verification
 
     def check_bytes(self, buffers: Sequence[Any] | None = None) -> list[int]:
         """Indices of the hit blocks whose bytes do not have their writer's checksum.
@@ -373,6 +461,7 @@ class Hit:
         """Zero-copy tensors of the hit blocks, with the layout's dtype and shape.
 
         CPU tensors for a host pool; tensors on the pool's GPU for a CUDA pool.
+        Copy out of them, synchronise the copy, then `verify` before using it.
         Raises as `buffers` does (a pinned hit only).
         """
         mapping = self._live_mapping()

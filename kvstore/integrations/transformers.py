@@ -10,7 +10,9 @@ One `prefill` call:
 
 1. looks the prompt up and pins its longest cached run of full blocks;
 2. copies those blocks into the model's KV cache object (`DynamicCache`),
-   then releases the pins once the copies are complete on the GPU (the
+   proves the copy (`Hit.verify`: the slot stamps still read what the lookup
+   answered once the copy has landed; a block whose stamp moved, and every
+   block after it, is recomputed, never used), then releases the pins (the
    model owns a copy from here on);
 3. runs the model only on the uncached tail, positions continuing after the
    cached prefix;
@@ -145,7 +147,7 @@ def cache_block(cache: DynamicCache, index: int, layout: KVLayout) -> torch.Tens
 
 
 def blocks_to_cache(
-    blocks: Sequence[torch.Tensor],
+    blocks: Sequence[torch.Tensor] | torch.Tensor,
     layout: KVLayout,
     config: PretrainedConfig,
     *,
@@ -154,13 +156,15 @@ def blocks_to_cache(
 ) -> DynamicCache:
     """A `DynamicCache` holding ``blocks`` (each ``layout.block_shape``) as positions 0...
 
-    The tensors are copied: the cache does not alias the pool, so the pins can
-    be released as soon as this returns.
+    ``blocks`` may be one tensor of them stacked (``[n, *block_shape]``). The
+    tensors are copied: the cache does not alias the pool, so the pins can be
+    released as soon as this returns.
     """
     cache = _new_cache(config)
-    if not blocks:
+    if not len(blocks):
         return cache
-    stacked = torch.stack(list(blocks))  # [n, 2, layers, block, heads, dim]: one copy
+    # [n, 2, layers, block, heads, dim]: one copy
+    stacked = blocks if isinstance(blocks, torch.Tensor) else torch.stack(list(blocks))
     n = stacked.shape[0]
     for layer in range(layout.num_layers):
         kv = [
@@ -307,7 +311,7 @@ class CachedPrefill:
         try:
             views = self._hit_views(hit, min(hit.hit_blocks, usable_blocks))
             cache = blocks_to_cache(
-                views,
+                self._proven(hit, views),
                 self.layout,
                 self.model.config,
                 device=self.model.device,
@@ -319,6 +323,33 @@ class CachedPrefill:
         finally:
             self._release(hit, self._read_streams(views))
         return hit.hit_tokens, cache
+
+    def _proven(self, hit: Hit, views: list[torch.Tensor]) -> torch.Tensor | list[torch.Tensor]:
+        """The blocks of ``views`` copied out of the pool, cut at the first one whose stamp moved.
+
+        One copy of the views (`torch.stack`); once it has landed (the read
+        fence of a CUDA pool waits for the copy's streams), the hit's slot
+        stamps are checked (`Hit.verify`): a block whose slot was rewritten
+        or reused meanwhile, and every block after it, is dropped and
+        recomputed by the forward. Blocks read over gRPC were read by the
+        node under the pins: nothing to check here.
+        """
+        if not views or hit.mapping is None:
+            return views
+        copied = torch.stack(views)
+        fence = hit.mapping.read_fence(self._read_streams(views))
+        if fence is not None:
+            fence()  # the copy has landed: only then do the stamps prove it
+        verification = hit.verify(len(views))
+        if not verification.ok:
+            log.warning(
+                "kvstore: %d of %d cached blocks were rewritten during the copy; "
+                "recomputing from block %d",
+                len(verification.moved),
+                len(views),
+                verification.intact,
+            )
+        return copied[: verification.intact]
 
     def _read_streams(self, views: list[torch.Tensor]) -> list[Any] | None:
         """The streams the copies out of the pool's views ran on (None: the client's default).

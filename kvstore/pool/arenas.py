@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from kvstore.errors import InvalidArgument
-from kvstore.pool.base import BlockPool, PoolDescriptor, PoolUnavailable
+from kvstore.pool.base import BlockPool, PoolDescriptor, PoolUnavailable, StampWriter
 from kvstore.types import SlotId
 
 
@@ -31,6 +31,8 @@ class ArenaPool(BlockPool):
             raise InvalidArgument(f"an ArenaPool is built of one-arena pools, got {len(d.arenas)}")
         self.slots_per_arena = d.capacity
         self._parts: list[BlockPool] = [first]
+        # Each arena's stamp table, by arena: `stamp` runs twice per block written.
+        self._stamp_tables: list[StampWriter | None] = [first.stamp_table]
         self._closed = False
         self.descriptor = self._describe(version)
 
@@ -64,6 +66,7 @@ class ArenaPool(BlockPool):
             raise InvalidArgument("an appended arena must match the pool's kind and geometry")
         self._check_open()
         self._parts.append(part)
+        self._stamp_tables.append(part.stamp_table)
         self.descriptor = self._describe(version)
 
     def pop(self, version: int) -> BlockPool:
@@ -72,6 +75,7 @@ class ArenaPool(BlockPool):
         if len(self._parts) == 1:
             raise RuntimeError("bug: taking the only arena of a pool")
         part = self._parts.pop()
+        self._stamp_tables.pop()
         self.descriptor = self._describe(version)
         return part
 
@@ -80,6 +84,7 @@ class ArenaPool(BlockPool):
         self._check_open()
         self._closed = True
         parts, self._parts = self._parts, []
+        self._stamp_tables = []
         return parts
 
     def _describe(self, version: int) -> PoolDescriptor:
@@ -102,6 +107,20 @@ class ArenaPool(BlockPool):
     def _check_open(self) -> None:
         if self._closed:
             raise PoolUnavailable(f"the pool of namespace {self.descriptor.namespace} is closed")
+
+    def stamp(self, slot: SlotId, generation: int, ident: int) -> None:
+        """Write ``slot``'s stamp into its arena's stamp file (nothing once closed).
+
+        The node's `kvstore.stamps.StampSink` for this namespace's block table:
+        arenas added later are covered as they come, and a stamp file goes
+        with its arena when it is given back.
+        """
+        if self._closed:
+            return  # dropped: the stamp files are gone with the arenas
+        arena, local = divmod(slot, self.slots_per_arena)
+        table = self._stamp_tables[arena]
+        if table is not None:
+            table.stamp(local, generation, ident)
 
     def view(self, slot: SlotId) -> memoryview:
         """Writable zero-copy view of one slot (host arenas only)."""
@@ -129,6 +148,7 @@ class ArenaPool(BlockPool):
             return
         self._closed = True
         parts, self._parts = self._parts, []
+        self._stamp_tables = []
         errors = []
         for part in parts:
             try:

@@ -24,7 +24,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from types import TracebackType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 import numpy.typing as npt
@@ -64,6 +64,9 @@ class ArenaSpec:
     """Host pool: path of the shared-memory file to map."""
     cuda_ipc_handle: bytes = b""
     """CUDA pool: the ``cudaIpcMemHandle_t`` of the arena (64 bytes)."""
+    stamp_path: str = ""
+    """Path of the arena's stamp file in host shared memory (`kvstore.pool.stamps`);
+    empty from a node without stamps."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,6 +138,28 @@ class PoolDescriptor:
         return sum(a.size_bytes for a in self.arenas)
 
 
+class StampWriter(Protocol):
+    """The node's stamp table of a pool (`kvstore.pool.stamps.StampTable`)."""
+
+    def stamp(self, slot: int, generation: int, ident: int) -> None:
+        """Write one slot's stamp, the generation word last."""
+
+    def close(self) -> None:
+        """Unlink and unmap the stamp files."""
+
+
+class StampReading(Protocol):
+    """A runner's view of a pool's stamps (`kvstore.pool.stamps.StampReader`)."""
+
+    def read(self, slots: npt.ArrayLike) -> npt.NDArray[np.uint64]:
+        """Stamps of ``slots``, shape ``(n, 2)``: generation, ident."""
+
+    def moved(
+        self, slots: npt.ArrayLike, generations: npt.ArrayLike, idents: npt.ArrayLike
+    ) -> npt.NDArray[np.intp]:
+        """Indices of ``slots`` whose stamp is not the expected one."""
+
+
 class BlockPool(ABC):
     """Server side of a pool: owns the memory and exports it by `descriptor`.
 
@@ -146,10 +171,21 @@ class BlockPool(ABC):
 
     descriptor: PoolDescriptor
     """What a runner needs to map this pool."""
+    stamp_table: StampWriter | None = None
+    """The slots' stamps in host shared memory (None: this pool has none)."""
 
     def locate(self, slot: SlotId) -> tuple[int, int]:
         """Arena index and byte offset of ``slot`` (see `PoolDescriptor.locate`)."""
         return self.descriptor.locate(slot)
+
+    def stamp(self, slot: SlotId, generation: int, ident: int) -> None:
+        """Write ``slot``'s stamp for runners (a `kvstore.stamps.StampSink`).
+
+        Nothing for a pool without a stamp table, or a closed one (its
+        stamps went with its files).
+        """
+        if self.stamp_table is not None:
+            self.stamp_table.stamp(slot, generation, ident)
 
     @abstractmethod
     def view(self, slot: SlotId) -> memoryview:
@@ -229,6 +265,52 @@ class PoolMapping(ABC):
         """
         self._check_layout(layout)
         return torch_block_view(self.buffer(slot), layout)
+
+    @property
+    def has_stamps(self) -> bool:
+        """Whether this mapping reads the pool's slot stamps (nodes before them send none)."""
+        return self._stamp_reader() is not None
+
+    def read_stamps(self, slots: npt.ArrayLike) -> npt.NDArray[np.uint64]:
+        """The current stamps of ``slots``: shape ``(n, 2)`` uint64, generation then ident.
+
+        Read from host shared memory with no RPC and no GPU sync, for CUDA
+        pools too. Read them after the copy out of the slots has landed
+        (GPU: synchronise the copy's stream first) and compare with what the
+        lookup answered (`stamps_moved`).
+
+        Raises:
+            PoolUnavailable: the node sent no stamp table, or the mapping is closed.
+            InvalidArgument: a slot outside the mapped pool.
+        """
+        return self._stamps().read(slots)
+
+    def stamps_moved(
+        self, slots: npt.ArrayLike, generations: npt.ArrayLike, idents: npt.ArrayLike
+    ) -> npt.NDArray[np.intp]:
+        """Indices ``i`` whose slot ``slots[i]`` no longer shows ``(generations[i], idents[i])``.
+
+        ``generations`` are the Lookup's (READY) generations, ``idents``
+        their hashes' idents (`kvstore.pool.stamps.idents_of`). A block at an
+        index returned was (or may have been: a torn read) rewritten or
+        reused: its copied bytes must not be used. Raises as `read_stamps`.
+        """
+        return self._stamps().moved(slots, generations, idents)
+
+    def _stamp_reader(self) -> StampReading | None:
+        """The stamp mappings of this pool (None: none)."""
+        return None
+
+    def _stamps(self) -> StampReading:
+        if self.closed:
+            raise PoolUnavailable(f"the mapping of namespace {self.descriptor.namespace} is closed")
+        reader = self._stamp_reader()
+        if reader is None:
+            raise PoolUnavailable(
+                f"the node sent no slot stamps for namespace {self.descriptor.namespace} "
+                "(it predates them): loads cannot be verified"
+            )
+        return reader
 
     def synchronize(self) -> None:
         """Wait until writes into the slots issued by this thread are complete.

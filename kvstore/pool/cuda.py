@@ -34,6 +34,7 @@ side (`CudaMapping` and the per-process IPC handle cache) is in
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -48,6 +49,8 @@ from kvstore.pool.cuda_runtime import (
     CudaRuntime,
     default_runtime,
 )
+from kvstore.pool.host import arena_file_name
+from kvstore.pool.stamps import StampFile, StampTable, stamp_file_name
 from kvstore.types import NamespaceId, SlotId
 
 DEFAULT_ARENA_BYTES = 1 << 30
@@ -153,9 +156,11 @@ class CudaPool(BlockPool):
         pointers: list[int],
         device: CudaDevice,
         runtime: CudaRuntime,
+        stamp_table: StampTable | None = None,
     ) -> None:
-        """Wrap allocated arenas; use `create`."""
+        """Wrap allocated arenas (and their stamp files); use `create`."""
         self.descriptor = descriptor
+        self.stamp_table = stamp_table
         self.device = device
         self._pointers = pointers
         self._runtime = runtime
@@ -173,6 +178,11 @@ class CudaPool(BlockPool):
         device: str | int = 0,
         arena_bytes: int = DEFAULT_ARENA_BYTES,
         runtime: CudaRuntime | None = None,
+        stamp_directory: str | None = None,
+        prefix: str = "kvstore",
+        mode: int = 0o600,
+        group: int | None = None,
+        first_index: int = 0,
     ) -> CudaPool:
         """Allocate, zero and export the arenas of a new pool on one GPU.
 
@@ -184,6 +194,10 @@ class CudaPool(BlockPool):
             device: the GPU: ordinal of this process, ``"cuda:N"`` or a UUID.
             arena_bytes: target arena size; at least one slot per arena.
             runtime: the CUDA runtime (default: cupy's).
+            stamp_directory: where the arenas' stamp files go, in host shared
+                memory (the node's host pool directory); None: no stamp table.
+            prefix, mode, group, first_index: the stamp files' name prefix,
+                mode, group and first number, as `HostPool.create` names arenas.
 
         Raises:
             InvalidArgument: a non-positive size or a malformed device.
@@ -205,6 +219,7 @@ class CudaPool(BlockPool):
         ]
         pointers: list[int] = []
         specs: list[ArenaSpec] = []
+        stamps: list[StampFile] = []
         with on_device(runtime, gpu.ordinal):
             free, _ = runtime.mem_get_info()
             if sum(sizes) > free:
@@ -226,11 +241,21 @@ class CudaPool(BlockPool):
                     handle = runtime.ipc_get_handle(ptr)
                     if len(handle) != IPC_HANDLE_BYTES:
                         raise RuntimeError(f"bug: an IPC handle of {len(handle)} bytes")
-                    specs.append(ArenaSpec(index=index, size_bytes=size, cuda_ipc_handle=handle))
+                    stamp_path = ""
+                    if stamp_directory is not None:
+                        number = first_index + index
+                        name = arena_file_name(prefix, os.getpid(), epoch, namespace, number)
+                        stamp_path = os.path.join(stamp_directory, stamp_file_name(name))
+                        slots = min(slots_per_arena, capacity - index * slots_per_arena)
+                        stamps.append(StampFile.create(stamp_path, slots, mode=mode, group=group))
+                    specs.append(
+                        ArenaSpec(index, size, cuda_ipc_handle=handle, stamp_path=stamp_path)
+                    )
             except BaseException:
                 for ptr in pointers:
                     with contextlib.suppress(CudaCallFailed):
                         runtime.free(ptr)
+                StampTable(stamps, slots_per_arena).close()
                 raise
         descriptor = PoolDescriptor(
             kind="cuda",
@@ -242,7 +267,8 @@ class CudaPool(BlockPool):
             arenas=tuple(specs),
             device=gpu.uuid,
         )
-        return cls(descriptor, pointers, gpu, runtime)
+        table = StampTable(stamps, slots_per_arena) if stamp_directory is not None else None
+        return cls(descriptor, pointers, gpu, runtime, table)
 
     def slot_pointer(self, slot: SlotId) -> int:
         """Device address of one slot (for the server's own copies)."""
@@ -307,6 +333,8 @@ class CudaPool(BlockPool):
                 return
             self._closed = True
             pointers, self._pointers = self._pointers, []
+        if self.stamp_table is not None:
+            self.stamp_table.close()
         with on_device(self._runtime, self.device.ordinal):
             for ptr in pointers:
                 self._runtime.free(ptr)

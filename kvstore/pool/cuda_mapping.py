@@ -27,6 +27,7 @@ from kvstore.pool.base import ArenaSpec, PoolDescriptor, PoolMapping, PoolUnavai
 from kvstore.pool.cuda import CudaDevice, find_device, on_device
 from kvstore.pool.cuda_caller import caller_streams
 from kvstore.pool.cuda_runtime import IPC_HANDLE_BYTES, CudaCallFailed, CudaRuntime, default_runtime
+from kvstore.pool.stamps import StampReader
 from kvstore.pool.views import torch_dtype
 from kvstore.types import SlotId
 
@@ -122,8 +123,9 @@ class CudaMapping(PoolMapping):
         device: CudaDevice,
         runner_device: CudaDevice,
         runtime: CudaRuntime,
+        stamps: StampReader | None = None,
     ) -> None:
-        """Wrap opened arenas; use `open` (or `kvstore.pool.attach`)."""
+        """Wrap opened arenas (and stamp files); use `open` (or `kvstore.pool.attach`)."""
         self.descriptor = descriptor
         self.device = device
         """The pool's GPU, where the slots live (and what their tensors say)."""
@@ -131,6 +133,7 @@ class CudaMapping(PoolMapping):
         """The GPU this runner computes on; peer access to `device` when they differ."""
         self._arenas = arenas
         self._runtime = runtime
+        self._stamp_maps = stamps
         self._closed = False
 
     @classmethod
@@ -173,10 +176,11 @@ class CudaMapping(PoolMapping):
             for spec in descriptor.arenas:
                 entry = _open(runtime, descriptor, spec, pool_gpu)
                 arenas.append(_ArenaRef(entry, spec.size_bytes))
+            stamps = StampReader.open(descriptor)  # host shared memory: no GPU sync to read
         except BaseException:
             arenas.clear()  # finalizers release what was opened
             raise
-        return cls(descriptor, arenas, pool_gpu, runner_gpu, runtime)
+        return cls(descriptor, arenas, pool_gpu, runner_gpu, runtime, stamps)
 
     def buffer(self, slot: SlotId) -> memoryview:
         """GPU memory has no host buffer: use `torch_view`.
@@ -293,6 +297,12 @@ class CudaMapping(PoolMapping):
             return
         self._closed = True
         self._arenas = []  # each _ArenaRef's finalizer releases its handle
+        if self._stamp_maps is not None:
+            self._stamp_maps.close()
+            self._stamp_maps = None
+
+    def _stamp_reader(self) -> StampReader | None:
+        return self._stamp_maps
 
 
 def _enable_peer(runtime: CudaRuntime, runner: CudaDevice, pool: CudaDevice) -> None:

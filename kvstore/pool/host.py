@@ -48,6 +48,7 @@ from kvstore.errors import InvalidArgument
 from kvstore.pool import host_pages as pages
 from kvstore.pool.base import ArenaSpec, BlockPool, PoolDescriptor, PoolMapping, PoolUnavailable
 from kvstore.pool.host_access import missing_file_error, permission_error
+from kvstore.pool.stamps import StampFile, StampReader, StampTable, stamp_file_name
 from kvstore.types import NamespaceId, SlotId
 
 DEFAULT_DIRECTORY = "/dev/shm"
@@ -91,10 +92,16 @@ class _Arena:
 class HostPool(BlockPool):
     """A namespace's slots in shared-memory files owned by the server."""
 
-    def __init__(self, descriptor: PoolDescriptor, arenas: list[_Arena]) -> None:
-        """Wrap mapped arenas; use `create`."""
+    def __init__(
+        self,
+        descriptor: PoolDescriptor,
+        arenas: list[_Arena],
+        stamp_table: StampTable | None = None,
+    ) -> None:
+        """Wrap mapped arenas (and their stamp files); use `create`."""
         self.descriptor = descriptor
         self._arenas = arenas
+        self.stamp_table = stamp_table
         self._closed = False
 
     @classmethod
@@ -155,19 +162,23 @@ class HostPool(BlockPool):
         pid = os.getpid()
         arenas: list[_Arena] = []
         specs: list[ArenaSpec] = []
+        stamps: list[StampFile] = []
         try:
             for index in range(n_arenas):
                 slots = min(slots_per_arena, capacity - index * slots_per_arena)
                 size = slots * block_bytes
                 name = arena_file_name(prefix, pid, epoch, namespace, first_index + index)
                 path = os.path.join(directory, name)
+                stamp_path = os.path.join(directory, stamp_file_name(name))
                 arenas.append(_create_arena(path, size, mode, prefault, group, huge))
-                specs.append(ArenaSpec(index=index, size_bytes=size, path=path))
+                specs.append(ArenaSpec(index, size, path, stamp_path=stamp_path))
+                stamps.append(StampFile.create(stamp_path, slots, mode=mode, group=group))
         except BaseException:
             for arena in arenas:
                 arena.close()
             for spec in specs:
                 _unlink(spec.path)
+            StampTable(stamps, slots_per_arena).close()
             raise
         descriptor = PoolDescriptor(
             kind="host",
@@ -178,7 +189,7 @@ class HostPool(BlockPool):
             slots_per_arena=slots_per_arena,
             arenas=tuple(specs),
         )
-        return cls(descriptor, arenas)
+        return cls(descriptor, arenas, StampTable(stamps, slots_per_arena))
 
     def view(self, slot: SlotId) -> memoryview:
         """Writable zero-copy view of one slot, ``block_bytes`` long."""
@@ -207,6 +218,8 @@ class HostPool(BlockPool):
         for spec in self.descriptor.arenas:
             _unlink(spec.path)
         self._arenas = []
+        if self.stamp_table is not None:
+            self.stamp_table.close()
 
 
 def _create_arena(
@@ -260,10 +273,16 @@ def _unlink(path: str) -> None:
 class HostMapping(PoolMapping):
     """A host pool's arena files mapped into a runner process."""
 
-    def __init__(self, descriptor: PoolDescriptor, arenas: list[_Arena]) -> None:
-        """Wrap mapped arenas; use `open` (or `kvstore.pool.attach`)."""
+    def __init__(
+        self,
+        descriptor: PoolDescriptor,
+        arenas: list[_Arena],
+        stamps: StampReader | None = None,
+    ) -> None:
+        """Wrap mapped arenas (and stamp files); use `open` (or `kvstore.pool.attach`)."""
         self.descriptor = descriptor
         self._arenas = arenas
+        self._stamp_maps = stamps
         self._closed = False
 
     @classmethod
@@ -285,11 +304,12 @@ class HostMapping(PoolMapping):
         try:
             for spec in descriptor.arenas:
                 arenas.append(_open_arena(spec, descriptor))
+            stamps = StampReader.open(descriptor)
         except BaseException:
             for arena in arenas:
                 arena.close()
             raise
-        return cls(descriptor, arenas)
+        return cls(descriptor, arenas, stamps)
 
     def refresh(self, descriptor: PoolDescriptor) -> bool:
         """Follow arenas added at (or given back from) the end of this pool, in place.
@@ -323,6 +343,7 @@ class HostMapping(PoolMapping):
         try:
             for spec in descriptor.arenas[common:]:
                 opened.append(_open_arena(spec, descriptor))
+            stamps = StampReader.follow(self._stamp_maps, descriptor, common)
         except BaseException:
             for arena in opened:
                 arena.close()
@@ -330,8 +351,12 @@ class HostMapping(PoolMapping):
         for arena in self._arenas[common:]:  # given back by the node
             arena.close()
         self._arenas = self._arenas[:common] + opened
+        self._stamp_maps = stamps
         self.descriptor = descriptor
         return True
+
+    def _stamp_reader(self) -> StampReader | None:
+        return self._stamp_maps
 
     def buffer(self, slot: SlotId) -> memoryview:
         """Writable zero-copy view of one slot, ``block_bytes`` long."""
@@ -365,6 +390,9 @@ class HostMapping(PoolMapping):
         for arena in self._arenas:
             arena.close()
         self._arenas = []
+        if self._stamp_maps is not None:
+            self._stamp_maps.close()
+            self._stamp_maps = None
 
 
 def _open_arena(spec: ArenaSpec, descriptor: PoolDescriptor) -> _Arena:

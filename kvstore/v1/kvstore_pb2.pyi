@@ -465,12 +465,17 @@ class Arena(_message.Message):
     SIZE_BYTES_FIELD_NUMBER: _builtins.int
     PATH_FIELD_NUMBER: _builtins.int
     CUDA_IPC_HANDLE_FIELD_NUMBER: _builtins.int
+    STAMP_PATH_FIELD_NUMBER: _builtins.int
     index: _builtins.int
     size_bytes: _builtins.int
     path: _builtins.str
     """host pool: shared-memory file to mmap"""
     cuda_ipc_handle: _builtins.bytes
     """cuda pool: cudaIpcMemHandle_t (64 bytes)"""
+    stamp_path: _builtins.str
+    """Host shared-memory file of the arena's slot stamps (host and cuda pools):
+    16 bytes per slot, generation then ident, little-endian uint64 (docs/pools.md).
+    """
     def __init__(
         self,
         *,
@@ -478,10 +483,11 @@ class Arena(_message.Message):
         size_bytes: _builtins.int = ...,
         path: _builtins.str = ...,
         cuda_ipc_handle: _builtins.bytes = ...,
+        stamp_path: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cuda_ipc_handle", b"cuda_ipc_handle", "index", b"index", "path", b"path", "size_bytes", b"size_bytes"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cuda_ipc_handle", b"cuda_ipc_handle", "index", b"index", "path", b"path", "size_bytes", b"size_bytes", "stamp_path", b"stamp_path"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

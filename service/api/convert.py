@@ -165,6 +165,7 @@ def attach_response(descriptor: PoolDescriptor, layout: KVLayout) -> pb.AttachPo
                 size_bytes=a.size_bytes,
                 path=a.path,
                 cuda_ipc_handle=a.cuda_ipc_handle,
+                stamp_path=a.stamp_path,
             )
             for a in descriptor.arenas
         ],

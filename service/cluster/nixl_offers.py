@@ -8,11 +8,15 @@ remembers each offered block's slot and generation.
 
 **Checked, not pinned.** The reader READs the bytes, then ends the offer
 (`EndOffer`) *before* it commits anything; the answer is how many leading
-offered blocks are still the same READY blocks (same slot, same generation)
-now. A slot's generation changes whenever the slot is reused, so a block
-still intact at the end was intact for the whole READ, and its bytes were
-the block's bytes: the reader commits exactly those, and drops the rest (a
-miss, never wrong KV). Pins would also have guaranteed the bytes, but a pin
+offered blocks still carry the READY stamp they were offered with (the
+slot's generation and the hash's ident, `Store.stamp_intact`: what a local
+runner checks in the stamp table). A slot's stamp moves on before the slot
+is freed, reused or handed to a writer, and generations never repeat in
+the node's life (not even across a namespace dropped and registered again),
+so a block still intact at the end was intact for the whole READ, and its
+bytes were the block's bytes: the reader commits exactly those, and drops
+the rest (a miss, never wrong KV). A WRITING slot's stamp has no ident: it
+is never intact. Pins would also have guaranteed the bytes, but a pin
 moves its blocks in the LRU when it is released, so a peer's read would
 refresh the holder's cache, which FetchBlocks is careful never to do (its
 peek leaves no trace; docs/cluster.md); and a peer could hold blocks
@@ -36,7 +40,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvstore.errors import FailedPrecondition, KVStoreError, LimitExceeded
+from kvstore.errors import FailedPrecondition, LimitExceeded
 from kvstore.results import BlockRef
 from kvstore.types import BlockHash, NamespaceId, TenantId
 from kvstore.v1 import kvstore_pb2 as pb
@@ -142,12 +146,12 @@ class OfferBook:
         if offer is None:
             return 0
         intact = 0
+        store = self.node.store
         for ref in offer.refs:
-            # Same hash, slot and generation: the same block (a READY block
-            # never turns WRITING again; a reused slot has a new generation).
-            try:
-                self.node.store.check_slot(offer.namespace, offer.tenant, ref)
-            except KVStoreError:  # evicted, reused, or the namespace is gone
+            # The READY stamp it was offered with: evicted, reused, handed to
+            # a writer, or its namespace dropped (and registered again) all
+            # moved it on.
+            if not store.stamp_intact(offer.namespace, ref):
                 break
             intact += 1
         return intact

@@ -24,6 +24,7 @@ from kvstore.client.transfer import _copy_in
 from kvstore.errors import FailedPrecondition, InvalidArgument, LeaseExpired
 from kvstore.pool import HostMapping, HostPool
 from kvstore.results import MissReason
+from kvstore.stamps import stamp_ident
 from kvstore.types import BlockHash, NamespaceId, SlotId
 from kvstore.v1 import kvstore_pb2 as pb
 
@@ -203,11 +204,12 @@ def test_copy_into_loads_a_hit_across_arenas(pool: tuple[HostPool, HostMapping])
     node, mapping = pool
     slots = [2, 3, 4, 5, 6, 9, 0, 1]
     blocks = _blocks(len(slots))
-    for block, slot in zip(blocks, slots, strict=True):
-        node.write(SlotId(slot), block.tobytes())
     hit = _hit(mapping, slots)
+    for block, slot, block_hash in zip(blocks, slots, hit.hashes, strict=True):
+        node.write(SlotId(slot), block.tobytes())
+        node.stamp(SlotId(slot), 1, stamp_ident(block_hash))  # READY at generation 1
     out = np.zeros_like(blocks)
-    hit.copy_into(out)
+    assert hit.copy_into(out).intact == len(slots)
     assert np.array_equal(out, blocks)
     flat = np.zeros(len(slots) * BB, dtype=np.uint8)  # any dtype and shape of the right size
     hit.copy_into(flat)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import struct
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -168,6 +169,30 @@ def test_runner_without_the_pool_mapped_moves_blocks_over_grpc(kv_target, model)
         result = runner.prefill(prompt)  # ReadBlocks
     assert result.reused_tokens == 96
     assert torch.allclose(result.logits, full_logits(model, prompt)[96:], atol=ATOL, rtol=RTOL)
+
+
+def test_a_block_rewritten_during_the_copy_is_recomputed(kv, model, monkeypatch) -> None:
+    runner = CachedPrefill(kv, model, "tiny-llama", block_size=BLOCK_SIZE)
+    runner.prefill(SYSTEM_A + USER_1)
+    hit_views = CachedPrefill._hit_views
+
+    def views_then_rewritten(self, hit, count):  # type: ignore[no-untyped-def]
+        views = hit_views(self, hit, count)
+        # Another writer takes block 3's slot as the copy starts: its bytes
+        # change and (as the node does first) its stamp moves on.
+        views[3].fill_(7.0)
+        spec = hit.mapping.descriptor
+        arena, local = divmod(int(hit.slots[3]), spec.slots_per_arena)
+        with open(spec.arenas[arena].stamp_path, "r+b") as stamps:
+            stamps.seek(16 * local)
+            stamps.write(struct.pack("<QQ", int(hit.generations[3]) + 10**9, 0))
+        return views
+
+    monkeypatch.setattr(CachedPrefill, "_hit_views", views_then_rewritten)
+    prompt = SYSTEM_A + USER_2
+    result = runner.prefill(prompt)
+    assert result.hit_tokens == 96 and result.reused_tokens == 3 * BLOCK_SIZE
+    assert torch.allclose(result.logits, full_logits(model, prompt)[48:], atol=ATOL, rtol=RTOL)
 
 
 def test_decoding_continues_from_the_returned_cache(kv, model) -> None:

@@ -112,7 +112,7 @@ def test_abort_frees_slots_and_bumps_generations(store: Store) -> None:
     table = store.table(NS)
     for e in entries:
         assert e.slot is not None
-        assert table.generation(e.slot) == e.generation + 1
+        assert table.generation(e.slot) > e.generation  # moved on: never repeats
         with pytest.raises(StaleSlot):
             store.check_slot(NS, ALICE, BlockRef(e.hash, e.slot, e.generation))
 

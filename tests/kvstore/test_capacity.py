@@ -30,8 +30,10 @@ def test_slots_grow_at_the_end_and_retire_only_a_free_tail() -> None:
     assert slots.capacity == 3 and slots.free == 0
     with pytest.raises(RuntimeError):
         slots.retire_tail(1)  # slot 2 is in use
-    slots.add_slots(2)  # ids 3 and 4 come back with the generations they had
-    assert slots.generation(4) == generation and slots.free == 2
+    # Ids 3 and 4 come back never stamped, like a new arena's stamp memory:
+    # generation 0 is no handle's, so a handle from before the retirement stays stale.
+    slots.add_slots(2)
+    assert slots.generation(4) == 0 != generation and slots.free == 2
 
 
 def test_new_slots_are_used_after_the_older_free_ones() -> None:

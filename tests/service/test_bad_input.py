@@ -186,7 +186,10 @@ async def test_read_blocks(stub, namespace, lease):
     res = await stub.Reserve(pb.ReserveRequest(namespace_id=ns, lease_id=lease, hashes=[H]))
     loc = res.entries[0].location
     await stub.Commit(pb.CommitRequest(namespace_id=ns, lease_id=lease, hashes=[H]))
-    ref = pb.BlockRef(hash=H, slot=loc.slot, generation=loc.generation)
+    # A commit stamps the slot with a new (READY) generation: the one Lookup answers.
+    ready = (await stub.Lookup(pb.LookupRequest(namespace_id=ns, hashes=[H]))).blocks[0]
+    assert ready.slot == loc.slot and ready.generation != loc.generation
+    ref = pb.BlockRef(hash=H, slot=loc.slot, generation=ready.generation)
 
     def read(**kw):
         kw.setdefault("namespace_id", ns)
@@ -197,7 +200,7 @@ async def test_read_blocks(stub, namespace, lease):
     await expect(stub, INVALID, "lease_id", read(lease_id=0, blocks=[ref]))
     await expect(stub, INVALID, "32 bytes", read(blocks=[pb.BlockRef(hash=b"1")]))
     await expect(stub, PRECONDITION, "not pinned", read(blocks=[ref]))
-    stale = pb.BlockRef(hash=H, slot=loc.slot, generation=loc.generation + 1)
+    stale = pb.BlockRef(hash=H, slot=loc.slot, generation=ready.generation + 1)
     await expect(stub, PRECONDITION, "no longer holds", read(blocks=[stale]))
     await expect(stub, NOT_FOUND, "not registered", read(namespace_id=UNKNOWN_NS, blocks=[ref]))
     await expect(stub, INVALID, "at most 256", read(blocks=[ref] * 300))

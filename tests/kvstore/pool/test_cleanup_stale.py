@@ -73,4 +73,8 @@ def test_a_killed_servers_files_are_stale_even_when_its_pid_is_taken(pool_dir: P
     assert left.exists()
     renamed = pool_dir / left.name.replace(f"-{left.name.split('-')[1]}-", f"-{os.getpid()}-", 1)
     left.rename(renamed)
-    assert cleanup_stale(str(pool_dir), "kvstore") == [str(renamed)]
+    # Its stamp file too: same name with "-stamps", same pid, same (dropped) lock.
+    stamps = Path(f"{left}-stamps")
+    assert stamps.exists()
+    stamps.rename(f"{renamed}-stamps")
+    assert cleanup_stale(str(pool_dir), "kvstore") == [str(renamed), f"{renamed}-stamps"]
