@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from kvstore.errors import InvalidArgument
+from kvstore.integrations.vllm import worker as worker_module
 from kvstore.integrations.vllm.metadata import KVStoreConnectorMetadata, LoadSpec, SaveSpec
 from kvstore.integrations.vllm.paged import (
     BlockOrder,
@@ -24,10 +25,10 @@ from kvstore.integrations.vllm.paged import (
     scatter_blocks,
     stored_shape,
 )
-from kvstore.integrations.vllm.worker import WorkerSide
+from kvstore.integrations.vllm.worker import LoadFailed, WorkerSide
 from kvstore.layout import KVLayout
 from kvstore.pool import CudaMapping, CudaPool, HostMapping, HostPool
-from kvstore.types import NamespaceId
+from kvstore.types import NamespaceId, SlotId
 from tests.kvstore.pool.fake_cuda import FakeCudaRuntime
 
 LAYOUT = KVLayout(num_layers=3, num_kv_heads=2, head_dim=4, block_size=8, dtype="float32")
@@ -119,6 +120,7 @@ def test_an_unknown_backend_shape_is_refused() -> None:
 class _Namespace:
     mapping: CudaMapping | HostMapping
     epoch: int
+    verify_loads: bool = False
 
 
 class _Link:
@@ -156,6 +158,15 @@ HELD = 1e18
 """A pins deadline far in the future (the scheduler's lease surely holds them)."""
 
 
+def stamped(pool: CudaPool | HostPool, slots: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
+    """Stamp ``slots`` as the node does when their blocks commit; the stamps a lookup
+    would hand the worker (generation, ident)."""
+    stamps = tuple((100 + slot, 0xABC0 + slot) for slot in slots)
+    for slot, (generation, ident) in zip(slots, stamps, strict=True):
+        pool.stamp(SlotId(slot), generation, ident)
+    return stamps
+
+
 def mapped_worker(
     mapping: CudaMapping | HostMapping, order: BlockOrder = "canonical"
 ) -> WorkerSide:
@@ -170,10 +181,16 @@ def mapped_worker(
     )
 
 
-def test_gpu_path_loads_cuda_pool_slots_into_a_flash_cache() -> None:
+def test_gpu_path_loads_cuda_pool_slots_into_a_flash_cache(tmp_path) -> None:
     rt = FakeCudaRuntime(total_bytes=1 << 22)
     pool = CudaPool.create(
-        NamespaceId("00112233aabbccdd"), LAYOUT.block_bytes, 8, 0xE1, device="cuda:0", runtime=rt
+        NamespaceId("00112233aabbccdd"),
+        LAYOUT.block_bytes,
+        8,
+        0xE1,
+        device="cuda:0",
+        runtime=rt,
+        stamp_directory=str(tmp_path),
     )
     mapping = CudaMapping.open(pool.descriptor, runtime=rt)
     worker = mapped_worker(mapping)
@@ -183,14 +200,18 @@ def test_gpu_path_loads_cuda_pool_slots_into_a_flash_cache() -> None:
             pool.write(slot, block.numpy().tobytes())
         cache = flash_layers()
         worker.register_kv_caches({f"layer.{i}": t for i, t in enumerate(cache)})
-        meta = KVStoreConnectorMetadata(loads=[LoadSpec("r1", (4, 1), (6, 2), 0xE1, HELD)])
+        stamps = stamped(pool, (6, 2))
+        load = LoadSpec("r1", (4, 1), (6, 2), 0xE1, HELD, stamps=stamps)
+        meta = KVStoreConnectorMetadata(loads=[load])
         worker.start_load(meta)
         assert finish(worker, "r1") == set()
         assert torch.equal(gather_blocks(worker.layers, [4, 1], LAYOUT), stored)
         report = worker.take_report()
-        assert report is not None and report.loaded == {"r1"}
+        assert report is not None and report.loaded == {("r1", 0)}
         # A mapping of another epoch (the node restarted) must not be read: recompute.
-        stale = KVStoreConnectorMetadata(loads=[LoadSpec("r2", (3,), (6,), 0xE2, HELD)])
+        stale = KVStoreConnectorMetadata(
+            loads=[LoadSpec("r2", (3,), (6,), 0xE2, HELD, stamps=stamps[:1])]
+        )
         worker.start_load(stale)
         assert finish(worker, "r2") == {3}
     finally:
@@ -216,7 +237,8 @@ def test_cpu_loads_copy_runs_of_adjacent_slots_into_adjacent_blocks(tmp_path, or
         cache = cpu_layers()
         worker.register_kv_caches({f"layer.{i}": t for i, t in enumerate(cache)})
         # An idle step (nothing scheduled) copies in start_load_kv: reported at once.
-        meta = KVStoreConnectorMetadata(loads=[LoadSpec("r", block_ids, slots, 0xE1, HELD)])
+        load = LoadSpec("r", block_ids, slots, 0xE1, HELD, stamps=stamped(pool, slots))
+        meta = KVStoreConnectorMetadata(loads=[load])
         meta.idle = True
         worker.start_load(meta)
         assert worker.take_finished() == {"r"} and worker.take_load_errors() == set()
@@ -295,3 +317,68 @@ def test_a_finished_requests_blocks_are_given_back_whatever_its_last_save_does()
     worker.save(KVStoreConnectorMetadata(saves=[SaveSpec("late", hashes, (0, 1), 0, True)]))
     assert worker.take_sent() == {"late"}
     assert worker.take_sent() == set()
+
+
+def test_a_block_whose_stamp_moves_during_the_copy_is_a_load_error(tmp_path, monkeypatch) -> None:
+    """The node hands a slot to a writer while the copy runs (its pins were dropped by a
+    bookkeeping slip somewhere): the stamps read after the copy show it, and only that
+    block is reported; a block moved before the copy fails the whole load unread."""
+    pool = HostPool.create(
+        NamespaceId("00112233aabbccdd"), LAYOUT.block_bytes, 8, 0xE1, directory=str(tmp_path)
+    )
+    mapping = HostMapping.open(pool.descriptor)
+    worker = mapped_worker(mapping)
+    real_scatter = worker_module.scatter_runs
+
+    def scatter_then_reuse(layers, runs):  # type: ignore[no-untyped-def]
+        real_scatter(layers, runs)
+        pool.stamp(SlotId(3), 999, 0)  # slot 3 handed to a writer while we copied
+
+    monkeypatch.setattr(worker_module, "scatter_runs", scatter_then_reuse)
+    try:
+        worker.register_kv_caches({f"layer.{i}": t for i, t in enumerate(cpu_layers())})
+        slots = (1, 2, 3)
+        stamps = stamped(pool, slots)
+        worker.start_load(
+            KVStoreConnectorMetadata(
+                loads=[LoadSpec("r", (0, 1, 2), slots, 0xE1, HELD, stamps=stamps)]
+            )
+        )
+        assert finish(worker, "r") == {2}
+        stats = worker.take_stats()
+        assert stats is not None
+        assert stats.data["load_moved_blocks"] == 1 and stats.data["loaded_blocks"] == 2
+        # Slot 3 moved before this load: nothing is copied, every block is recomputed.
+        worker.start_load(
+            KVStoreConnectorMetadata(
+                loads=[LoadSpec("s", (4, 5), (2, 3), 0xE1, HELD, stamps=stamps[1:])]
+            )
+        )
+        assert finish(worker, "s") == {4, 5}
+    finally:
+        worker.shutdown()
+        mapping.close()
+        pool.close()
+
+
+def test_after_shutdown_a_load_fails_and_queued_loads_never_run(tmp_path) -> None:
+    pool = HostPool.create(
+        NamespaceId("00112233aabbccdd"), LAYOUT.block_bytes, 8, 0xE1, directory=str(tmp_path)
+    )
+    mapping = HostMapping.open(pool.descriptor)
+    worker = mapped_worker(mapping)
+    try:
+        worker.register_kv_caches({f"layer.{i}": t for i, t in enumerate(cpu_layers())})
+        stamps = stamped(pool, (1,))
+        worker.shutdown()
+        worker.start_load(
+            KVStoreConnectorMetadata(
+                loads=[LoadSpec("late", (0,), (1,), 0xE1, HELD, stamps=stamps)]
+            )
+        )
+        assert finish(worker, "late") == {0}
+        with pytest.raises(LoadFailed, match="shutting down"):
+            worker._load(LoadSpec("direct", (0,), (1,), 0xE1, HELD, stamps=stamps))
+    finally:
+        mapping.close()
+        pool.close()
