@@ -23,6 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
         ("benchmarks.bench_copy", "gbps"),
         ("benchmarks.bench_wire", "hashes"),
         ("benchmarks.bench_checksum", "sizes"),
+        ("benchmarks.bench_verify", "lengths"),
     ],
 )
 def test_a_quick_run_prints_its_figures(module: str, key: str) -> None:
