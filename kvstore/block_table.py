@@ -29,10 +29,8 @@ Pins and writes are recorded in the lease as well as in the block, so ending
 a lease costs O(what it holds).
 
 Over 400 lines on purpose: one concept, the block life cycle as leases drive
-it (lookup/pin, reserve, commit, abort, release, lease expiry), its transitions
-sharing the lease and chain bookkeeping, checked together by the state-machine
-test. Below them: slots, LRU, counts, quotas and stamps in `kvstore.residency`;
-the per-block loops of lookup, pin and release (arrays for results) in `kvstore.pins`.
+it, checked whole by the state-machine test. Slots, LRU, counts, quotas and
+stamps are in `kvstore.residency`; the per-block loops in `kvstore.pins`.
 """
 
 from __future__ import annotations
@@ -40,13 +38,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 
 from kvstore.block import Block, BlockState
-from kvstore.errors import (
-    FailedPrecondition,
-    InvalidArgument,
-    LimitExceeded,
-    NotWriter,
-    StaleSlot,
-)
+from kvstore.errors import FailedPrecondition, InvalidArgument, LimitExceeded, NotWriter, StaleSlot
 from kvstore.events import CacheEvent, EventKind, removed_events, stored_events
 from kvstore.layout import NamespaceSpec
 from kvstore.lease import Lease
@@ -92,8 +84,7 @@ class BlockTable:
             events: list to append events to (the store's); a private one if None.
             max_pins_per_lease: bound on one lease's pins (0 = unbounded).
             quota: scope → most resident blocks it may hold (0 = none); asked per new block.
-            max_tenant_counters: tenants with lookup counters of their own; the
-                rest share one record (`kvstore.tenant_counters`; 0 = unbounded).
+            max_tenant_counters: tenants with counters of their own (`kvstore.tenant_counters`).
             generations, stamps: the node's counter; the pool's stamp table (`kvstore.stamps`).
         """
         if capacity <= 0:
@@ -123,7 +114,7 @@ class BlockTable:
         return self._res.generation(slot)
 
     def stamp_of(self, slot: SlotId) -> tuple[int, int]:
-        """The (generation, ident) stamp of a slot as runners read it; (0, 0) out of range."""
+        """A slot's (generation, ident) as runners read it; (0, 0) out of range."""
         return self._res.stamp_of(slot) if 0 <= slot < self.capacity else (0, 0)
 
     def check_slot(self, tenant: TenantId, ref: BlockRef) -> Block:
@@ -308,8 +299,8 @@ class BlockTable:
 
         The call is validated whole before anything changes: a hash that is
         not WRITING under this lease raises `NotWriter` and commits nothing.
-        A hash already READY is accepted (a retried commit) and not counted.
-        ``checksums[i]`` (`keep_checksums`) is kept with ``hashes[i]``'s block.
+        A hash already READY is accepted (a retried commit) and not counted;
+        ``checksums[i]`` is kept with ``hashes[i]``'s block.
         """
         check_hashes(hashes)
         blocks = self._res.blocks(self.scope_of(lease.tenant))

@@ -7,6 +7,7 @@ without vLLM; inside vLLM they are its metadata types.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 try:
@@ -24,7 +25,7 @@ except ImportError:  # unit tests without vLLM
 
 
 from kvstore.client import Hit
-from kvstore.types import HASH_BYTES, BlockHash
+from kvstore.types import BlockHash
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,14 +55,30 @@ class LoadSpec:
     asks for full verification (``verify_checksums = "all"``)."""
 
 
+def plan_loads(
+    request_id: str, hits: Sequence[Hit], block_ids: Sequence[int], first: int, last: int
+) -> list[LoadSpec]:
+    """One load per rank: hit blocks ``first`` to ``last`` into vLLM's ``block_ids`` there
+    (``pins_until`` is filled in when the step is sent)."""
+    return [
+        LoadSpec(
+            request_id=request_id,
+            block_ids=tuple(block_ids[first:last]),
+            slots=tuple(hit.slots[first:last].tolist()),
+            epoch=hit.epoch,
+            pins_until=0.0,
+            pool_version=hit.pool_version,
+            rank=rank,
+            stamps=expected_stamps(hit, first, last),
+            checksums=tuple(hit.checksums[first:last].tolist()) if len(hit.checksums) else (),
+        )
+        for rank, hit in enumerate(hits)
+    ]
+
+
 def expected_stamps(hit: Hit, first: int, last: int) -> tuple[tuple[int, int], ...]:
     """The stamps blocks ``first`` to ``last`` of ``hit`` must still have after a copy."""
-    gens = hit.generations[first:last].tolist()
-    hashes = hit.hit_hashes
-    return tuple(
-        (int(gen), int.from_bytes(hashes[i * HASH_BYTES : i * HASH_BYTES + 8], "little"))
-        for i, gen in zip(range(first, last), gens, strict=True)
-    )
+    return tuple((int(g), int(i)) for g, i in hit.expected_stamps[first:last].tolist())
 
 
 @dataclass(frozen=True, slots=True)

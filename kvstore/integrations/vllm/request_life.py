@@ -32,7 +32,14 @@ sees it and the tests walk it (tests/integrations/vllm/test_request_life.py).
 
 from __future__ import annotations
 
+import concurrent.futures
 import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvstore.client import Hit
+from kvstore.integrations.vllm.metadata import LoadSpec
+from kvstore.types import BlockHash
 
 
 class Phase(enum.Enum):
@@ -110,3 +117,43 @@ class RequestLife:
 
     def __repr__(self) -> str:
         return f"RequestLife({self.phase.name})"
+
+
+@dataclass(slots=True)
+class TrackedRequest:
+    """What the scheduler side knows about one request (its phase: `life`)."""
+
+    request: Any
+    """vLLM's request: its ``all_token_ids`` grow as it decodes."""
+    chains: list[list[BlockHash]]
+    """Per tensor-parallel rank (its own namespace, its own chain root): chain hashes of
+    the request's full blocks hashed so far (the tokens known at the first ask, then the
+    output's as blocks are saved)."""
+    prompt_blocks: int
+    """Full blocks of the prompt (the save limit without ``save_decode``)."""
+    asked_at: float
+    """When vLLM first asked for this admission (the lookup's time budget starts)."""
+    life: RequestLife = field(default_factory=RequestLife)
+    """The request's phase (`request_life`): the only place it changes."""
+    lookup: concurrent.futures.Future[list[Hit]] | None = None
+    """LOOKING_UP: the Lookups in flight (one per rank, answered together)."""
+    hits: list[Hit] | None = None
+    """HIT to DRAINING: the pinned hits (one per rank); a rank's is released once that
+    rank reported its load."""
+    loads: list[LoadSpec] = field(default_factory=list)
+    """LOAD_PLANNED: the loads to send with the next step (one per rank)."""
+    pending_ranks: set[int] = field(default_factory=set)
+    """LOADING, DRAINING: ranks that have not reported their load finished."""
+    local_tokens: int = 0
+    """vLLM's (block-aligned) local hit when the hit was counted."""
+    block_ids: list[int] = field(default_factory=list)
+    """vLLM block ids of the request (first KV group), as allocated so far."""
+    saved_blocks: int = 0
+    """Leading full blocks the node is known to have for every rank (at lookup, or
+    confirmed commits): saving starts after them."""
+    saved_by_rank: dict[int, int] = field(default_factory=dict)
+    """Confirmed commits per rank (the workers report them in different steps)."""
+    planned_blocks: int = 0
+    """Leading full blocks saved or planned for saving."""
+    poisoned: bool = False
+    """Never save this request (its blocks touched a failed load's)."""

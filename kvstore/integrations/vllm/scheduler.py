@@ -3,39 +3,25 @@
 vLLM calls these in the engine-core process, on its scheduler thread, which
 must never wait on the node (`docs/vllm.md`, "Never stalls vLLM"):
 
-1. ``get_num_new_matched_tokens``: the prompt's full blocks are hashed once
-   (kvstore's own scheme from the tenant's chain root) and a Lookup **with
-   pin** is started in the background. While it is in flight the answer is
-   ``None`` (vLLM asks again next step); a lookup not answered within
-   ``lookup_timeout`` of the first ask is given up (the request is computed,
-   and whatever the late answer pinned is released). The answer is what the
-   node has beyond vLLM's local hit, cut so that at least the last token is
-   computed. The load is asynchronous: vLLM keeps the request waiting until
-   the worker reports it.
-2. ``update_state_after_alloc``: vLLM's final count (it may drop the hit)
-   and its blocks: a load is planned, or the pins released.
-3. ``build_connector_meta``: every planned load goes to the workers with the
-   time until which its pins are surely held (`NodeLink.pins_held_until`);
-   each scheduled request's newly computed full blocks are planned as saves:
-   the prompt's, and with ``save_decode`` the output's too, as they fill, under
-   the chain hashes a later prompt repeating that text gets (a chat's next
-   turn). Only blocks whose tokens are all known and computed are saved.
-4. ``update_connector_output``: the workers' report. A rank's pins are
-   released only once *that rank* reported its load finished, whatever
-   happened to the request meanwhile (finished, aborted: it drains; vLLM
-   schedules a step ahead, the copy may still be queued). A request's saved blocks
-   advance only on a confirmed commit; a save that did not happen is
-   planned again; a request whose blocks touched a failed load is never
+1. ``get_num_new_matched_tokens``: the prompt's full blocks are hashed and
+   a Lookup **with pin** per rank starts in the background (``None``, "ask
+   again", while in flight; given up after ``lookup_timeout``). The answer
+   is what the node has beyond vLLM's local hit, at least the last token
+   left to compute; the load is asynchronous.
+2. ``update_state_after_alloc``: vLLM's final count: a load is planned, or
+   the pins released.
+3. ``build_connector_meta``: planned loads go to the workers with the time
+   until which their pins are surely held (`NodeLink.pins_held_until`) and
+   each slot's stamp; newly computed full blocks are planned as saves.
+4. ``update_connector_output``: the workers' report, per (request, rank): a
+   rank's pins are released once *that rank* reported its load, whatever
+   happened to the request meanwhile (it drains); saves advance only on a
+   confirmed commit; a request whose blocks touched a failed load is never
    saved.
-5. ``request_finished``: a request whose last full blocks were not planned yet
-   (none with vLLM's synchronous scheduling, where a block is saved in the
-   step that fills it) keeps its blocks (``delay_free``) until the workers
-   have copied them out, the next step; they report it in ``finished_sending``.
-   A preempted request's blocks were saved as they filled: when it resumes,
-   its lookup covers its output too.
-6. Releases go out in the background (`NodeLink.release`); closing the
-   client at shutdown ends the lease, dropping whatever is still pinned,
-   unless a load is in flight (the lease then expires by itself).
+5. ``request_finished``: last full blocks not yet planned keep the request's
+   blocks (``delay_free``) until the workers copied them out.
+6. ``shutdown`` ends the lease, unless a load is in flight (it then expires
+   by itself, so the pins hold as long as the workers were told).
 
 A request's phase lives in `request_life` (one state machine); the worker
 proves every load with the slots' stamps, so a bookkeeping slip here costs
@@ -50,7 +36,6 @@ import dataclasses
 import logging
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 from kvstore.client import Hit, Namespace, SyncClient
@@ -60,11 +45,10 @@ from kvstore.integrations.vllm.link import NodeLink
 from kvstore.integrations.vllm.metadata import (
     KVStoreConnectorMetadata,
     KVStoreWorkerReport,
-    LoadSpec,
     SaveSpec,
-    expected_stamps,
+    plan_loads,
 )
-from kvstore.integrations.vllm.request_life import Phase, RequestLife
+from kvstore.integrations.vllm.request_life import Phase, TrackedRequest
 from kvstore.types import BlockHash
 
 log = logging.getLogger(__name__)
@@ -75,46 +59,6 @@ previous step scheduled nothing. vLLM then steps an empty batch about every mill
 (engine core and workers), taking the CPU from the lookup's own thread (same process,
 same GIL) and from the node; waiting instead lets the answer land sooner, and a new
 request that arrives meanwhile waits at most this long. Never when anything runs."""
-
-
-@dataclass(slots=True)
-class _Tracked:
-    """What the scheduler side knows about one request (its phase: `life`)."""
-
-    request: Any
-    """vLLM's request: its ``all_token_ids`` grow as it decodes."""
-    chains: list[list[BlockHash]]
-    """Per tensor-parallel rank (its own namespace, its own chain root): chain hashes of
-    the request's full blocks hashed so far (the tokens known at the first ask, then the
-    output's as blocks are saved)."""
-    prompt_blocks: int
-    """Full blocks of the prompt (the save limit without ``save_decode``)."""
-    asked_at: float
-    """When vLLM first asked for this admission (the lookup's time budget starts)."""
-    life: RequestLife = field(default_factory=RequestLife)
-    """The request's phase (`request_life`): the only place it changes."""
-    lookup: concurrent.futures.Future[list[Hit]] | None = None
-    """LOOKING_UP: the Lookups in flight (one per rank, answered together)."""
-    hits: list[Hit] | None = None
-    """HIT to DRAINING: the pinned hits (one per rank); a rank's is released once that
-    rank reported its load."""
-    loads: list[LoadSpec] = field(default_factory=list)
-    """LOAD_PLANNED: the loads to send with the next step (one per rank)."""
-    pending_ranks: set[int] = field(default_factory=set)
-    """LOADING, DRAINING: ranks that have not reported their load finished."""
-    local_tokens: int = 0
-    """vLLM's (block-aligned) local hit when the hit was counted."""
-    block_ids: list[int] = field(default_factory=list)
-    """vLLM block ids of the request (first KV group), as allocated so far."""
-    saved_blocks: int = 0
-    """Leading full blocks the node is known to have for every rank (at lookup, or
-    confirmed commits): saving starts after them."""
-    saved_by_rank: dict[int, int] = field(default_factory=dict)
-    """Confirmed commits per rank (the workers report them in different steps)."""
-    planned_blocks: int = 0
-    """Leading full blocks saved or planned for saving."""
-    poisoned: bool = False
-    """Never save this request (its blocks touched a failed load's)."""
 
 
 class SchedulerSide:
@@ -139,7 +83,7 @@ class SchedulerSide:
         self.save_decode = save_decode
         self._chains = RequestChains(link, block_size, extra_keys)
         self._clock = clock
-        self._requests: dict[str, _Tracked] = {}
+        self._requests: dict[str, TrackedRequest] = {}
         """Every request with a phase other than DONE (a finished one while DRAINING)."""
         self._planned: list[str] = []
         """Requests whose loads `after_alloc` planned, sent with the next step (always:
@@ -204,20 +148,7 @@ class SchedulerSide:
             return
         first = tracked.local_tokens // self.block_size
         last = first + num_external_tokens // self.block_size
-        tracked.loads = [
-            LoadSpec(
-                request_id=request.request_id,
-                block_ids=tuple(block_ids[first:last]),
-                slots=tuple(hit.slots[first:last].tolist()),
-                epoch=hit.epoch,
-                pins_until=0.0,
-                pool_version=hit.pool_version,
-                rank=rank,
-                stamps=expected_stamps(hit, first, last),
-                checksums=tuple(hit.checksums[first:last].tolist()) if len(hit.checksums) else (),
-            )
-            for rank, hit in enumerate(hits)
-        ]
+        tracked.loads = plan_loads(request.request_id, hits, block_ids, first, last)
         tracked.life.move(Phase.LOAD_PLANNED)
         self._planned.append(request.request_id)
 
@@ -369,7 +300,7 @@ class SchedulerSide:
 
     # --- internals -------------------------------------------------------------------------
 
-    def _answer_lookup(self, tracked: _Tracked) -> bool:
+    def _answer_lookup(self, tracked: TrackedRequest) -> bool:
         """Advance the admission's lookup; True once it is answered (or given up)."""
         budget = self.link.config.lookup_timeout
         overdue = self._clock() - tracked.asked_at >= budget
@@ -465,7 +396,7 @@ class SchedulerSide:
 
         future.add_done_callback(release_late)
 
-    def _track(self, request: Any) -> _Tracked | None:
+    def _track(self, request: Any) -> TrackedRequest | None:
         tracked = self._requests.get(request.request_id)
         if tracked is not None:
             return tracked
@@ -481,7 +412,7 @@ class SchedulerSide:
         if chains is None:
             return None
         asked_at = self._first_ask.pop(request.request_id, None) or self._clock()
-        tracked = _Tracked(
+        tracked = TrackedRequest(
             request=request,
             chains=chains,
             prompt_blocks=len(prompt) // self.block_size,
@@ -493,7 +424,7 @@ class SchedulerSide:
     def _plan_save(
         self,
         saves: list[SaveSpec],
-        tracked: _Tracked,
+        tracked: TrackedRequest,
         computed: int,
         *,
         frees_blocks: bool = False,
@@ -530,7 +461,7 @@ class SchedulerSide:
         tracked.planned_blocks = full
         return True
 
-    def _drop_hit(self, tracked: _Tracked) -> None:
+    def _drop_hit(self, tracked: TrackedRequest) -> None:
         """HIT: vLLM did not take the hit (or its pins were lost): release it and compute."""
         hits, tracked.hits = tracked.hits, None
         tracked.life.move(Phase.RUNNING)
