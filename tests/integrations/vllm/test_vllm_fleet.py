@@ -191,6 +191,42 @@ def test_another_tenant_never_gets_the_blocks(engines, nodes, redis_url) -> None
     assert_nothing_pinned(nodes[1])
 
 
+def test_a_peer_that_sends_another_blocks_bytes_is_a_miss_and_the_output_is_exact(
+    engines, nodes, redis_url
+) -> None:
+    """Node 1's slot of block 1 holds block 0's bytes (a bookkeeping bug on the holder, or
+    its memory): node 2's fetch checks every block against its writer's checksum, keeps
+    block 0, refuses block 1 and the rest (a miss, logged naming tier and holder); engine
+    b loads one block and computes the rest, exactly."""
+    from kvstore.api.wire import layout_from_proto
+    from kvstore.client import SyncClient
+
+    a, b, ref = engines["a"], engines["b"], engines["ref"]
+    one, two = nodes
+    prompt = system(85) + USER_1
+    save_on_host_1(a, redis_url, prompt)
+    stats = max(one.stats().namespaces, key=lambda n: n.ready)
+    with SyncClient(one.target, tenant="acme", timeout=10.0) as client:
+        ns = client.register_namespace(
+            stats.model_id, layout_from_proto(stats.layout), timeout=10.0
+        )
+        hit = client.lookup(ns, prompt, pin=True, timeout=10.0)
+        assert hit.hit_blocks == len(prompt) // BLOCK
+        views = hit.numpy_views()
+        views[1][...] = views[0]  # block 1's slot now holds block 0's bytes
+        client.release(hit, timeout=10.0)
+    got = run(b, system(85) + USER_2)
+    assert got["external_hits"] == BLOCK  # block 0 fetched and loaded, no more
+    want = run(ref, system(85) + USER_2)
+    assert got["tokens"] == want["tokens"]
+    assert max_logprob_diff(got, want) <= ENGINE_DIFF
+    assert two.server is not None
+    log = two.server.log_tail()
+    assert "checksum mismatch" in log and "tier peer" in log and "host-1" in log
+    assert_nothing_pinned(one)
+    assert_nothing_pinned(two)
+
+
 def test_a_killed_peer_is_a_miss_and_the_output_is_exact(engines, nodes, redis_url) -> None:
     a, b, ref = engines["a"], engines["b"], engines["ref"]
     one, two = nodes
