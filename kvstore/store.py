@@ -417,13 +417,10 @@ class Store:
     ) -> int:
         """Drop this lease's pins: those a lookup took, or one per named block.
 
-        With a nonzero ``release_id``: the pins the pinned lookup that
-        declared it took (its `PinSet`), exactly once; ``hashes`` are not
-        consulted. The id is then spent: a release naming it again (a retry),
-        or naming an id no live pinned lookup of this lease declared in this
-        namespace, drops nothing and answers the first count while the lease
-        remembers it (`ANSWERS_REMEMBERED`), else 0. Without an id: one of
-        this lease's pins on each named block (`BlockTable.release`).
+        With a nonzero ``release_id``: the pins of the lookup that declared it
+        (its `PinSet`), exactly once (``hashes`` unused); a spent or undeclared
+        id drops nothing and answers the first count while remembered, else 0.
+        Without an id: one of this lease's pins per named block.
         """
         self._check_len(hashes)
         table = self.table(namespace)
@@ -442,14 +439,9 @@ class Store:
         self.table(namespace).check_slot(tenant, ref)
 
     def stamp_intact(self, namespace: NamespaceId, ref: BlockRef) -> bool:
-        """Whether ``ref``'s slot still carries the READY stamp of ``ref``'s block.
-
-        The check a runner makes on the stamp table after a copy, made on the
-        node's record of it: the generation (never repeated in the node's
-        life, whatever was dropped and registered again) and the hash's
-        ident. A WRITING or free slot's ident is 0, never a READY block's
-        stamp. False for a namespace that is gone.
-        """
+        """Whether ``ref``'s slot still carries the READY stamp of ``ref``'s block: the
+        runners' check after a copy, on the node's record (a WRITING or free slot's
+        ident is 0, never a READY block's). False for a namespace that is gone."""
         table = self._tables.get(namespace)
         if table is None or not ref.generation:
             return False

@@ -128,13 +128,9 @@ class Client(PrefixQueries):
         await self._rpc.connect()
 
     async def close(self, *, end_lease: bool = True) -> None:
-        """Finish cleanups, end the lease, unmap the pools and close the channel.
-
-        Args:
-            end_lease: False stops renewing the lease without ending it: its pins
-                hold until it expires (its TTL after the last renewal), for another
-                process still copying slots this client pinned for it.
-        """
+        """Finish cleanups, end the lease, unmap the pools and close the channel; with
+        ``end_lease`` False the lease is not ended but expires (pins another process
+        still copies from hold until then)."""
         await self._session.close(end_lease=end_lease)
         await self._rpc.close()
 

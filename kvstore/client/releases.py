@@ -181,7 +181,12 @@ class Releases:
         queued meanwhile goes out as one Release.
         """
         key = (req.namespace_id, req.lease_id)
-        lane = self._lanes[key]
+        lane = self._lanes.get(key)
+        if lane is None:
+            # Only an ``allow_remote`` Lookup (it does not hold its lane): the lane went
+            # idle and was dropped while it was in flight. Its releases still settle.
+            assert req.allow_remote, "bug: a lane dropped under a pinned Lookup in flight"
+            self._lanes[key] = lane = _Lane()
         if not req.allow_remote:
             lane.lookups -= 1
         resp = None if call.cancelled() or call.exception() else call.result()

@@ -218,3 +218,42 @@ async def test_a_remote_lookup_in_flight_does_not_hold_releases_back(
     assert await kv.release(await looking) == 3
     await kv._background.drain()
     assert not kv._releases._lanes
+
+
+class _StubRpc:
+    """Answers each Release with one pin per hash, after ``gate`` opens."""
+
+    timeout = 5.0
+
+    def __init__(self) -> None:
+        self.gate = asyncio.Event()
+
+    async def call(self, method: str, request: Any, *args: Any, **kw: Any) -> Any:
+        from kvstore.v1 import kvstore_pb2 as pb
+
+        await self.gate.wait()
+        return pb.ReleaseResponse(released=len(request.packed_hashes) // 32)
+
+
+async def test_a_remote_lookup_that_outlives_its_lane_still_settles_its_releases() -> None:
+    """An ``allow_remote`` Lookup carries its lane's queue without holding the lane: the
+    lane may go idle and be dropped before the Lookup ends. Its carried releases must
+    still settle (they were lost, and their pins held for the lease's life, when the end
+    of the Lookup raised KeyError on the dropped lane)."""
+    from kvstore.client.background import Background
+    from kvstore.client.releases import Releases
+    from kvstore.v1 import kvstore_pb2 as pb
+
+    rpc = _StubRpc()
+    releases = Releases(rpc, Background())  # type: ignore[arg-type]
+    first = releases.submit("ns", 7, b"a" * 32, 1)  # sent at once, held by the gate
+    second = releases.submit("ns", 7, b"b" * 64, 2)  # queued behind it
+    lookup = pb.LookupRequest(namespace_id="ns", lease_id=7, pin=True, allow_remote=True)
+    batch = releases.carry(lookup)
+    assert [w.release_id for w in batch] == [2]
+    rpc.gate.set()
+    assert await first == 1  # the lane is idle now, and dropped
+    failed: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+    failed.set_exception(DeadlineExceeded("the lookup timed out"))
+    releases.settle_carried(lookup, batch, failed)
+    assert await asyncio.wait_for(second, 5) == 2  # sent again as a Release

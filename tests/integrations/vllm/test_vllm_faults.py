@@ -306,19 +306,18 @@ def test_a_writer_killed_half_way_is_never_served(engines, node) -> None:
     a, ref = engines["a"], engines["ref"]
     prompt = system(80) + USER_1
     model, _ = engine_namespace(node)
-    writer = subprocess.Popen(
+    with subprocess.Popen(
         [sys.executable, "-c", WRITER, node.target, model, ",".join(map(str, prompt))],
         stdout=subprocess.PIPE,
         text=True,
         env={**os.environ, "PYTHONPATH": str(ROOT)},
-    )
-    try:
-        assert writer.stdout is not None
-        assert writer.stdout.readline().strip() == "@@HALF"
-        assert node.stats().writing > 0
-    finally:
-        writer.kill()
-        writer.wait()
+    ) as writer:
+        try:
+            assert writer.stdout is not None
+            assert writer.stdout.readline().strip() == "@@HALF"
+            assert node.stats().writing > 0
+        finally:
+            writer.kill()
     got = run(a, prompt)
     assert got["external_hits"] == 0
     assert_exact(got, run(ref, prompt))
