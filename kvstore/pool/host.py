@@ -38,7 +38,6 @@ Design decisions (also in ``docs/pools.md``):
 from __future__ import annotations
 
 import contextlib
-import errno
 import fcntl
 import mmap
 import os
@@ -47,7 +46,7 @@ import stat
 from kvstore.errors import InvalidArgument
 from kvstore.pool import host_pages as pages
 from kvstore.pool.base import ArenaSpec, BlockPool, PoolDescriptor, PoolMapping, PoolUnavailable
-from kvstore.pool.host_access import missing_file_error, permission_error
+from kvstore.pool.host_access import open_shared
 from kvstore.pool.stamps import StampFile, StampReader, StampTable, stamp_file_name
 from kvstore.types import NamespaceId, SlotId
 
@@ -398,16 +397,7 @@ class HostMapping(PoolMapping):
 def _open_arena(spec: ArenaSpec, descriptor: PoolDescriptor) -> _Arena:
     if not spec.path:
         raise InvalidArgument(f"arena {spec.index} of a host pool has no file path")
-    try:
-        fd = os.open(spec.path, _OPEN_FLAGS)
-    except FileNotFoundError as exc:
-        raise missing_file_error(spec.path, descriptor) from exc
-    except PermissionError as exc:
-        raise permission_error(spec.path) from exc
-    except OSError as exc:
-        if exc.errno == errno.ELOOP:
-            raise PoolUnavailable(f"pool file {spec.path} is a symbolic link; refusing") from exc
-        raise
+    fd = open_shared(spec.path, _OPEN_FLAGS, "pool file", descriptor)
     try:
         info = os.fstat(fd)
         if not stat.S_ISREG(info.st_mode):

@@ -9,6 +9,7 @@ user or group. `host.HostMapping.open` raises what these functions build.
 
 from __future__ import annotations
 
+import errno
 import os
 import stat
 
@@ -82,3 +83,23 @@ def permission_error(path: str) -> PermissionDenied:
         "node's pool_file_group (KVSTORE_POOL_FILE_GROUP) to a group the runner is in, "
         "which makes the files mode 0660 (docs/pools.md, 'Runners in containers')"
     )
+
+
+def open_shared(path: str, flags: int, what: str, descriptor: PoolDescriptor) -> int:
+    """Open a file of a node's pool for a runner (``what``: "pool file", "stamp file").
+
+    Raises:
+        PoolUnavailable: the file is gone (the node restarted or dropped the pool) or
+            is a symbolic link.
+        PermissionDenied: the runner may not read it (`permission_error`).
+    """
+    try:
+        return os.open(path, flags | getattr(os, "O_NOFOLLOW", 0))
+    except FileNotFoundError as exc:
+        raise missing_file_error(path, descriptor) from exc
+    except PermissionError as exc:
+        raise permission_error(path) from exc
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise PoolUnavailable(f"{what} {path} is a symbolic link; refusing") from exc
+        raise

@@ -22,7 +22,6 @@ What a stamp means and when it changes is the core's business
 from __future__ import annotations
 
 import contextlib
-import errno
 import fcntl
 import mmap
 import os
@@ -34,7 +33,7 @@ import numpy.typing as npt
 
 from kvstore.errors import InvalidArgument
 from kvstore.pool.base import PoolDescriptor, PoolUnavailable
-from kvstore.pool.host_access import missing_file_error, permission_error
+from kvstore.pool.host_access import open_shared
 
 STAMP_BYTES = 16
 """Bytes of one slot's stamp: generation then ident, two little-endian uint64."""
@@ -267,16 +266,7 @@ def _open_all(descriptor: PoolDescriptor, start: int) -> list[mmap.mmap]:
 
 
 def _open_one(path: str, size: int, descriptor: PoolDescriptor) -> mmap.mmap:
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except FileNotFoundError as exc:
-        raise missing_file_error(path, descriptor) from exc
-    except PermissionError as exc:
-        raise permission_error(path) from exc
-    except OSError as exc:
-        if exc.errno == errno.ELOOP:
-            raise PoolUnavailable(f"stamp file {path} is a symbolic link; refusing") from exc
-        raise
+    fd = open_shared(path, os.O_RDONLY | os.O_CLOEXEC, "stamp file", descriptor)
     try:
         info = os.fstat(fd)
         if not stat.S_ISREG(info.st_mode) or info.st_size < size:

@@ -89,15 +89,19 @@ class BlockRpcs(ServicerBase):
                 node.store, namespace, tenant, LeaseId(request.lease_id), carried, node.now()
             )
             node.publish_events()
-        result = node.store.lookup(
-            namespace,
-            tenant,
-            chain,
-            node.now(),
-            lease_id=lease_id,
-            query_tokens=query_tokens,
-            release_id=release_id,
-        )
+
+        def look_up() -> LookupResult:
+            return node.store.lookup(
+                namespace,
+                tenant,
+                chain,
+                node.now(),
+                lease_id=lease_id,
+                query_tokens=query_tokens,
+                release_id=release_id,
+            )
+
+        result = look_up()
         if (
             request.allow_remote
             and node.peers is not None
@@ -125,15 +129,7 @@ class BlockRpcs(ServicerBase):
                     node.store.unpin_lookup(
                         namespace, tenant, lease_id, first, node.now(), release_id
                     )
-                result = node.store.lookup(
-                    namespace,
-                    tenant,
-                    chain,
-                    node.now(),
-                    lease_id=lease_id,
-                    query_tokens=query_tokens,
-                    release_id=release_id,
-                )
+                result = look_up()
         pool = node.pool(namespace)
         node.memory.touch(namespace)  # a namespace in use gives its arenas back last
         hit_tokens = result.hit_blocks * table.block_size
