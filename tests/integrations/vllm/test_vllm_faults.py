@@ -286,7 +286,7 @@ import sys, time, numpy as np
 from kvstore.api.wire import layout_from_proto
 from kvstore.client import SyncClient
 target, model, prompt = sys.argv[1], sys.argv[2], [int(t) for t in sys.argv[3].split(",")]
-with SyncClient(target, tenant="acme", timeout=10.0) as c:
+with SyncClient(target, tenant="acme", timeout=10.0, lease_ttl=3.0) as c:
     stats = next(n for n in c.stats(timeout=10.0).namespaces if n.model_id == model)
     layout = layout_from_proto(stats.layout)
     ns = c.register_namespace(model, layout, timeout=10.0)
