@@ -7,13 +7,16 @@ tests (no GPU needed) and loads it with the connector's `WorkerSide`.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
 
+from kvstore.client import StoreResult
 from kvstore.errors import InvalidArgument
 from kvstore.integrations.vllm import worker as worker_module
 from kvstore.integrations.vllm.metadata import KVStoreConnectorMetadata, LoadSpec, SaveSpec
@@ -382,3 +385,53 @@ def test_after_shutdown_a_load_fails_and_queued_loads_never_run(tmp_path) -> Non
     finally:
         mapping.close()
         pool.close()
+
+
+class _StoringClient:
+    """A client whose every store answers ``result`` (the node's word on each block)."""
+
+    def __init__(self, result: StoreResult) -> None:
+        self.result = result
+
+    def store(self, ns: Any, *, hashes: list[bytes], blocks: Any, timeout: float) -> StoreResult:
+        blocks(len(hashes) - 1)  # the copied-out block is asked for
+        return self.result
+
+
+def report_of_save(result: StoreResult) -> Any:
+    """The worker's report after one save (block 0 on the node, block 1 new) the node
+    answered with ``result``."""
+    cache = cpu_layers()
+    names = [f"l{i}" for i in range(LAYOUT.num_layers)]
+    link = _Link(SimpleNamespace(mapping=None, epoch=1, verify_loads=False))  # type: ignore[arg-type]
+    link.client = _StoringClient(result)  # type: ignore[assignment]
+    worker = WorkerSide(
+        link,  # type: ignore[arg-type]
+        LAYOUT,
+        names,
+        fail_loads=False,
+        max_pending_save_bytes=1 << 24,
+    )
+    try:
+        worker.register_kv_caches(dict(zip(names, cache, strict=True)))
+        worker.save(
+            KVStoreConnectorMetadata(saves=[SaveSpec("q", (b"a" * 32, b"b" * 32), (0, 1), 1)])
+        )
+        deadline = time.monotonic() + 10
+        while (report := worker.take_report()) is None:
+            assert time.monotonic() < deadline, "the save never ended"
+            time.sleep(0.005)
+        return report
+    finally:
+        worker.shutdown()
+
+
+@pytest.mark.parametrize("refused", ["no_room", "in_flight"])
+def test_a_save_the_node_did_not_take_whole_is_planned_again_not_counted(refused: str) -> None:
+    """A block the node had no room for (or another writer's, still in flight) is not on
+    the node: the save is reported unsaved (planned again), never as saved."""
+    result = StoreResult(reserved=0, hit=1, in_flight=0, no_room=0, committed=0, chain=())
+    report = report_of_save(dataclasses.replace(result, **{refused: 1}))
+    assert report.saved == {} and report.unsaved == {"q": False}
+    whole = report_of_save(dataclasses.replace(result, reserved=1, committed=1))
+    assert whole.saved == {("q", 0): 2} and whole.unsaved == {}
