@@ -9,7 +9,8 @@ prints ``@@READY``, then answers one JSON command per stdin line with one
 
 - ``{"prompts": [[ids...], ...], "max_tokens": 8}``: greedy generation;
   answers each prompt's tokens, the logprob of each chosen token and the
-  time to first token, plus the deltas of vLLM's prefix-cache counters
+  time to first token (with ``"prompt_logprobs": true`` also each prompt token's
+  logprob, the first one None), plus the deltas of vLLM's prefix-cache counters
   (``external_hits``: tokens the connector supplied; ``local_hits``) and of
   its preemptions, and of the connector's load counters on vLLM's metrics
   (``kvstore_loaded``, ``kvstore_load_errors``, ``kvstore_load_moved``,
@@ -92,7 +93,11 @@ def generate(llm: Any, command: dict[str, Any]) -> dict[str, Any]:
     from vllm.inputs import TokensPrompt
 
     params = SamplingParams(
-        temperature=0.0, max_tokens=command.get("max_tokens", 8), logprobs=0, ignore_eos=True
+        temperature=0.0,
+        max_tokens=command.get("max_tokens", 8),
+        logprobs=0,
+        ignore_eos=True,
+        prompt_logprobs=0 if command.get("prompt_logprobs") else None,
     )
     before = counters(llm)
     results = []
@@ -119,9 +124,14 @@ def result_of(out: Any, wall: float) -> dict[str, Any]:
     ttft = None
     if metrics is not None and getattr(metrics, "first_token_latency", None):
         ttft = float(metrics.first_token_latency)
+    prompt_logprobs = [
+        None if step is None else float(step[token].logprob)
+        for step, token in zip(out.prompt_logprobs or [], out.prompt_token_ids or [], strict=False)
+    ]
     return {
         "tokens": list(completion.token_ids),
         "logprobs": logprobs,
+        "prompt_logprobs": prompt_logprobs,
         "cached_tokens": int(out.num_cached_tokens or 0),
         "ttft": ttft,
         "wall": wall,

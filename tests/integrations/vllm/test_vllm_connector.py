@@ -89,6 +89,36 @@ def test_same_system_prompt_loads_exactly_its_full_blocks(engines, node) -> None
     assert_nothing_pinned(node)
 
 
+def node_lookups(node: Node) -> int:
+    """Lookups the node answered, over every namespace and tenant."""
+    return sum(int(t.lookups) for ns in node.stats().namespaces for t in ns.tenants)
+
+
+def test_a_request_for_prompt_logprobs_computes_its_prompt_and_pins_nothing(engines, node) -> None:
+    """Prompt logprobs need every prompt token computed (vLLM's
+    ``skip_reading_prefix_cache``): the connector stands aside before the lookup, so
+    nothing is looked up or pinned, every prompt logprob comes back, and they equal
+    those of an engine without the connector."""
+    a, b, ref = engines["a"], engines["b"], engines["ref"]
+    prompt = system(9) + USER_2
+    run(a, system(9) + USER_1)  # the node holds the system prompt
+    b.command(reset_prefix_cache=True)
+    before = node_lookups(node)
+    answer = b.command(prompts=[prompt], max_tokens=8, prompt_logprobs=True)
+    got = answer["results"][0]
+    assert answer["external_hits"] == 0
+    assert node_lookups(node) == before, "the connector looked up (and pinned) for nothing"
+    want = ref.command(prompts=[prompt], max_tokens=8, prompt_logprobs=True)["results"][0]
+    assert len(got["prompt_logprobs"]) == len(prompt) and got["prompt_logprobs"][0] is None
+    pairs = zip(got["prompt_logprobs"][1:], want["prompt_logprobs"][1:], strict=True)
+    diff = max(abs(x - y) for x, y in pairs)
+    assert diff <= 1e-5
+    assert got["tokens"] == want["tokens"]
+    assert_nothing_pinned(node)
+    # The same prompt without prompt logprobs loads the system prompt as usual.
+    assert run(b, prompt)["external_hits"] == SYSTEM_HIT
+
+
 def test_different_system_prompt_gets_no_external_hit(engines, node) -> None:
     a, b, ref = engines["a"], engines["b"], engines["ref"]
     run(a, system(2) + USER_1)
