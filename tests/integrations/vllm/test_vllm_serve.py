@@ -7,7 +7,10 @@ stores it on the node; it is stopped (SIGTERM, as an operator stops it) and a
 second server, whose own prefix cache is empty, must take the system prompt's
 3 full blocks from kvstore (``vllm:external_prefix_cache_hits_total`` on
 ``/metrics`` rises by 96) and answer exactly what the first one answered.
-Two server starts in all (each 30-90 s on a 2-core machine).
+A third server, after one bit of a stored block flipped in the pool, must
+see it (the node runs with full verification, ``verify_checksums = "all"``),
+recompute that block, answer exactly, and count it on ``/metrics``.
+Three server starts in all (each 30-90 s on a 2-core machine).
 """
 
 from __future__ import annotations
@@ -42,6 +45,21 @@ LEASE_TTL = 30.0  # the node's default: what a connector that never closed would
 def start_server(python: str, model: Path, node: Node, log_dir: Path, name: str) -> ServeProcess:
     settings = {"target": node.target, "tenant": "serve", "retry_interval": 1.0}
     return ServeProcess(python, model, log_dir=log_dir, name=name, connector=settings)
+
+
+@pytest.fixture(scope="module")
+def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Node]:
+    """conftest's node, with every local load's bytes checked against their writer's
+    checksum (``verify_checksums = "all"``)."""
+    node = Node(
+        tmp_path_factory.mktemp("node"),
+        namespace_capacity="2MiB",
+        extra_args=("--verify-checksums", "all"),
+    ).start()
+    try:
+        yield node
+    finally:
+        node.stop()
 
 
 @pytest.fixture(scope="module")
@@ -122,4 +140,39 @@ def test_second_server_takes_the_system_prompt_from_kvstore(
     assert hits == SYSTEM_HIT, f"external prefix-cache hits {hits}, expected {SYSTEM_HIT}"
     assert text == first["user_2"]
     assert code is not None, "the second server did not stop on SIGTERM"
+    assert_nothing_pinned(node, within=30.0)
+
+
+def test_a_flipped_bit_is_recomputed_and_counted_on_metrics(
+    vllm_py: str, tiny_model: Path, node: Node, log_dir: Path, first: dict[str, Any]
+) -> None:
+    """One bit of the stored system prompt's second block flips in the pool: a fresh
+    server loads the first block, finds the second is not its writer's bytes, reports it
+    as a load error (vLLM recomputes it), answers exactly, and says so on /metrics."""
+    import numpy as np
+
+    from kvstore.api.wire import layout_from_proto
+    from kvstore.client import SyncClient
+
+    stats = max(node.stats().namespaces, key=lambda n: n.ready)
+    with SyncClient(node.target, tenant="serve", timeout=10.0) as client:
+        ns = client.register_namespace(
+            stats.model_id, layout_from_proto(stats.layout), timeout=10.0
+        )
+        hit = client.lookup(ns, SYSTEM + USER_2, pin=True, timeout=10.0)
+        assert hit.hit_blocks == SYSTEM_HIT // 32
+        hit.numpy_views()[1].reshape(-1).view(np.uint8)[3] ^= 0x40  # an exponent bit
+        client.release(hit, timeout=10.0)
+    server = start_server(vllm_py, tiny_model, node, log_dir, "third")
+    try:
+        server.wait_ready()
+        text = server.complete(SYSTEM + USER_2)
+        failed = server.counter("vllm:kvstore_load_checksum_failed_blocks_total")
+        errors = server.counter("vllm:kvstore_load_error_blocks_total")
+        loaded = server.counter("vllm:kvstore_loaded_blocks_total")
+    finally:
+        server.stop()
+    assert text == first["user_2"]
+    assert failed == 1 and errors == 1 and loaded == SYSTEM_HIT // 32 - 1
+    assert "do not match their writer's checksum" in server.log_path.read_text(errors="replace")
     assert_nothing_pinned(node, within=30.0)
