@@ -3,6 +3,7 @@ and vLLM's own in-process prefix-cache hit (the limit), in one run.
 
     KVSTORE_VLLM_PYTHON=... python -m benchmarks.bench_vllm [--lengths 1024,2048,4096,8192]
         [--layers 6 --hidden 768] [--repeats 3] [--settle 2] [--quick] [--cluster]
+        [--verify-checksums peer|all]
 
 Makes a random Llama offline (float32), starts a cache node and two vLLM
 engines with the kvstore connector (`tests/integrations/vllm/driver.py`):
@@ -57,12 +58,13 @@ def one(engine: Engine, tokens: list[int], *, cold: bool, settle: float = 0.0) -
     return {**answer["results"][0], "external_hits": answer["external_hits"]}
 
 
-def start_node(workdir: Path, redis: RedisServer | None) -> Node:
-    """A node with a 1 GiB namespace; in the cluster on ``redis`` when given."""
+def start_node(workdir: Path, redis: RedisServer | None, verify: str = "peer") -> Node:
+    """A node with a 1 GiB namespace; in the cluster on ``redis`` when given; ``verify``:
+    its ``verify_checksums`` ("all": every local load's bytes are checked too)."""
     workdir.mkdir(parents=True, exist_ok=True)
-    flags: tuple[str, ...] = ()
+    flags: tuple[str, ...] = ("--verify-checksums", verify)
     if redis is not None:
-        flags = (
+        flags += (
             "--redis-url", redis.url, "--node-id", workdir.name, "--cluster-token", "bench",
             "--heartbeat-seconds", "0.5", "--directory-flush-seconds", "0.01",
         )  # fmt: skip
@@ -96,6 +98,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--cluster", action="store_true", help="engines on two nodes sharing a Redis directory"
     )
+    parser.add_argument(
+        "--verify-checksums",
+        choices=("peer", "all"),
+        default="peer",
+        help="the nodes' verify_checksums: 'all' checks every local load's bytes too",
+    )
     args = parser.parse_args(argv)
     if args.quick:
         args.lengths, args.repeats, args.layers, args.hidden = "1024", 1, 2, 256
@@ -110,7 +118,10 @@ def main(argv: list[str] | None = None) -> int:
         kv_heads=max(1, args.hidden // 256), max_positions=max(lengths) + 256,
     )  # fmt: skip
     redis = RedisServer(work / "redis").start() if args.cluster else None
-    nodes = [start_node(work / name, redis) for name in (("host-1", "host-2") if redis else ("n",))]
+    nodes = [
+        start_node(work / name, redis, args.verify_checksums)
+        for name in (("host-1", "host-2") if redis else ("n",))
+    ]
     spec = {"max_model_len": max(lengths) + 256, "max_num_batched_tokens": max(lengths) + 256}
     engines = [
         Engine(python, model, connector={"target": node.target, "tenant": "bench"},
@@ -122,6 +133,7 @@ def main(argv: list[str] | None = None) -> int:
         "block_size": args.block_size,
         "settle_s": args.settle,
         "cluster": args.cluster,
+        "verify_checksums": args.verify_checksums,
         "lengths": {},
     }
     try:
