@@ -1,12 +1,14 @@
 """The package rules of docs/architecture.md, checked on the source tree.
 
-Imports are read from the AST (module level, inside functions and under
-``TYPE_CHECKING`` alike), so a rule broken by a lazy import fails too.
+Every module must also be named on the map there (`_mapped_files` says how the
+map is read). Imports are read from the AST (module level, inside functions and
+under ``TYPE_CHECKING`` alike), so a rule broken by a lazy import fails too.
 """
 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -135,3 +137,48 @@ def test_no_file_over_500_lines() -> None:
         if (n := len(path.read_text().splitlines())) > 500
     }
     assert long == {}
+
+
+MAP = ROOT / "docs" / "architecture.md"
+
+
+def _mapped_files() -> set[str]:
+    """The files the map names, as paths from the repository root.
+
+    The map is the first fenced block after the "## Packages" heading of
+    docs/architecture.md. A line's first column is its text up to the first
+    gap of two or more spaces. A line names something when every word of that
+    column is a file (``*.py``) or when the column is one folder (``name/``);
+    any other line (a description carried over, the proto file) is skipped.
+    Names are relative to the nearest folder line above with less indentation,
+    so ``api/wire.py`` under ``kvstore/`` is ``kvstore/api/wire.py``. A
+    package's ``__init__.py`` is named by its folder's line.
+    """
+    text = MAP.read_text()
+    block = text[text.index("## Packages") :].split("```")[1]
+    folders: list[tuple[int, str]] = []  # (indentation, path), innermost last
+    named: set[str] = set()
+    for line in block.splitlines():
+        stripped = line.lstrip()
+        indent = len(line) - len(stripped)
+        words = re.split(r"\s{2,}", stripped, maxsplit=1)[0].split()
+        is_folder = len(words) == 1 and words[0].endswith("/")
+        if not words or not (is_folder or all(w.endswith(".py") for w in words)):
+            continue
+        while folders and folders[-1][0] >= indent:
+            folders.pop()
+        base = folders[-1][1] if folders else ""
+        if is_folder:
+            folders.append((indent, base + words[0]))
+            named.add(base + words[0] + "__init__.py")
+        else:
+            named.update(base + w for w in words)
+    return named
+
+
+def test_every_module_is_on_the_map() -> None:
+    modules = {str(path.relative_to(ROOT)) for path in _modules().values()}
+    mapped = {m for m in _mapped_files() if not m.startswith("kvstore/v1/")}
+    missing, stale = sorted(modules - mapped), sorted(mapped - modules)
+    assert not missing, f"modules missing from docs/architecture.md: {missing}"
+    assert not stale, f"names on docs/architecture.md's map that are not modules: {stale}"

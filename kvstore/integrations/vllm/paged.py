@@ -19,25 +19,23 @@ order** (`BlockOrder`), part of its model id:
 ``cpu``       ``[layers, kv_heads, 2, block_size, head_dim]``: CPU engines. This is
               the CPU backend's own page, layer after layer, so a load or a save
               is one contiguous copy per block and layer (about half the time of
-              the permuting copy from the canonical order, 9 ms against 17 ms
-              for 8k tokens of a 6-layer model on a 2-core host).
+              the permuting copy from the canonical order).
 
 Copies go through `as_canonical`, a view with the canonical shape whatever
 the order, so every layout pair is handled by the same code; when the
 order matches the backend, that view has the page's own strides and the
-copy runs at memory speed. The conversion is a permutation of the same
-elements: loading what was saved gives back the exact bytes.
+copy runs at memory speed (timings: benchmarks/README.md, `bench_vllm.py`).
+The conversion is a permutation of the same elements: loading what was
+saved gives back the exact bytes.
 
 Loads on the CPU copy each run of adjacent pool slots going to adjacent
-vLLM blocks with one copy per layer (`scatter_runs`: 64 blocks of a 6-layer
-model in 4.2 ms instead of 8.2 ms block by block); otherwise, and for
-saves, each block is copied into its place per layer then per block: on the CPU this reads the
-mapped pool once, with no staging tensor, about twice as fast as stacking
-the blocks and scattering them (16 blocks of 1.2 MB: about 3 ms instead of
-6-8 ms). On a GPU, where each copy is a kernel launch, the blocks are
-stacked once and gathered or scattered per layer instead. Tensors may live
-on any device: with a CUDA pool both sides are device memory and the copies
-stay on the device.
+vLLM blocks with one copy per layer (`scatter_runs`); otherwise, and for
+saves, each block is copied into its place per layer then per block: on the
+CPU this reads the mapped pool once, with no staging tensor, about twice as
+fast as stacking the blocks and scattering them. On a GPU, where each copy
+is a kernel launch, the blocks are stacked once and gathered or scattered
+per layer instead. Tensors may live on any device: with a CUDA pool both
+sides are device memory and the copies stay on the device.
 """
 
 from __future__ import annotations

@@ -1,31 +1,26 @@
 """The scheduler half of the connector: lookups, pins and the per-step plan.
 
-vLLM calls these in the engine-core process, on its scheduler thread, which
-must never wait on the node (`docs/vllm.md`, "Never stalls vLLM"):
+vLLM calls these on its scheduler thread, which never waits on the node
+(`docs/vllm.md`, "Never stalls vLLM"):
 
-1. ``get_num_new_matched_tokens``: the prompt's full blocks are hashed and
-   a Lookup **with pin** per rank starts in the background (``None``, "ask
-   again", while in flight; given up after ``lookup_timeout``). The answer
-   is what the node has beyond vLLM's local hit, at least the last token
-   left to compute; the load is asynchronous.
-2. ``update_state_after_alloc``: vLLM's final count: a load is planned, or
-   the pins released.
-3. ``build_connector_meta``: planned loads go to the workers with the time
-   until which their pins are surely held (`NodeLink.pins_held_until`) and
-   each slot's stamp; newly computed full blocks are planned as saves.
-4. ``update_connector_output``: the workers' report, per (request, rank): a
-   rank's pins are released once *that rank* reported its load, whatever
-   happened to the request meanwhile (it drains); saves advance only on a
-   confirmed commit; a request whose blocks touched a failed load is never
-   saved.
-5. ``request_finished``: last full blocks not yet planned keep the request's
-   blocks (``delay_free``) until the workers copied them out.
-6. ``shutdown`` ends the lease, unless a load is in flight (it then expires
-   by itself, so the pins hold as long as the workers were told).
+1. ``get_num_new_matched_tokens``: a Lookup **with pin** per rank starts in
+   the background; ``None`` ("ask again") while in flight, given up after
+   ``lookup_timeout``. The answer is what the node has beyond vLLM's local
+   hit, leaving at least the last token to compute.
+2. ``update_state_after_alloc``: a load is planned, or the pins released.
+3. ``build_connector_meta``: loads go to the workers with the time their
+   pins are surely held until (`NodeLink.pins_held_until`) and each slot's
+   stamp; newly computed full blocks are planned as saves.
+4. ``update_connector_output``: a rank's pins are released once that rank
+   reported its load; saves advance only on a confirmed commit; a request
+   whose blocks touched a failed load is never saved.
+5. ``request_finished``: unsaved last blocks keep the request's blocks
+   (``delay_free``) until the workers copied them out.
+6. ``shutdown`` ends the lease, unless a load is in flight (it then expires,
+   so the pins hold as long as the workers were told).
 
-A request's phase lives in `request_life` (one state machine); the worker
-proves every load with the slots' stamps, so a bookkeeping slip here costs
-a recompute, never wrong KV.
+A request's phase lives in `request_life`; the worker proves every load
+with the slots' stamps, so a slip here costs a recompute, never wrong KV.
 """
 
 from __future__ import annotations

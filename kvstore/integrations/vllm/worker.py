@@ -2,40 +2,32 @@
 
 Nothing here makes vLLM's forward wait on the node:
 
-- ``register_kv_caches``: the engine's per-layer paged tensors are recognised
-  (`kvstore.integrations.vllm.paged`) and the namespace is registered (the
+- ``register_kv_caches``: vLLM's paged tensors are recognised
+  (`kvstore.integrations.vllm.paged`); the namespace is registered (the
   node's pool mapped) in the background.
-- ``start_load_kv``: each planned load is handed to the load thread, which
-  copies the pinned pool slots into the request's vLLM blocks. vLLM keeps
-  the request waiting (``WAITING_FOR_REMOTE_KVS``) until ``get_finished``
-  reports the load, so no forward ever reads a block that was not loaded.
-  In a step that runs no forward (nothing scheduled: the metadata's
-  ``idle``) and when the pool is mapped as the lookup saw it (nothing to ask
-  the node), the copy runs in ``start_load_kv`` itself instead: no forward
-  waits on that step, the copy does not share the cores and the GIL with
-  the engine's busy loop (for 8k tokens of a 6-layer model, 25-27 ms in the
-  thread against 13-15 ms), and the load is reported at the end of the same
-  step. On the CPU a run of adjacent slots going to adjacent blocks is one
-  copy per layer (`scatter_runs`).
-  A copy counts only if it **finished while the pins were surely held**
-  (`LoadSpec.pins_until`, from the scheduler's lease, checked on this
-  host's monotonic clock after the copy): a stalled engine, a lost lease, a
-  node restart (another pool epoch), a pool that could not be followed or
-  any copy error makes the load fail. Its blocks are then reported through
+- ``start_load_kv``: each planned load is copied from the pinned pool slots
+  into the request's vLLM blocks by the load thread, or in ``start_load_kv``
+  itself in a step that runs no forward (the metadata's ``idle``) when the
+  pool is mapped as the lookup saw it. vLLM holds the request
+  (``WAITING_FOR_REMOTE_KVS``) until ``get_finished`` reports the load. A
+  copy counts only if it finished while the pins were surely held
+  (`LoadSpec.pins_until`, on this host's monotonic clock) and the slots'
+  stamps did not move; otherwise (a stalled engine, a lost lease, another
+  pool epoch, any copy error) the load fails, its blocks are reported by
   ``get_block_ids_with_load_errors`` and vLLM recomputes them.
 - ``wait_for_save`` (after the forward): each planned save copies its new
-  full blocks out of vLLM's cache (one copy, on the forward's thread, so
-  vLLM may free or reuse its blocks at once) and the save thread stores
-  them (Reserve, copy into the pool, Commit; the SDK aborts on any
-  failure). Copied-out blocks waiting for the node are bounded by
-  ``max_pending_save_bytes``; beyond it a save is dropped (a future miss).
+  full blocks out of vLLM's cache on the forward's thread (so vLLM may reuse
+  them at once); the save thread stores them (Reserve, copy, Commit).
+  Bytes waiting for the node are bounded by ``max_pending_save_bytes``;
+  beyond it a save is dropped (a future miss).
 - Every finished load and save is reported to the scheduler side
-  (`KVStoreWorkerReport`): it releases the load's pins and advances a
-  request's saved blocks only on a confirmed commit.
-- **Nothing derived from a failed load is saved.** The blocks of a failed
-  load stay *tainted* until the scheduler has seen the failure
-  (`KVStoreConnectorMetadata.failures_seen`); a save that touches a
-  tainted block is refused and its request is never saved again.
+  (`KVStoreWorkerReport`), which releases pins and advances saves on it.
+- **Nothing derived from a failed load is saved**: its blocks stay tainted
+  until the scheduler has seen the failure
+  (`KVStoreConnectorMetadata.failures_seen`); a save that touches one is
+  refused and its request is never saved again.
+
+The idle-step copy's timings: benchmarks/README.md, `bench_vllm.py`.
 """
 
 from __future__ import annotations
