@@ -34,7 +34,7 @@ from kvstore.results import (
     ReserveResult,
 )
 from kvstore.stamps import GenerationCounter, StampSink, stamp_ident
-from kvstore.types import BlockHash, LeaseId, NamespaceId, SlotId, TenantId
+from kvstore.types import MAX_CHAIN_BLOCKS, BlockHash, LeaseId, NamespaceId, SlotId, TenantId
 
 WRITE_QUARANTINE = 300.0
 """Default seconds a slot taken from an expired writer rests before reuse.
@@ -48,20 +48,12 @@ block by orders of magnitude, and costs only the few slots a dead runner was
 writing (``docs/leases.md``, "Late writers")."""
 
 
-MAX_CHAIN_BLOCKS = 16384
-"""Default longest chain one call may name (256K tokens at block size 16).
-
-The one default: the node's ``max_chain_blocks`` setting (the operator's knob,
-``service/config/schema.py``) starts from it and hands its value to
-`StoreLimits`."""
-
-
 @dataclass(frozen=True, slots=True)
 class StoreLimits:
     """Bounds that keep one client from exhausting the node."""
 
     max_chain_blocks: int = MAX_CHAIN_BLOCKS
-    """Longest chain one call may name."""
+    """Longest chain one call may name (the node passes its ``max_chain_blocks`` setting)."""
     max_pins_per_lease: int = 0
     """Pins one lease may hold at once (0 = unbounded)."""
     max_leases_per_tenant: int = 0

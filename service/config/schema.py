@@ -24,7 +24,7 @@ from dataclasses import dataclass, fields, replace
 from functools import cache
 from pathlib import Path
 
-from kvstore.store import MAX_CHAIN_BLOCKS
+from kvstore.types import MAX_CHAIN_BLOCKS
 from service.config.engines import EngineSource, parse_engine_sources
 from service.config.values import (
     parse_bool,
