@@ -34,7 +34,7 @@ from kvstore.results import (
     ReserveResult,
 )
 from kvstore.stamps import GenerationCounter, StampSink, stamp_ident
-from kvstore.types import BlockHash, LeaseId, NamespaceId, SlotId, TenantId
+from kvstore.types import MAX_CHAIN_BLOCKS, BlockHash, LeaseId, NamespaceId, SlotId, TenantId
 
 WRITE_QUARANTINE = 300.0
 """Default seconds a slot taken from an expired writer rests before reuse.
@@ -52,8 +52,8 @@ writing (``docs/leases.md``, "Late writers")."""
 class StoreLimits:
     """Bounds that keep one client from exhausting the node."""
 
-    max_chain_blocks: int = 65536
-    """Longest chain one call may name (1M tokens at block size 16)."""
+    max_chain_blocks: int = MAX_CHAIN_BLOCKS
+    """Longest chain one call may name (the node passes its ``max_chain_blocks`` setting)."""
     max_pins_per_lease: int = 0
     """Pins one lease may hold at once (0 = unbounded)."""
     max_leases_per_tenant: int = 0

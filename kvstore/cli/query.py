@@ -17,6 +17,7 @@ from typing import Annotated, Any
 import typer
 
 from kvstore.api import wire
+from kvstore.api.prefix import PrefixAnswer
 from kvstore.cli.common import (
     DEFAULT_TARGET,
     Json,
@@ -108,52 +109,27 @@ def query(
         request.packed_hashes = b"".join(parse_hashes(read_text(hashes_file)))
     with connect(target, timeout, token) as node:
         resp = node.stub.QueryPrefix(request, timeout=timeout, metadata=node.metadata)
-    doc = answer_json(resp)
+    answer = PrefixAnswer.from_proto(resp)
     if json:
-        print_json(doc)
+        print_json(answer.to_json())
         return
     t = table(
-        f"{doc['model']} ({doc['namespace_id']}), tenant {doc['tenant_id']}: "
-        f"{doc['query_blocks']} blocks of {doc['block_size']} tokens, from the {doc['source']}"
+        f"{answer.model} ({answer.namespace_id}), tenant {answer.tenant_id}: "
+        f"{answer.query_blocks} blocks of {answer.block_size} tokens, from the {answer.source}"
     )
     for header, number in (
         ("node", False), ("address", False), ("tier", False), ("engine", False),
         ("blocks", True), ("tokens", True),
     ):  # fmt: skip
         column(t, header, number=number)
-    for h in doc["holders"]:
+    for h in answer.holders:
         t.add_row(
-            h["node_id"], h["address"] or "-", h["tier"], h["engine"] or "-",
-            str(h["matched_blocks"]), str(h["matched_tokens"]),
+            h.node_id, h.address or "-", h.tier, h.engine or "-",
+            str(h.matched_blocks), str(h.matched_tokens),
         )  # fmt: skip
     console.print(t)
-    if not doc["holders"]:
+    if not answer.holders:
         console.print("nobody holds the first block of this prompt")
-
-
-def answer_json(resp: pb.QueryPrefixResponse) -> dict[str, Any]:
-    """The ``--json`` document: the fields of the HTTP ``POST /query`` answer."""
-    return {
-        "model": resp.model,
-        "namespace_id": resp.namespace_id,
-        "tenant_id": resp.tenant_id,
-        "block_size": resp.block_size,
-        "query_blocks": resp.query_blocks,
-        "query_tokens": resp.query_tokens,
-        "longest_matched": resp.longest_matched,
-        "source": resp.source,
-        "holders": [
-            {
-                "node_id": h.node_id,
-                "address": h.address,
-                "tier": h.tier,
-                "engine": h.engine,
-                "matched_blocks": h.matched_blocks,
-                "matched_tokens": h.matched_tokens,
-            }
-            for h in resp.holders
-        ],
-    }
 
 
 __all__ = ["query"]

@@ -265,7 +265,7 @@ class Client(PrefixQueries):
                     continue
                 raise
             hit = hit_from_proto(ns, resp, generation, lease_id)
-            hit.release_id = req.release_id
+            hit.release.release_id = req.release_id
             if "query_tokens" in fields:  # hashed here: the chain a tokens lookup answers
                 hit.packed_chain = fields["packed_hashes"]
             changed = self._session.observe_epoch(resp.pool_epoch)
@@ -383,13 +383,13 @@ class Client(PrefixQueries):
             Pins the node released.
         """
         if not hit.pinned or not hit.hit_blocks:
-            hit.released = True
+            hit.release.settle()  # nothing to release; no views either
             return 0
-        if hit.release_answered:
+        if hit.release.answered:
             return 0  # the node dropped this hit's pins already
-        hit.released = True  # no new views from here on, whatever happens next
+        hit.release.begin()  # no new views from here on, whatever happens next
         if hit.lease_generation != self._lease.generation:
-            hit.release_answered = True
+            hit.release.settle()
             return 0  # that lease is gone, and its pins with it
         reads_done = hit.mapping.read_fence(streams) if hit.mapping is not None else None
         if reads_done is not None:
@@ -422,12 +422,12 @@ class Client(PrefixQueries):
                 namespace_id=hit.namespace.id, lease_id=hit.lease_id, packed_hashes=hit.hit_hashes
             )
             resp = await self._rpc.call("Release", req, timeout, idempotent=False)
-            hit.release_answered = True
+            hit.release.settle()
             return int(resp.released)
         count = await self._releases.release(
             hit.namespace.id, hit.lease_id, hit.hit_hashes, hit.release_id, timeout
         )
-        hit.release_answered = True
+        hit.release.settle()
         return count
 
     # --- writes and data ----------------------------------------------------------------

@@ -27,6 +27,7 @@ from kvstore.api.wire import unpack_hashes
 from kvstore.checksum import mismatches
 from kvstore.client.blocks import slot_runs
 from kvstore.client.errors import BlocksMoved, PoolEpochChanged
+from kvstore.client.hit_release import HitRelease
 from kvstore.errors import FailedPrecondition, InvalidArgument
 from kvstore.hashing import Extra, HashScheme, Tokens, hash_blocks
 from kvstore.layout import KVLayout, NamespaceSpec
@@ -183,16 +184,8 @@ class Hit:
     lease_id: LeaseId | None = None
     """The lease that holds the pins (None when not pinned): released under it, never
     under a lease that replaced it."""
-    released: bool = False
-    """True once `Client.release` was called (or the pins were lost with the lease):
-    no views from then on, since the node may have dropped the pins."""
-    release_id: int = 0
-    """The id that names this hit's pins, chosen by `Client.lookup` and sent with the
-    pinned Lookup (``LookupRequest.release_id``; 0 when not pinned): every release
-    attempt sends it, so the node drops exactly the pins that lookup took, once,
-    however often and however late the release is sent."""
-    release_answered: bool = False
-    """True once the node answered this hit's release (a further release sends nothing)."""
+    release: HitRelease = field(default_factory=HitRelease, repr=False)
+    """The release of its pins: its id and where it is (moved by `Client.release`)."""
     pool_version: int = 0
     """The pool's arena set when the node answered (another process reading the
     slots maps at least this version first: `Client.follow_pool`)."""
@@ -227,6 +220,17 @@ class Hit:
         hit._blocks = blocks
         hit._chain = tuple(chain)
         return hit
+
+    @property
+    def released(self) -> bool:
+        """True once `Client.release` was called: no views from then on, since the
+        node may have dropped the pins."""
+        return self.release.released
+
+    @property
+    def release_id(self) -> int:
+        """The id that names this hit's pins (`HitRelease.release_id`)."""
+        return self.release.release_id
 
     @property
     def hit_blocks(self) -> int:

@@ -7,52 +7,13 @@ A query is no hit: the node pins nothing, refreshes no LRU and counts no hit
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 from kvstore.api import wire
+from kvstore.api.prefix import PrefixAnswer, PrefixHolder
 from kvstore.client.rpc import Rpc
 from kvstore.v1 import kvstore_pb2 as pb
 
 __all__ = ["PrefixAnswer", "PrefixHolder", "PrefixQueries", "query_prefix"]
-
-
-@dataclass(frozen=True, slots=True)
-class PrefixHolder:
-    """A node's pool, or an engine on a node, that holds a prefix of the query."""
-
-    node_id: str
-    """The node (an engine's node for an engine)."""
-    address: str
-    """The node's gRPC address ("" when it advertises none)."""
-    tier: str
-    """``"kvstore"`` for the node's pool, else the engine's medium (``"GPU"``, ...)."""
-    engine: str
-    """The engine's name; "" for the node's pool."""
-    matched_blocks: int
-    """Leading blocks of the query it holds."""
-    matched_tokens: int
-    """``matched_blocks * block_size``."""
-
-
-@dataclass(frozen=True, slots=True)
-class PrefixAnswer:
-    """Who holds the longest prefix of a prompt."""
-
-    namespace_id: str
-    model: str
-    tenant_id: str
-    """The tenant whose blocks were asked about."""
-    block_size: int
-    query_blocks: int
-    """Full blocks in the query."""
-    query_tokens: int
-    """Tokens sent (for hashes: the full blocks' tokens)."""
-    longest_matched: int
-    """The most tokens any holder matched (0: nobody holds the first block)."""
-    source: str
-    """``"directory"`` (the cluster, from Redis) or ``"local"`` (the asked node alone)."""
-    holders: tuple[PrefixHolder, ...]
-    """Longest first."""
 
 
 async def query_prefix(
@@ -83,27 +44,7 @@ async def query_prefix(
     else:
         request.packed_hashes = wire.pack_hashes(hashes or ())
     resp = await rpc.call("QueryPrefix", request, timeout, idempotent=True)
-    return PrefixAnswer(
-        namespace_id=resp.namespace_id,
-        model=resp.model,
-        tenant_id=resp.tenant_id,
-        block_size=resp.block_size,
-        query_blocks=resp.query_blocks,
-        query_tokens=resp.query_tokens,
-        longest_matched=resp.longest_matched,
-        source=resp.source,
-        holders=tuple(
-            PrefixHolder(
-                node_id=h.node_id,
-                address=h.address,
-                tier=h.tier,
-                engine=h.engine,
-                matched_blocks=h.matched_blocks,
-                matched_tokens=h.matched_tokens,
-            )
-            for h in resp.holders
-        ),
-    )
+    return PrefixAnswer.from_proto(resp)
 
 
 class PrefixQueries:

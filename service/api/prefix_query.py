@@ -26,9 +26,17 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Protocol
 
+from kvstore.api.prefix import (
+    ENGINE_TIER,
+    NODE_TIER,
+    SOURCE_DIRECTORY,
+    SOURCE_LOCAL,
+    PrefixAnswer,
+    PrefixHolder,
+)
 from kvstore.block_table import BlockTable
 from kvstore.errors import InvalidArgument, PermissionDenied, UnknownNamespace
 from kvstore.types import BlockHash, NamespaceId, TenantId
@@ -40,18 +48,6 @@ from service.node import Node
 from service.tenancy.callers import TENANT_HEADER, Caller
 
 log = logging.getLogger(__name__)
-
-NODE_TIER = "kvstore"
-"""The tier of a node's own pool (an engine's tier is its medium, e.g. "GPU")."""
-
-ENGINE_TIER = "engine"
-"""The tier of an engine that published no medium."""
-
-SOURCE_DIRECTORY = "directory"
-"""The answer came from the Redis directory: every live node and engine."""
-
-SOURCE_LOCAL = "local"
-"""The answer came from this node alone (standalone, or Redis away)."""
 
 _FIELD_NAMES = {
     "tokens": "token_ids",
@@ -87,47 +83,6 @@ class PrefixQuery:
     """``hashes`` were unpacked from packed bytes: 32 bytes each and bounded already."""
     extras: Sequence[bytes] = ()
     """Per-block extra hash input (tokens only)."""
-
-
-@dataclass(frozen=True, slots=True)
-class Holder:
-    """One holder of a prefix of the query."""
-
-    node_id: str
-    """The node (an engine's node for an engine)."""
-    address: str
-    """The node's gRPC address ("" when it advertises none)."""
-    tier: str
-    """`NODE_TIER` for the node's pool, else the engine's medium."""
-    engine: str
-    """The engine's name; "" for the node's pool."""
-    matched_blocks: int
-    """Leading blocks of the query it holds."""
-    matched_tokens: int
-    """``matched_blocks * block_size``."""
-
-
-@dataclass(frozen=True, slots=True)
-class PrefixAnswer:
-    """The answer to one query."""
-
-    namespace_id: str
-    model: str
-    tenant_id: str
-    block_size: int
-    query_blocks: int
-    """Full blocks in the query."""
-    query_tokens: int
-    """Tokens sent (for hashes: the full blocks' tokens)."""
-    source: str
-    """`SOURCE_DIRECTORY` or `SOURCE_LOCAL`."""
-    holders: list[Holder] = field(default_factory=list)
-    """Longest first."""
-
-    @property
-    def longest_matched(self) -> int:
-        """The most tokens any holder matched (Mooncake Conductor's ``longest_matched``)."""
-        return max((h.matched_tokens for h in self.holders), default=0)
 
 
 def query_tenant(node: Node, caller: Caller, named: str) -> TenantId:
@@ -237,8 +192,8 @@ async def answer(node: Node, caller: Caller, query: PrefixQuery) -> PrefixAnswer
     if found is None:
         found, source = _from_node(node, table.namespace, tenant, scope, chain), SOURCE_LOCAL
     size = table.block_size
-    holders = [
-        Holder(
+    holders = tuple(
+        PrefixHolder(
             node_id=h.node_id,
             address=h.address,
             tier=(h.medium or ENGINE_TIER) if h.engine else NODE_TIER,
@@ -247,7 +202,7 @@ async def answer(node: Node, caller: Caller, query: PrefixQuery) -> PrefixAnswer
             matched_tokens=h.blocks * size,
         )
         for h in found
-    ]
+    )
     return PrefixAnswer(
         namespace_id=table.namespace,
         model=table.spec.model_id,

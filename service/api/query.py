@@ -11,7 +11,7 @@ from kvstore.v1 import kvstore_pb2 as pb
 from service.api import chains
 from service.api.base import ServicerBase
 from service.api.errors import FieldError, guard_unary
-from service.api.prefix_query import PrefixAnswer, PrefixQuery, answer
+from service.api.prefix_query import PrefixQuery, answer
 
 
 def query_from_proto(request: pb.QueryPrefixRequest, max_blocks: int) -> PrefixQuery:
@@ -56,31 +56,6 @@ def _unpack(fn: Any, packed: bytes, field: str) -> Any:
         raise FieldError(field, str(exc).removeprefix(f"{field} ")) from None
 
 
-def answer_to_proto(result: PrefixAnswer) -> pb.QueryPrefixResponse:
-    """The wire form of an answer."""
-    return pb.QueryPrefixResponse(
-        namespace_id=result.namespace_id,
-        model=result.model,
-        tenant_id=result.tenant_id,
-        block_size=result.block_size,
-        query_blocks=result.query_blocks,
-        query_tokens=result.query_tokens,
-        longest_matched=result.longest_matched,
-        source=result.source,
-        holders=[
-            pb.PrefixHolder(
-                node_id=h.node_id,
-                address=h.address,
-                tier=h.tier,
-                engine=h.engine,
-                matched_blocks=h.matched_blocks,
-                matched_tokens=h.matched_tokens,
-            )
-            for h in result.holders
-        ],
-    )
-
-
 class QueryRpcs(ServicerBase):
     """The routers' RPC of the KVStore service."""
 
@@ -92,4 +67,4 @@ class QueryRpcs(ServicerBase):
         node = self.node
         caller = node.caller(context)
         query = query_from_proto(request, node.config.max_chain_blocks)
-        return answer_to_proto(await answer(node, caller, query))
+        return (await answer(node, caller, query)).to_proto()

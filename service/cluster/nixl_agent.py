@@ -29,6 +29,7 @@ mode, since the loop and these threads call it.
 
 from __future__ import annotations
 
+import enum
 import logging
 import threading
 import time
@@ -84,48 +85,91 @@ def buffer_address(view: memoryview) -> int:
     return int(np.frombuffer(view, dtype=np.uint8).ctypes.data)
 
 
+class XferState(enum.Enum):
+    """Where one NIXL READ is; NIXL's own strings are the values.
+
+    ``NEW`` --post--> ``PROC`` --poll--> ``DONE`` | ``ERR``; a post may end it
+    at once (``DONE`` | ``ERR``). ``DONE`` and ``ERR`` are final: `Transfer`
+    moves through `advance`, which refuses anything else.
+    """
+
+    NEW = "NEW"
+    """Made, not posted."""
+    PROC = "PROC"
+    """Posted, in flight: its bytes may still land."""
+    DONE = "DONE"
+    """Every byte landed."""
+    ERR = "ERR"
+    """Failed (posting, polling, or a peer that went away)."""
+
+    @classmethod
+    def of_nixl(cls, state: str) -> XferState:
+        """NIXL's answer of ``transfer`` / ``check_xfer_state``; anything else is a failure."""
+        try:
+            return cls(state)
+        except ValueError:
+            log.info("NIXL answered an unknown transfer state %r: a failure", state)
+            return cls.ERR
+
+    def advance(self, to: XferState) -> XferState:
+        """``to``, when this state may move there (or stay); else a `RuntimeError` (a bug)."""
+        if to is self or to in _MOVES[self]:
+            return to
+        raise RuntimeError(f"bug: a NIXL transfer cannot move from {self.name} to {to.name}")
+
+
+_MOVES: dict[XferState, frozenset[XferState]] = {
+    XferState.NEW: frozenset({XferState.PROC, XferState.DONE, XferState.ERR}),
+    XferState.PROC: frozenset({XferState.DONE, XferState.ERR}),
+    XferState.DONE: frozenset(),
+    XferState.ERR: frozenset(),
+}
+"""The moves `XferState.advance` allows."""
+
+
 class Transfer:
     """One NIXL READ: `wait` posts it and polls it, `release` frees (or aborts) it."""
 
     def __init__(self, agent: Any, handle: Any) -> None:
         self._agent = agent
         self._handle = handle
-        self._state = "NEW"
+        self._state = XferState.NEW
         self.released = False
 
-    def state(self) -> str:
-        """``"NEW"`` (not posted), ``"PROC"`` (in flight), ``"DONE"`` or ``"ERR"``; never blocks.
+    def state(self) -> XferState:
+        """Its state now, asking NIXL while it is in flight; never blocks.
 
         NIXL reports some failures by raising (a peer that disconnected):
-        they are ``"ERR"`` here, never an exception.
+        they are ``ERR`` here, never an exception.
         """
-        if self._state != "PROC":
+        if self._state is not XferState.PROC:
             return self._state
         try:
-            state: str = self._agent.check_xfer_state(self._handle)
+            state = XferState.of_nixl(self._agent.check_xfer_state(self._handle))
         except Exception as exc:  # nixl raises e.g. nixlRemoteDisconnectError: a failure
             log.info("NIXL READ failed: %s", exc)
-            state = "ERR"
-        if state != "PROC":
-            self._state = state
+            state = XferState.ERR
+        self._state = self._state.advance(state)
         return state
 
-    def wait(self, deadline: float, stop: threading.Event) -> str:
+    def wait(self, deadline: float, stop: threading.Event) -> XferState:
         """Post, then poll until the transfer ends, ``deadline`` (monotonic) or ``stop``.
 
         Blocking: runs in a worker thread (posting alone copies much of the
         bytes over shared memory: 30 ms for 128 MiB here). Returns the end
-        state, or ``"PROC"`` when it gave up with the transfer in flight.
+        state, ``PROC`` when it gave up with the transfer in flight, or
+        ``NEW`` when ``stop`` was set before it posted anything.
         """
-        if self._state == "NEW" and not stop.is_set():
+        if self._state is XferState.NEW and not stop.is_set():
             try:
-                self._state = self._agent.transfer(self._handle)
+                posted = XferState.of_nixl(self._agent.transfer(self._handle))
             except Exception as exc:  # e.g. the peer is gone: a failure, nothing in flight
                 log.info("NIXL did not post a READ: %s", exc)
-                self._state = "ERR"
+                posted = XferState.ERR
+            self._state = self._state.advance(posted)
         while not stop.is_set():
             state = self.state()
-            if state != "PROC" or time.monotonic() >= deadline:
+            if state is not XferState.PROC or time.monotonic() >= deadline:
                 return state
             time.sleep(POLL_SECONDS)
         return self.state()

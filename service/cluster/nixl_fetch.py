@@ -21,8 +21,9 @@ Any failure (an error state, the deadline, the caller's cancellation) aborts
 the reservation: a miss, never wrong KV. A transfer that is still in flight
 when the fetch gives up is aborted, and its slots stay reserved
 (quarantined) until it surely wrote its last byte, so no reused slot is
-ever overwritten by a late write. `pull` answers None when NIXL is not
-offered or failed: the caller then streams the blocks over gRPC.
+ever overwritten by a late write. `pull` answers `Pulled`: the blocks
+committed, or `FALLBACK` when NIXL is not offered or failed (the caller then
+streams the blocks over gRPC).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ import logging
 import threading
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
@@ -43,7 +45,7 @@ from kvstore.v1 import kvstore_pb2 as pb
 from service.cluster.directory import Holder
 from service.cluster.fetch_lease import close_fetch_lease, open_fetch_lease, reserve_missing
 from service.cluster.local import LocalNode
-from service.cluster.nixl_agent import MEM_TYPE, NixlAgent, Place, Transfer
+from service.cluster.nixl_agent import MEM_TYPE, NixlAgent, Place, Transfer, XferState
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +60,23 @@ QUARANTINE_SECONDS = 1.0
 
 END_OFFER_TIMEOUT = 2.0
 """Seconds an EndOffer may take (the holder's hold drops the pins anyway)."""
+
+WORKER_STOP_SECONDS = 1.0
+"""Seconds a READ's waiter gets to stop once told to (it stops within one poll)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Pulled:
+    """What one NIXL pull came to: blocks committed, or a fallback to the gRPC stream."""
+
+    blocks: int
+    """Blocks committed (0: the peer no longer holds them, or they changed meanwhile)."""
+    fallback: bool = False
+    """NIXL was not offered or failed: nothing committed; stream the blocks over gRPC."""
+
+
+FALLBACK = Pulled(0, fallback=True)
+"""NIXL was not offered or failed: the caller streams the blocks over gRPC."""
 
 
 class NixlPuller:
@@ -84,11 +103,11 @@ class NixlPuller:
         tenant: TenantId,
         target: list[BlockHash],
         have: int,
-    ) -> int | None:
-        """Copy ``target[have:]`` from ``holder``; blocks committed, or None: use gRPC."""
+    ) -> Pulled:
+        """Copy ``target[have:]`` from ``holder``: the blocks committed, or `FALLBACK`."""
         address = holder.address
         if self._refused.get(address, 0.0) > time.monotonic():
-            return None
+            return FALLBACK
         known = self._agents.get(address, "")
         request = pb.OfferBlocksRequest(
             namespace_id=namespace,
@@ -107,9 +126,9 @@ class NixlPuller:
             if code in (grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.FAILED_PRECONDITION):
                 self._refused[address] = time.monotonic() + REFUSAL_SECONDS
             log.info("peer %s made no NIXL offer (%s): gRPC stream", holder.node_id, code)
-            return None
+            return FALLBACK
         if not offer.offer_id:
-            return 0  # the peer no longer holds the chain
+            return Pulled(0)  # the peer no longer holds the chain
         ended = False
 
         async def end_offer() -> int:
@@ -132,8 +151,8 @@ class NixlPuller:
         target: list[BlockHash],
         have: int,
         end_offer: Callable[[], Awaitable[int]],
-    ) -> int | None:
-        """Check the offer, reserve, READ, end the offer, commit; None when NIXL failed."""
+    ) -> Pulled:
+        """Check the offer, reserve, READ, end the offer, commit; `FALLBACK` when NIXL failed."""
         address = holder.address
         loop = asyncio.get_running_loop()
         deadline = loop.time() + offer.hold_ms / 1000 - HOLD_SAFETY_SECONDS
@@ -148,12 +167,12 @@ class NixlPuller:
             or any(b.length != block_bytes for b in blocks)
         ):
             log.warning("peer at %s made a malformed NIXL offer: gRPC stream", address)
-            return None
+            return FALLBACK
         try:
             self._load(address, offer)
         except Exception as exc:  # nixl's own errors, or a name mismatch
             log.warning("NIXL metadata of the peer at %s did not load (%s)", address, exc)
-            return None
+            return FALLBACK
         chain = target[: have + len(blocks)]
         await node.make_room(node.table(namespace), tenant, chain)  # the peer answered
         lease_id = open_fetch_lease(node, tenant)
@@ -171,22 +190,22 @@ class NixlPuller:
                 slot = store.writing_slot(namespace, tenant, lease_id, block_hash, node.now())
                 place = self.agent.slot_address(namespace, pool, slot)
                 if place is None:
-                    return None  # our arena is not registered (yet)
+                    return FALLBACK  # our arena is not registered (yet)
                 local.append(place)
                 remote.append(Place(block.arena, block.address))
                 hashes.append(block_hash)
                 slots.append(slot)
             if not hashes:
-                return 0
+                return Pulled(0)
             try:
                 transfer = self.agent.read(offer.agent_name, local, remote, block_bytes)
             except Exception as exc:  # nixl's own errors: e.g. an address it does not know
                 log.warning("NIXL refused a READ from %s (%s): gRPC stream", address, exc)
-                return None
-            state = await _wait(transfer, deadline)
-            if state != "DONE":
-                log.info("NIXL READ from %s ended %s: gRPC stream", address, state)
-                return None
+                return FALLBACK
+            state = await wait_read(transfer, deadline)
+            if state is not XferState.DONE:
+                log.info("NIXL READ from %s ended %s: gRPC stream", address, state.name)
+                return FALLBACK
             transfer.release()
             # Only blocks the holder still had as offered when the READ was
             # over were read whole; the rest may be anything: not committed.
@@ -203,12 +222,12 @@ class NixlPuller:
             if len(good) < len(hashes):
                 log.info("%d of %d blocks from %s changed meanwhile: dropped",
                          len(hashes) - len(good), len(hashes), address)  # fmt: skip
-            return len(good)
+            return Pulled(len(good))
         except KVStoreError as exc:
             log.info("NIXL fetch in %s gave up: %s", namespace, exc)
-            return 0
+            return Pulled(0)
         finally:
-            if transfer is not None and transfer.state() == "PROC":
+            if transfer is not None and transfer.state() is XferState.PROC:
                 self.quarantined += 1
                 self._spawn(self._quarantine(transfer, tenant, lease_id))
             else:
@@ -268,7 +287,7 @@ class NixlPuller:
             while not transfer.release():  # NIXL could not abort it: wait for its end
                 with contextlib.suppress(KVStoreError):
                     node.store.renew_lease(lease_id, tenant, node.now())
-                while transfer.state() == "PROC":
+                while transfer.state() is XferState.PROC:
                     await asyncio.sleep(0.1)
                     with contextlib.suppress(KVStoreError):
                         node.store.renew_lease(lease_id, tenant, node.now())
@@ -307,29 +326,43 @@ class NixlPuller:
         self._agents.clear()
 
 
-async def _wait(transfer: Transfer, deadline: float) -> str:
+async def wait_read(transfer: Transfer, deadline: float) -> XferState:
     """Wait for a transfer in a worker thread (the loop's timers are too coarse to poll it).
 
-    Returns its end state, or "PROC" at ``deadline`` (loop time). However
-    this ends (cancellation too), the worker has stopped touching the
-    transfer when it returns, so the caller may release it.
+    Returns its end state, ``PROC`` at ``deadline`` (loop time), or ``NEW``
+    when it was never posted. However this ends (cancellation too), the
+    worker has stopped touching the transfer when it returns (within
+    `WORKER_STOP_SECONDS`), so the caller may release it; the loop is never
+    blocked meanwhile.
     """
     loop = asyncio.get_running_loop()
     until = time.monotonic() + (deadline - loop.time())
-    stop, started, finished = threading.Event(), threading.Event(), threading.Event()
-
-    def run() -> str:
-        started.set()
-        try:
-            # Checked after `started` is set: a waiter cancelled before this
-            # saw `started` unset, so it set `stop` first and nothing runs here.
-            return "STOPPED" if stop.is_set() else transfer.wait(until, stop)
-        finally:
-            finished.set()
-
+    stop = threading.Event()
+    # Shielded: a cancelled wait leaves the worker running until it has seen
+    # `stop` (a worker that starts after `stop` was set posts nothing).
+    worker = asyncio.ensure_future(asyncio.to_thread(transfer.wait, until, stop))
     try:
-        return await asyncio.to_thread(run)
+        return await asyncio.shield(worker)
     finally:
         stop.set()
-        if started.is_set():
-            finished.wait(1.0)  # returns within one poll (POLL_SECONDS)
+        await _stopped(worker)
+
+
+async def _stopped(worker: asyncio.Future[XferState]) -> None:
+    """Await the end of ``worker`` (at most `WORKER_STOP_SECONDS`) without blocking the loop.
+
+    A cancellation that comes meanwhile is held until then and raised after:
+    the caller releases the transfer next, which must not race the worker.
+    """
+    loop = asyncio.get_running_loop()
+    until = loop.time() + WORKER_STOP_SECONDS
+    cancelled = False
+    while not worker.done() and loop.time() < until:
+        try:
+            await asyncio.wait([worker], timeout=until - loop.time())
+        except asyncio.CancelledError:
+            cancelled = True
+    if not worker.done():
+        log.warning("a NIXL READ's waiter did not stop within %g s", WORKER_STOP_SECONDS)
+    if cancelled:
+        raise asyncio.CancelledError

@@ -150,14 +150,14 @@ class PeerFetcher:
             target = chain[: holder.blocks]
             if self._nixl is not None:
                 stub = self._stub(holder.address)
-                got = await self._nixl.pull(
+                pulled = await self._nixl.pull(
                     stub, self._metadata, holder, namespace, tenant, target, have
                 )
-                if got is not None:  # NIXL answered: blocks, or the peer holds none
-                    if got:
-                        self.fetched_blocks += got
+                if not pulled.fallback:  # NIXL answered: blocks, or the peer holds none
+                    if pulled.blocks:
+                        self.fetched_blocks += pulled.blocks
                         self.fetches["nixl"] += 1
-                        return got
+                        return pulled.blocks
                     continue
             got = await self._copy(holder, namespace, tenant, target, have)
             if got:

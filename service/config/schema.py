@@ -24,6 +24,7 @@ from dataclasses import dataclass, fields, replace
 from functools import cache
 from pathlib import Path
 
+from kvstore.types import MAX_CHAIN_BLOCKS
 from service.config.engines import EngineSource, parse_engine_sources
 from service.config.values import (
     parse_bool,
@@ -103,7 +104,7 @@ class Config:
     """Largest gRPC message the server sends or receives (a WriteBlocks message holds a block)."""
     max_request_bytes: int = 2 << 20
     """Largest request of a call other than WriteBlocks; over it is INVALID_ARGUMENT."""
-    max_chain_blocks: int = 16384
+    max_chain_blocks: int = MAX_CHAIN_BLOCKS
     """Most blocks one request may name; over it is INVALID_ARGUMENT (docs/api.md, Limits)."""
     max_request_tokens: int = 262144
     """Most tokens one Lookup or Reserve may send (also at most max_chain_blocks x block_size)."""

@@ -29,9 +29,10 @@ import json
 from collections.abc import Callable
 from typing import Any
 
+from kvstore.api.prefix import PrefixAnswer
 from kvstore.errors import InvalidArgument, KVStoreError, NotFound, PermissionDenied
 from service.api.errors import FieldError, Unauthenticated, shorten
-from service.api.prefix_query import PrefixAnswer, PrefixQuery, answer
+from service.api.prefix_query import PrefixQuery, answer
 from service.node import Node
 
 BODY_BYTES_PER_REQUEST_BYTE = 4
@@ -139,28 +140,7 @@ def answer_json(result: PrefixAnswer) -> dict[str, Any]:
         )
         entry["longest_matched"] = max(entry["longest_matched"], h.matched_tokens)
         entry[h.tier] = max(entry.get(h.tier, 0), h.matched_tokens)
-    return {
-        "model": result.model,
-        "namespace_id": result.namespace_id,
-        "tenant_id": result.tenant_id,
-        "block_size": result.block_size,
-        "query_blocks": result.query_blocks,
-        "query_tokens": result.query_tokens,
-        "longest_matched": result.longest_matched,
-        "source": result.source,
-        "holders": [
-            {
-                "node_id": h.node_id,
-                "address": h.address,
-                "tier": h.tier,
-                "engine": h.engine,
-                "matched_blocks": h.matched_blocks,
-                "matched_tokens": h.matched_tokens,
-            }
-            for h in result.holders
-        ],
-        "instances": instances,
-    }
+    return {**result.to_json(), "instances": instances}
 
 
 def read_body(environ: dict[str, Any], limit: int) -> bytes:

@@ -231,8 +231,10 @@ def test_copy_into_refuses_wrong_targets_and_released_hits(
         hit.copy_into(frozen)
     with pytest.raises(InvalidArgument, match="contiguous"):
         hit.copy_into(np.zeros((2 * BB, 2), dtype=np.uint8)[:, 0])
+    released = _hit(mapping, [0, 1])
+    released.release.begin()
     with pytest.raises(FailedPrecondition):
-        _hit(mapping, [0, 1], released=True).copy_into(np.zeros(2 * BB, dtype=np.uint8))
+        released.copy_into(np.zeros(2 * BB, dtype=np.uint8))
 
 
 def test_long_runs_are_copied_in_chunks_with_a_lease_check_each(

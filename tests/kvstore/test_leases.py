@@ -87,7 +87,8 @@ def test_a_lease_is_invisible_to_other_tenants(store: Store) -> None:
 def test_expiry_cost_is_proportional_to_what_the_lease_owns() -> None:
     # 20,000 READY blocks held by nobody and 1 expiring lease with 1 pin: the
     # sweep must not visit the blocks. Count the LRU operations it causes.
-    store = Store()
+    # One chain of 20,000 blocks: over the default MAX_CHAIN_BLOCKS.
+    store = Store(StoreLimits(max_chain_blocks=20_000))
     store.register_namespace(SPEC, capacity=20_001)
     filler = Runner(store, 1)
     tokens = list(range(20_000 * 4))
