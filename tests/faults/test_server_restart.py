@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks._server import ServerProcess
-from tests.e2e.conftest import LiveRunner, node_stats, wait_for_stats
+from tests.e2e.processes import LiveRunner, node_stats, wait_for_stats
 from tests.e2e.workload import BLOCK_SIZE, system_prompt, user_prompt
 from tests.redis.server import free_port
 

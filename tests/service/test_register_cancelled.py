@@ -15,7 +15,7 @@ import grpc
 import pytest
 
 from kvstore.v1 import kvstore_pb2 as pb
-from tests.service.conftest import LAYOUT
+from tests.inproc import LAYOUT
 
 
 async def test_register_again_after_a_cancelled_register(stub, kv_server):
