@@ -15,7 +15,7 @@ import pytest
 
 from service.config import Config
 from service.server import Server
-from tests.service.conftest import ManualClock, clock, server_config  # noqa: F401
+from tests.inproc import ManualClock
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 
@@ -28,7 +28,7 @@ def readme_example() -> str:
 
 
 @pytest.fixture
-async def node(server_config: Config, clock: ManualClock) -> AsyncIterator[Server]:  # noqa: F811
+async def node(server_config: Config, clock: ManualClock) -> AsyncIterator[Server]:
     # The example's blocks are 32 KiB: give it room beyond the tiny test default.
     config = dataclasses.replace(
         server_config,

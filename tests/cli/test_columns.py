@@ -11,8 +11,9 @@ import re
 import pytest
 
 from tests.cli.conftest import kvstore, start_node, stop_node
-from tests.cli.test_docs import documented_node_fields
-from tests.redis.server import REDIS_SERVER, RedisServer, wait_until
+from tests.cli.docs import documented_node_fields
+from tests.redis.server import REDIS_SERVER, RedisServer
+from tests.waiting import wait_until
 
 NARROW = {"COLUMNS": "80"}
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import re
-from pathlib import Path
 
 import grpc
 import pytest
@@ -13,24 +12,7 @@ import pytest
 from kvstore.v1 import kvstore_pb2 as pb
 from service.cluster.registry import NodeInfo
 from service.config.values import parse_secret
-
-DOCS = Path(__file__).resolve().parents[2] / "docs"
-
-
-def text(name: str) -> str:
-    """A doc page with its whitespace collapsed (quotes may wrap across lines)."""
-    return " ".join((DOCS / name).read_text().split())
-
-
-def documented_node_fields() -> list[str]:
-    """The fields the `kvstore nodes` row of the command table lists for ``--json``."""
-    row = next(
-        line for line in (DOCS / "operations.md").read_text().splitlines()
-        if line.startswith("| `kvstore nodes")
-    )  # fmt: skip
-    shape = row.split("|")[3]
-    [fields] = re.findall(r"`([a-z_, ]+)`", shape)
-    return [f.strip() for f in fields.split(",")]
+from tests.cli.docs import documented_node_fields, text
 
 
 def test_nodes_json_fields_are_documented():

@@ -13,9 +13,8 @@ import asyncio
 import pytest
 
 from kvstore.client import Client
-
-from .conftest import LAYOUT
-from .test_client import TOKENS, block
+from tests.client.blocks import LAYOUT, TOKENS, block
+from tests.waiting import until
 
 
 async def test_cancelled_pinned_lookup_never_releases_the_next_leases_pins(kv: Client, clock):
@@ -46,10 +45,7 @@ async def test_cancelled_pinned_lookup_never_releases_the_next_leases_pins(kv: C
 
     # The lease lapses on the node (pins dropped) and the client replaces it.
     clock.advance(kv.lease_ttl + 1)
-    for _ in range(500):
-        if (await kv.stats()).leases_expired == 1:
-            break
-        await asyncio.sleep(0.01)
+    await until(kv.stats, ok=lambda s: s.leases_expired == 1, within=5.0, what="the lease to lapse")
     assert not await kv.lease.renew_now()
     hit = await kv.lookup(ns, TOKENS, pin=True)
     assert kv.lease.lease_id != old_lease and hit.hit_blocks == 5

@@ -11,8 +11,8 @@ import pytest
 
 from kvstore.client import Client
 from kvstore.client.errors import DeadlineExceeded
-
-from .test_release_folding import stored_chains
+from tests.client.blocks import stored_chains
+from tests.waiting import until
 
 
 class Gate:
@@ -34,15 +34,6 @@ class Gate:
         return await self._call(method, request, *args, **kw)
 
 
-async def until(condition: Any) -> None:
-    """Wait (at most 10 s) until ``condition()`` holds: the tasks it watches ran far enough."""
-    async with asyncio.timeout(10.0):
-        while True:
-            if condition():
-                return
-            await asyncio.sleep(0.001)
-
-
 def queued(kv: Client) -> int:
     """Releases waiting in the client's lanes."""
     return sum(len(lane.queued) for lane in kv._releases._lanes.values())
@@ -51,9 +42,10 @@ def queued(kv: Client) -> int:
 async def queue_two(kv: Client, gate: Gate, hits: list[Any]) -> tuple[asyncio.Future[int], ...]:
     """Release ``hits[0]`` (held in flight by the gate) and queue the next two."""
     first = asyncio.ensure_future(kv.release(hits[0]))
-    await until(lambda: "Release" in gate.methods)  # at the gate: the next ones queue
+    # At the gate: the next ones queue.
+    await until(lambda: "Release" in gate.methods, interval=0.001)
     waiting = tuple(asyncio.ensure_future(kv.release(hit)) for hit in hits[1:3])
-    await until(lambda: queued(kv) == 2)
+    await until(lambda: queued(kv) == 2, interval=0.001)
     assert not any(f.done() for f in (first, *waiting))
     return (first, *waiting)
 
@@ -163,9 +155,10 @@ async def test_a_release_behind_a_pinned_lookup_waits_for_it_then_goes_alone(
 
     monkeypatch.setattr(kv._rpc, "call", held_lookup)
     looking = asyncio.ensure_future(kv.lookup(ns, prompts[2], pin=True))
-    await until(lambda: "Lookup" in methods)  # at the gate: a pinned Lookup is in flight
+    # At the gate: a pinned Lookup is in flight.
+    await until(lambda: "Lookup" in methods, interval=0.001)
     released = asyncio.ensure_future(kv.release(first))
-    await until(lambda: queued(kv) == 1)
+    await until(lambda: queued(kv) == 1, interval=0.001)
     assert "Release" not in methods and not released.done()  # queued behind the lookup
     gate.set()
     hit = await looking
@@ -175,11 +168,12 @@ async def test_a_release_behind_a_pinned_lookup_waits_for_it_then_goes_alone(
     gate.clear()
     lookups = methods.count("Lookup")
     looking = asyncio.ensure_future(kv.lookup(ns, prompts[2], pin=True))
-    await until(lambda: methods.count("Lookup") == lookups + 1)
+    await until(lambda: methods.count("Lookup") == lookups + 1, interval=0.001)
     released = asyncio.ensure_future(kv.release(second))
-    await until(lambda: queued(kv) == 1)
+    await until(lambda: queued(kv) == 1, interval=0.001)
     carrying = asyncio.ensure_future(kv.lookup(ns, prompts[0], pin=True))
-    await until(lambda: kv._releases.carried == 1)  # sent (held too), the release inside
+    # Sent (held too), the release inside.
+    await until(lambda: kv._releases.carried == 1, interval=0.001)
     assert queued(kv) == 0
     gate.set()
     carrier = await carrying
@@ -211,7 +205,7 @@ async def test_a_remote_lookup_in_flight_does_not_hold_releases_back(
 
     monkeypatch.setattr(kv._rpc, "call", held_lookup)
     looking = asyncio.ensure_future(kv.lookup(ns, prompts[1], pin=True, allow_remote=True))
-    await until(lambda: "Lookup" in methods)
+    await until(lambda: "Lookup" in methods, interval=0.001)
     assert await kv.release(first) == 3  # answered while the remote lookup is held
     assert methods.count("Release") == 1
     gate.set()

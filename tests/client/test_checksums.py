@@ -13,8 +13,7 @@ from kvstore.checksum import block_checksum, unpack_checksums
 from kvstore.client import Client
 from kvstore.errors import InvalidArgument
 from service.server import Server
-
-from .conftest import LAYOUT
+from tests.client.blocks import LAYOUT
 
 
 def blocks_of(n: int, seed: int) -> np.ndarray:

@@ -14,15 +14,7 @@ from kvstore.errors import AlreadyExists, FailedPrecondition, InvalidArgument
 from kvstore.layout import KVLayout
 from kvstore.results import MissReason
 from service.server import Server
-
-from .conftest import LAYOUT
-
-TOKENS = list(range(1000, 1000 + 4 * 5 + 2))
-"""Five full blocks and a partial one."""
-
-
-def block(i: int) -> np.ndarray:
-    return np.full(LAYOUT.block_shape, i + 0.5, np.float16)
+from tests.client.blocks import LAYOUT, TOKENS, block
 
 
 async def writing(kv: Client) -> int:

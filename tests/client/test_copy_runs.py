@@ -27,8 +27,7 @@ from kvstore.results import MissReason
 from kvstore.stamps import stamp_ident
 from kvstore.types import BlockHash, NamespaceId, SlotId
 from kvstore.v1 import kvstore_pb2 as pb
-
-from .conftest import LAYOUT
+from tests.client.blocks import LAYOUT
 
 BB = LAYOUT.block_bytes
 SPA = 4

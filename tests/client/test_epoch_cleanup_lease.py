@@ -14,9 +14,8 @@ from __future__ import annotations
 import asyncio
 
 from kvstore.client import Client
-
-from .conftest import LAYOUT
-from .test_client import TOKENS, block
+from tests.client.blocks import LAYOUT, TOKENS, block
+from tests.waiting import until
 
 
 async def test_epoch_change_cleanup_never_releases_the_next_leases_pins(kv: Client, clock):
@@ -35,10 +34,12 @@ async def test_epoch_change_cleanup_never_releases_the_next_leases_pins(kv: Clie
             # Before the answer reaches the runner, its lease lapses on the
             # node and the client replaces it; a live hit pins the blocks again.
             clock.advance(kv.lease_ttl + 1)
-            for _ in range(500):
-                if (await kv.stats()).leases_expired == 1:
-                    break
-                await asyncio.sleep(0.01)
+            await until(
+                kv.stats,
+                ok=lambda s: s.leases_expired == 1,
+                within=5.0,
+                what="the lease to lapse on the node",
+            )
             assert not await kv.lease.renew_now()
             live_hits.append(await kv.lookup(ns, TOKENS, pin=True))
             resp.pool_epoch += 1  # the answer looks like it came from a restarted node

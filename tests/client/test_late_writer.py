@@ -26,8 +26,8 @@ from kvstore.errors import FailedPrecondition, LeaseExpired
 from kvstore.v1 import kvstore_pb2 as pb
 from service.config import Config
 from service.server import Server
-
-from .conftest import LAYOUT
+from tests.client.blocks import LAYOUT
+from tests.waiting import until
 
 CAPACITY = 64
 """Blocks of the namespace's pool (the test server's default share)."""
@@ -36,13 +36,6 @@ CAPACITY = 64
 @pytest.fixture(params=[0.0, 300.0], ids=["no-quarantine", "quarantine"])
 def server_config(server_config: Config, request: pytest.FixtureRequest) -> Config:
     return dataclasses.replace(server_config, write_quarantine_seconds=request.param)
-
-
-async def wait_for(condition, what: str, deadline: float = 10.0) -> None:  # type: ignore[no-untyped-def]
-    end = time.monotonic() + deadline
-    while not await condition():
-        assert time.monotonic() < end, f"timed out waiting for {what}"
-        await asyncio.sleep(0.02)
 
 
 async def test_a_stalled_writer_is_refused_and_the_next_owner_keeps_its_bytes(
@@ -71,7 +64,7 @@ async def test_a_stalled_writer_is_refused_and_the_next_owner_keeps_its_bytes(
             async def a_expired() -> bool:
                 return (await runner_b.stats()).leases_expired >= 1
 
-            await wait_for(a_expired, "runner A's lease to expire on the node")
+            await until(a_expired, within=10.0, what="runner A's lease to expire on the node")
             ns_b = await runner_b.register_namespace("m", LAYOUT)
             tokens_b = list(range(10_000, 10_000 + 4 * CAPACITY))
             mine = b"\xbb" * LAYOUT.block_bytes

@@ -7,6 +7,7 @@ import asyncio
 from kvstore.client import LeaseGrant, LeaseKeeper
 from kvstore.errors import NotFound
 from kvstore.types import LeaseId
+from tests.waiting import until
 
 
 class FakeNode:
@@ -39,10 +40,10 @@ async def test_open_once_renew_and_replace() -> None:
     assert keeper.lease_id is None
     first = await asyncio.gather(keeper.current(), keeper.current())
     assert list(first) == [(1, 0), (1, 0)]  # concurrent callers share one open
-    await asyncio.sleep(0.1)
+    await until(lambda: node.renewals >= 2, within=5.0, what="two renewals")  # every 0.02 s
     assert node.renewals >= 2
     node.live.clear()  # the node restarted
-    await asyncio.sleep(0.1)
+    await until(lambda: keeper.lost == 1, within=5.0, what="the lost lease to be noticed")
     assert keeper.lost == 1 and keeper.generation == 1
     assert await keeper.current() == (2, 1)
     await keeper.close()

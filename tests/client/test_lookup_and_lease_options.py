@@ -7,10 +7,9 @@ import dataclasses
 
 from kvstore.client import Client, SyncClient
 from service.server import Server
-from tests.service.test_remote_lookup_pins import StoringPeers
-
-from .conftest import LAYOUT
-from .test_client import TOKENS, block
+from tests.client.blocks import LAYOUT, TOKENS, block
+from tests.service.peers import StoringPeers
+from tests.waiting import until
 
 
 async def test_allow_remote_lookup_fetches_the_rest_from_a_peer(kv: Client, kv_server: Server):
@@ -75,7 +74,7 @@ async def test_default_client_takes_the_nodes_lease_ttl_and_keeps_it_alive(serve
             # the client renews at a third of the TTL the node granted.
             for _ in range(4):
                 seen = renewals
-                await _until(lambda seen=seen: renewals > seen)
+                await until(lambda seen=seen: renewals > seen, within=10.0, interval=0.02)
                 clock.advance(1.0)
             stats = await kv.stats()
             assert stats.leases_expired == 0 and stats.pinned == 5
@@ -83,11 +82,3 @@ async def test_default_client_takes_the_nodes_lease_ttl_and_keeps_it_alive(serve
             assert await kv.release(hit) == 5
     finally:
         await server.stop(0.1)
-
-
-async def _until(condition, deadline: float = 10.0) -> None:  # type: ignore[no-untyped-def]
-    loop = asyncio.get_running_loop()
-    end = loop.time() + deadline
-    while not condition():
-        assert loop.time() < end, "condition not met in time"
-        await asyncio.sleep(0.02)

@@ -9,8 +9,7 @@ import numpy as np
 import pytest
 
 from kvstore.client import Client
-
-from .test_release_folding import stored_chains
+from tests.client.blocks import stored_chains
 
 
 async def test_a_node_that_answers_the_repeated_fields_gives_the_same_hit(

@@ -7,7 +7,7 @@ import time
 
 from kvstore.client import SyncClient
 from service.server import Server
-from tests.client.conftest import LAYOUT
+from tests.client.blocks import LAYOUT
 
 
 async def test_a_pinned_hit_is_held_until_its_lease_surely_ends(kv_server: Server) -> None:

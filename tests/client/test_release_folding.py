@@ -5,25 +5,14 @@ from __future__ import annotations
 
 import asyncio
 
-import numpy as np
 import pytest
 
 from kvstore.client import Client
 from kvstore.client.errors import DeadlineExceeded
 from kvstore.errors import FailedPrecondition
-
-from .conftest import LAYOUT
+from tests.client.blocks import LAYOUT, stored_chains
 
 HITS = 16  # 3 blocks each: the test pool holds 64
-
-
-async def stored_chains(kv: Client, n: int) -> tuple[object, list[list[int]]]:
-    ns = await kv.register_namespace("fold", LAYOUT)
-    prompts = [[1000 * (i + 1) + t for t in range(3 * LAYOUT.block_size)] for i in range(n)]
-    for tokens in prompts:
-        blocks = np.zeros((3, LAYOUT.block_bytes), np.uint8)
-        assert (await kv.store(ns, tokens, blocks)).committed == 3
-    return ns, prompts
 
 
 async def test_concurrent_releases_fold_into_fewer_calls(kv: Client) -> None:

@@ -13,9 +13,8 @@ from kvstore.client import Client, ShardedClient, shard_of
 from kvstore.errors import FailedPrecondition, InvalidArgument
 from service.config import Config
 from service.server import Server
-from tests.service.conftest import ManualClock
-
-from .conftest import LAYOUT
+from tests.client.blocks import LAYOUT
+from tests.inproc import ManualClock
 
 NODES = 3
 PROMPTS = 24

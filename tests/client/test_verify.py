@@ -11,8 +11,7 @@ from kvstore.pool.stamps import idents_of
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc
 from service.server import Server
-
-from .conftest import LAYOUT
+from tests.client.blocks import LAYOUT
 
 TOKENS = list(range(1000, 1000 + 4 * 5))
 """Five full blocks."""

@@ -19,8 +19,7 @@ from kvstore.errors import InvalidArgument
 from kvstore.results import MissReason
 from kvstore.types import BlockHash, LeaseId, SlotId
 from kvstore.v1 import kvstore_pb2 as pb
-
-from .conftest import LAYOUT
+from tests.client.blocks import LAYOUT
 
 TOKENS = list(range(500, 500 + 4 * 6 + 1))
 """Six full blocks and a partial one."""

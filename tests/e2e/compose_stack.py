@@ -32,7 +32,6 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -41,6 +40,7 @@ from typing import Any
 import yaml
 
 from tests.redis.server import free_port
+from tests.waiting import wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = ROOT / "docker-compose.yml"
@@ -269,13 +269,14 @@ def healthy(service: Service) -> bool:
 
 
 def wait_healthy(service: Service, proc: subprocess.Popen[bytes], timeout: float = 30) -> None:
-    deadline = time.monotonic() + timeout
-    while not healthy(service):
+    def ready() -> bool:
+        if healthy(service):
+            return True
         if proc.poll() is not None:
             raise AssertionError(f"{service.name} exited with {proc.returncode}")
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{service.name} not healthy after {timeout}s")
-        time.sleep(0.1)
+        return False
+
+    wait_until(ready, within=timeout, interval=0.1, what=f"{service.name} to be healthy")
 
 
 def stop(proc: subprocess.Popen[bytes], timeout: float = 10) -> None:

@@ -25,7 +25,8 @@ Commands:
   (from a small shared pool, or unique to this runner); print counters.
   With ``--tolerate-outage`` an iteration that fails with a `KVStoreError`
   (the node was killed, restarting) is counted in ``errors`` and the loop
-  goes on; the epochs the client saw are counted in ``epochs``.
+  goes on (the first one also prints ``{"event": "outage"}``); the epochs
+  the client saw are counted in ``epochs``.
 * ``session``: read one JSON operation per stdin line (as in ``ops``) and
   print ``{"event": "result", ...}`` for each, with the client's ``epoch``,
   the epoch of the namespace's mapping and lost leases; a failing operation
@@ -340,6 +341,8 @@ async def _outage_tolerant(client: Client, counts: dict[str, int], epochs: set[i
     try:
         await step()
     except KVStoreError:
+        if counts["errors"] == 0:
+            emit({"event": "outage"})  # a test waits for this line, not a fixed time
         counts["errors"] += 1
         await asyncio.sleep(0.05)
     if client.epoch is not None:

@@ -21,7 +21,7 @@ from service.cluster.registry import Registry
 from tests.e2e.compose_stack import load_stack, spawn, stop
 from tests.redis.rpc import Rpc, block_bytes
 from tests.redis.server import RedisServer, free_port
-from tests.redis.test_cluster_nodes import until
+from tests.waiting import until
 
 pytestmark = [
     pytest.mark.e2e,
@@ -120,10 +120,10 @@ async def test_three_processes_registry_sigkill_and_peer_fetch(cluster):
         # SIGKILL n1: it vanishes from the registry and the directory within its TTL.
         killed = time.monotonic()
         cluster.procs["n1"].send_signal(signal.SIGKILL)  # type: ignore[attr-defined]
-        await until(lambda: _eq(live(client), ["n2", "n3"]), timeout=TTL + 5, what="n1 gone")
+        await until(lambda: _eq(live(client), ["n2", "n3"]), within=TTL + 5, what="n1 gone")
         await until(
             lambda: _eq(_lens(directory, client, rpcs["n1"].namespace, chain), {"n2": 6}),
-            timeout=TTL + 5,
+            within=TTL + 5,
             what="n1's entries gone",
         )
         assert time.monotonic() - killed < TTL + 2

@@ -8,7 +8,7 @@ import subprocess
 import pytest
 
 from benchmarks._server import ServerProcess
-from tests.e2e.conftest import ROOT, RUNNER_TIMEOUT, runner_argv, wait_for_stats
+from tests.e2e.processes import ROOT, RUNNER_TIMEOUT, runner_argv, wait_for_stats
 from tests.e2e.workload import BLOCK_BYTES
 
 pytestmark = pytest.mark.e2e

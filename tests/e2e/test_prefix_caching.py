@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from benchmarks._server import ServerProcess
-from tests.e2e.conftest import namespace_stats, node_stats, run_ops
+from tests.e2e.processes import namespace_stats, node_stats, run_ops
 from tests.e2e.workload import BLOCK_BYTES, BLOCK_SIZE, system_prompt, user_prompt
 
 pytestmark = pytest.mark.e2e

@@ -9,7 +9,7 @@ from collections.abc import Callable
 import pytest
 
 from benchmarks._server import ServerProcess
-from tests.e2e.conftest import LiveRunner, node_stats, run_ops, wait_for_stats
+from tests.e2e.processes import LiveRunner, node_stats, run_ops, wait_for_stats
 from tests.e2e.workload import BLOCK_SIZE, system_prompt, user_prompt
 
 pytestmark = pytest.mark.e2e

@@ -8,10 +8,8 @@ leave together with the ``{P:ns}:engines`` field.
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import json
-import time
 from dataclasses import replace
 
 import redis.asyncio as aioredis
@@ -19,19 +17,19 @@ import redis.asyncio as aioredis
 from service.cluster.keys import Keys, member
 from service.config.engines import EngineSource
 from service.server import Server
-from tests.events.conftest import until
 from tests.events.fake_engine import FakeEngine, batch, removed, stored
-from tests.events.test_ingest import join
-from tests.redis.conftest import node_config, redis_server  # noqa: F401  (a fixture)
+from tests.events.ingest import join
+from tests.redis.nodes import node_config
 from tests.redis.rpc import MODEL, Rpc, prompt
 from tests.redis.server import RedisServer
+from tests.waiting import until
 
 
 def eh(i: int) -> bytes:
     return hashlib.sha256(b"redis-engine-%d" % i).digest()
 
 
-async def test_engine_sets_on_redis(tmp_path, redis_server) -> None:  # noqa: F811
+async def test_engine_sets_on_redis(tmp_path, redis_server) -> None:
     engine = FakeEngine()
     source = EngineSource(
         name="gpu-7",
@@ -57,11 +55,11 @@ async def test_engine_sets_on_redis(tmp_path, redis_server) -> None:  # noqa: F8
         set_key = keys.ns_engine(ns, "n1", "gpu-7")
         want = {member(h, "default") for h in chain}
 
+        async def members() -> set[bytes]:
+            return set(await client.smembers(set_key))
+
         async def poll(expected: set[bytes]) -> None:
-            deadline = time.monotonic() + 10
-            while (got := set(await client.smembers(set_key))) != expected:
-                assert time.monotonic() < deadline, f"engine set is {got}, expected {expected}"
-                await asyncio.sleep(0.01)
+            await until(members, ok=expected.__eq__, what=f"engine set {expected}")
 
         await poll(want)
         assert 0 < await client.pttl(set_key) <= int(config.node_ttl_seconds * 1000)
@@ -73,10 +71,12 @@ async def test_engine_sets_on_redis(tmp_path, redis_server) -> None:  # noqa: F8
 
         # A dead node's engine field is swept by a live node's heartbeat; ours stays.
         await client.hset(keys.ns_engines(ns), "ghost-node:gpu-0", "{}")
-        deadline = time.monotonic() + 10
-        while await client.hexists(keys.ns_engines(ns), "ghost-node:gpu-0"):
-            assert time.monotonic() < deadline, "the dead node's engine field stayed"
-            await asyncio.sleep(0.02)
+        await until(
+            lambda: client.hexists(keys.ns_engines(ns), "ghost-node:gpu-0"),
+            ok=lambda present: not present,
+            interval=0.02,
+            what="the dead node's engine field to be swept",
+        )
         assert await client.hexists(keys.ns_engines(ns), "n1:gpu-7")
     finally:
         await rpc.close()
@@ -131,9 +131,10 @@ async def test_engine_sets_come_back_after_a_redis_outage(tmp_path) -> None:
 async def _until_members(redis_proc: RedisServer, key: str, expected: set[bytes]) -> None:
     client = aioredis.Redis.from_url(redis_proc.url)
     try:
-        deadline = time.monotonic() + 15
-        while (got := set(await client.smembers(key))) != expected:
-            assert time.monotonic() < deadline, f"{key} holds {got}, expected {expected}"
-            await asyncio.sleep(0.02)
+
+        async def members() -> set[bytes]:
+            return set(await client.smembers(key))
+
+        await until(members, ok=expected.__eq__, within=15, what=f"{key} to hold {expected}")
     finally:
         await client.aclose()

@@ -8,46 +8,20 @@ index matches the chain a Lookup with the same tokens computes.
 from __future__ import annotations
 
 import hashlib
-from dataclasses import replace
 
 import msgpack
 from prometheus_client import generate_latest
 
-from service.config.engines import EngineSource
 from service.events.engine_index import EngineMatch
-from service.server import Server
-from tests.events.conftest import until
 from tests.events.fake_engine import FakeEngine, batch, removed, stored
-from tests.redis.rpc import MODEL, Rpc, prompt
+from tests.events.ingest import join, start_node
+from tests.redis.rpc import Rpc, prompt
+from tests.waiting import until
 
 
 def eh(i: int) -> bytes:
     """An engine's hash of block ``i`` (opaque to the node)."""
     return hashlib.sha256(b"engine-%d" % i).digest()
-
-
-async def start_node(server_config, engine: FakeEngine, **overrides) -> Server:
-    source = EngineSource(
-        name="fake-0",
-        endpoint=engine.endpoint,
-        replay_endpoint=engine.replay_endpoint,
-        model_id=MODEL,
-    )
-    server = Server(replace(server_config, engine_kv_events=(source,), **overrides))
-    await server.start()
-    return server
-
-
-async def join(engine: FakeEngine, state, seq: int) -> int:
-    """Publish empty batches from ``seq`` on until the node has read one; the next seq."""
-    while state.last_seq is None:
-        engine.send(seq, batch([]))
-        seq += 1
-        try:
-            await until(lambda: state.last_seq is not None, within=0.2)
-        except AssertionError:
-            continue
-    return seq
 
 
 async def test_chains_replay_gaps_restart_and_bad_input(server_config) -> None:

@@ -8,10 +8,10 @@ import hashlib
 from kvstore.v1 import kvstore_pb2 as pb
 from service.ops.web import HitRateHistory, WebApp
 from tests.cli.conftest import kvstore
-from tests.events.conftest import until
 from tests.events.fake_engine import FakeEngine, batch, stored
-from tests.events.test_ingest import join, start_node
+from tests.events.ingest import join, start_node
 from tests.redis.rpc import Rpc, prompt
+from tests.waiting import until
 
 
 def eh(i: int) -> bytes:

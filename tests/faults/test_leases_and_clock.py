@@ -18,7 +18,6 @@ the test moves), so a lease lapses without waiting for it.
 
 from __future__ import annotations
 
-import asyncio
 import inspect
 import time
 
@@ -32,19 +31,10 @@ from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc
 from service.node import Node
 from service.server import Server
-from tests.service.conftest import BLOCK_BYTES, ManualClock, RegisteredNamespace
+from tests.inproc import BLOCK_BYTES, ManualClock, RegisteredNamespace
+from tests.waiting import until
 
 HASHES = [bytes([i]) * 32 for i in range(1, 9)]
-
-
-async def wait_until(check, within: float = 5.0, what: str = "condition"):
-    deadline = time.monotonic() + within
-    while True:
-        value = await check()
-        if value:
-            return value
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        await asyncio.sleep(0.01)
 
 
 async def stats(stub) -> pb.StatsResponse:
@@ -84,8 +74,10 @@ async def test_a_runner_that_stops_renewing_loses_its_pins_and_writes(
     clock.advance(3)
     await stub.KeepAlive(pb.KeepAliveRequest(lease_id=owner), timeout=5)
     clock.advance(3)
-    s = await wait_until(
-        lambda: _when(stats(stub), lambda s: s.leases_expired == 1),
+    s = await until(
+        lambda: stats(stub),
+        ok=lambda s: s.leases_expired == 1,
+        within=5.0,
         what="the slow runner's lease to expire",
     )
     assert (s.leases, s.pinned, s.writing) == (1, 0, 0)
@@ -129,11 +121,6 @@ async def test_a_runner_that_stops_renewing_loses_its_pins_and_writes(
     assert (s.leases, s.pinned, s.writing) == (1, 0, 0)
 
 
-async def _when(coro, predicate):
-    value = await coro
-    return value if predicate(value) else None
-
-
 async def test_the_sdk_replaces_a_lapsed_lease_and_never_releases_under_the_new_one(
     kv_server: Server, clock: ManualClock
 ) -> None:
@@ -148,8 +135,10 @@ async def test_the_sdk_replaces_a_lapsed_lease_and_never_releases_under_the_new_
         old_lease, old_generation = await client.lease.current()
 
         clock.advance(10)  # from the node's side the runner went silent for 10 s
-        await wait_until(
-            lambda: _when(client.stats(), lambda s: s.leases_expired == 1 and s.pinned == 0),
+        await until(
+            client.stats,
+            ok=lambda s: s.leases_expired == 1 and s.pinned == 0,
+            within=5.0,
             what="the lease to expire on the node",
         )
         # The next pinned lookup finds the lease gone, opens a new one and pins again.
@@ -185,8 +174,10 @@ async def test_a_far_forward_jump_expires_every_lease_at_once(
     assert (s.leases, s.writing) == (30, 60)
 
     clock.advance(10 * 365 * 86400.0)  # ten years
-    s = await wait_until(
-        lambda: _when(stats(stub), lambda s: s.leases == 0),
+    s = await until(
+        lambda: stats(stub),
+        ok=lambda s: s.leases == 0,
+        within=5.0,
         what="every lease to expire after the jump",
     )
     assert (s.leases_expired, s.pinned, s.writing) == (30, 0, 0)
@@ -212,7 +203,7 @@ async def test_a_backwards_step_neither_resurrects_nor_corrupts_leases(
         timeout=5,
     )
     clock.advance(5)
-    await wait_until(lambda: _when(stats(stub), lambda s: s.leases_expired == 1), what="expiry")
+    await until(lambda: stats(stub), ok=lambda s: s.leases_expired == 1, within=5.0, what="expiry")
 
     clock.advance(-3600)  # a monotonic clock never does this; the store must stay sane
     with pytest.raises(grpc.aio.AioRpcError) as err:
@@ -231,7 +222,7 @@ async def test_a_backwards_step_neither_resurrects_nor_corrupts_leases(
     )
     assert released.released == 2
     clock.advance(3600 + 60)  # back past the live lease's deadline too
-    s = await wait_until(lambda: _when(stats(stub), lambda s: s.leases == 0), what="expiry")
+    s = await until(lambda: stats(stub), ok=lambda s: s.leases == 0, within=5.0, what="expiry")
     assert (s.leases_expired, s.pinned, s.writing) == (2, 0, 0)
     [nss] = s.namespaces
     assert nss.free + nss.quarantined + nss.ready == nss.capacity

@@ -16,10 +16,10 @@ import redis.asyncio as aioredis
 from kvstore.v1 import kvstore_pb2 as pb
 from service.cluster.directory import Directory
 from service.cluster.keys import Keys, member
-from tests.redis.conftest import NodeFactory
+from tests.redis.nodes import NodeFactory
 from tests.redis.rpc import Rpc
 from tests.redis.server import REDIS_SERVER, RedisServer
-from tests.redis.test_cluster_nodes import until
+from tests.waiting import until
 
 pytestmark = pytest.mark.skipif(REDIS_SERVER is None, reason="needs redis-server on PATH")
 

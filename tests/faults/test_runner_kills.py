@@ -20,7 +20,7 @@ import sys
 import pytest
 
 from benchmarks._server import ServerProcess
-from tests.e2e.conftest import ROOT, node_stats, wait_for_stats
+from tests.e2e.processes import ROOT, node_stats, wait_for_stats
 from tests.faults.kill_worker import CAPACITY_BLOCKS, seed_cache, verify_node
 
 pytestmark = pytest.mark.e2e

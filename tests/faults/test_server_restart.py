@@ -19,9 +19,11 @@ from pathlib import Path
 import pytest
 
 from benchmarks._server import ServerProcess
-from tests.e2e.conftest import LiveRunner, node_stats, wait_for_stats
+from kvstore.v1 import kvstore_pb2 as pb
+from tests.e2e.processes import LiveRunner, node_stats, wait_for_stats
 from tests.e2e.workload import BLOCK_SIZE, system_prompt, user_prompt
 from tests.redis.server import free_port
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.e2e
 
@@ -84,14 +86,23 @@ def result(session: LiveRunner, op: dict, timeout: float = 30.0) -> dict:
 def until_served(session: LiveRunner, op: dict, timeout: float = 15.0) -> dict:
     """Repeat ``op`` until the node answers it: until the channel has reconnected (its
     backoff), a call that is not idempotent fails fast with ``UNAVAILABLE``, as it should."""
-    deadline = time.monotonic() + timeout
-    while True:
-        doc = result(session, op)
-        if doc.get("error") is None:
-            return doc
-        assert doc["error"] in {"ServerUnavailable", "DeadlineExceeded"}, doc
-        assert time.monotonic() < deadline, f"not served {timeout} s after the restart: {doc}"
-        time.sleep(0.1)
+
+    def answered(doc: dict) -> bool:
+        assert doc.get("error") in {None, "ServerUnavailable", "DeadlineExceeded"}, doc
+        return doc.get("error") is None
+
+    return wait_until(
+        lambda: result(session, op),
+        ok=answered,
+        within=timeout,
+        interval=0.1,
+        what=f"{op['op']} to be served after the restart",
+    )
+
+
+def lookups(stats: pb.StatsResponse) -> int:
+    """Lookups the node answered, over every namespace and tenant."""
+    return sum(tenant.lookups for ns in stats.namespaces for tenant in ns.tenants)
 
 
 def test_runners_survive_a_node_sigkill_and_remap_after_its_restart(
@@ -118,12 +129,20 @@ def test_runners_survive_a_node_sigkill_and_remap_after_its_restart(
     old_files = node.pool_files()
     assert old_files, "the node made no pool files"
 
-    time.sleep(1.0)  # the workers run against the first node for a while
+    # The workers run against the first node: each holds a lease there and looks up.
+    served = lookups(node_stats(node.target))
+    wait_for_stats(
+        node.target,
+        lambda s: s.leases >= 1 + len(workers) and lookups(s) >= served + 2 * len(workers),
+        timeout=10.0,
+        what="both workers at work on the first node",
+    )
     node.kill()
     assert node.pool_files() == old_files  # SIGKILL: nobody unlinked them
     down = result(session, {"op": "lookup", "tokens": prompt})
     assert down["error"] in {"ServerUnavailable", "DeadlineExceeded"}, down
-    time.sleep(1.0)  # the workers meet the outage too
+    for worker in workers:  # the workers meet the outage too
+        worker.wait_event("outage", timeout=10.0)
 
     second = node.start()
     assert second.process.pid != first.process.pid

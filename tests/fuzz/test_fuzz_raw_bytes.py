@@ -26,7 +26,8 @@ from google.protobuf.descriptor import Descriptor, FieldDescriptor
 
 from kvstore.v1 import kvstore_pb2 as pb
 from service.server import Server
-from tests.fuzz.test_fuzz_rpcs import LAYOUT, config
+from tests.fuzz.node import LAYOUT, config
+from tests.fuzz.wire import varint
 
 SEED = 20261203
 CALLS_PER_METHOD = int(os.environ.get("KVSTORE_RAW_FUZZ_CALLS", "300"))
@@ -39,16 +40,6 @@ FORBIDDEN = {
 """What malformed client bytes must never produce (the messages stay far under the size limits)."""
 
 BAD_UTF8 = [b"\xff", b"\xc3\x28", b"\xed\xa0\x80", b"ok\xf8\x88\x80\x80\x80", b"\xe2\x82"]
-
-
-def varint(value: int) -> bytes:
-    """A protobuf base-128 varint (hand-built wire bytes, no message class)."""
-    out = bytearray()
-    while True:
-        byte, value = value & 0x7F, value >> 7
-        out.append(byte | (0x80 if value else 0))
-        if not value:
-            return bytes(out)
 
 
 def _length_delimited(number: int, payload: bytes) -> bytes:

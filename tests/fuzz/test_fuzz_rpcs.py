@@ -36,8 +36,8 @@ from hypothesis import strategies as st
 
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc
-from service.config import Config
 from service.server import Server
+from tests.fuzz.node import LAYOUT, config
 
 EXAMPLES = int(os.environ.get("KVSTORE_FUZZ_EXAMPLES", "2000"))
 
@@ -49,8 +49,6 @@ FORBIDDEN = {grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL}
 
 CALL_TIMEOUT = 5.0
 """A call that takes longer is a hang (a bug) except WatchEvents, which streams forever."""
-
-LAYOUT = pb.KVLayout(num_layers=2, num_kv_heads=2, head_dim=4, block_size=4, dtype="float16")
 
 
 @dataclass
@@ -260,25 +258,6 @@ async def setup_real(stub: Any) -> None:
     )
     REAL.chain = list(hit.chain)
     REAL.locations = list(hit.blocks)
-
-
-def config(tmp_path: Any) -> Config:
-    return Config(
-        host="127.0.0.1",
-        port=0,
-        metrics_port=0,
-        capacity_bytes=4 << 20,
-        namespace_capacity_bytes=64 * 256,
-        arena_bytes=16 * 256,
-        shm_dir=str(tmp_path),
-        pool_prefix="kvfuzz",
-        pool_prefault=False,
-        node_id="fuzz-node",
-        salt_secret=bytes(range(32)),
-        grace_seconds=0.1,
-        max_message_bytes=1 << 20,
-        max_chain_blocks=256,
-    )
 
 
 def test_random_requests_never_crash_the_node_or_break_its_invariants(

@@ -1,8 +1,16 @@
-"""GPU tests: marked ``cuda``; the whole package skips without cupy or without a GPU."""
+"""GPU tests: marked ``cuda``; the whole package skips without cupy or without a GPU.
+
+``node``: a CUDA node process (tests/gpu/node.py), stopped after the test.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from pathlib import Path
+
 import pytest
+
+from tests.gpu.node import Node
 
 
 def gpu_available() -> bool:
@@ -27,3 +35,12 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             available = gpu_available()
         if not available:
             item.add_marker(skip)
+
+
+@pytest.fixture
+def node(tmp_path: Path) -> Iterator[Node]:
+    n = Node(tmp_path)
+    try:
+        yield n
+    finally:
+        n.stop()

@@ -7,11 +7,9 @@ service --device cuda:0`` and runners from ``tests/gpu/_runner.py``.
 from __future__ import annotations
 
 import json
-import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -19,46 +17,11 @@ import pytest
 from kvstore.errors import FailedPrecondition
 from kvstore.pool import ArenaSpec, PoolDescriptor, PoolUnavailable, attach
 from kvstore.types import NamespaceId
+from tests.gpu.node import Node
 
 pytestmark = pytest.mark.cuda
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-class Node:
-    def __init__(self, tmp: Path) -> None:
-        self.proc = subprocess.Popen(
-            [
-                sys.executable, "-m", "service", "--device", "cuda:0", "--port", "0",
-                "--metrics-port", "0", "--capacity", "1GiB", "--shm-dir", str(tmp),
-                "--lease-ttl-default", "2",
-            ],
-            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        )  # fmt: skip
-        assert self.proc.stdout is not None
-        line = self.proc.stdout.readline()
-        if not line.startswith("kvstore-server listening on"):
-            self.proc.kill()
-            raise AssertionError(f"server did not start: {line!r} {self.proc.stderr.read()}")
-        self.address = line.split()[-1]
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-
-
-@pytest.fixture
-def node(tmp_path: Path) -> Iterator[Node]:
-    n = Node(tmp_path)
-    try:
-        yield n
-    finally:
-        n.stop()
 
 
 def run_runner(mode: str, address: str, seed: int = 1, timeout: float = 120) -> dict:

@@ -24,7 +24,6 @@ from kvstore.pool import CudaPool, CupyRuntime, PoolUnavailable
 from kvstore.pool.cuda import IPC_GRANULARITY
 from kvstore.pool.cuda_runtime import format_uuid, uuid_from_driver
 from kvstore.types import NamespaceId, SlotId
-from tests.gpu.test_cuda_ipc import node  # noqa: F401  (the node fixture)
 
 pytestmark = pytest.mark.cuda
 
@@ -73,7 +72,7 @@ def test_arenas_are_whole_2mib_aligned_allocations() -> None:
             pool.close()
 
 
-async def test_release_returns_after_the_reads_queued_on_the_given_stream(node) -> None:  # noqa: F811
+async def test_release_returns_after_the_reads_queued_on_the_given_stream(node) -> None:
     torch.cuda.init()
     async with Client(node.address, tenant="gpu-sdk", timeout=30.0) as kv:
         ns = await kv.register_namespace("gpu-sdk-model", LAYOUT)
@@ -92,7 +91,7 @@ async def test_release_returns_after_the_reads_queued_on_the_given_stream(node) 
         assert torch.equal(copied.view(torch.uint16), want.view(torch.uint16))
 
 
-async def test_release_by_default_waits_for_the_current_stream(node) -> None:  # noqa: F811
+async def test_release_by_default_waits_for_the_current_stream(node) -> None:
     torch.cuda.init()
     async with Client(node.address, tenant="gpu-sdk-default", timeout=30.0) as kv:
         ns = await kv.register_namespace("gpu-sdk-model", LAYOUT)
@@ -109,7 +108,7 @@ async def test_release_by_default_waits_for_the_current_stream(node) -> None:  #
         assert torch.equal(copied.view(torch.uint16), block.view(torch.uint16))
 
 
-def test_sync_client_copies_on_the_callers_stream(node) -> None:  # noqa: F811
+def test_sync_client_copies_on_the_callers_stream(node) -> None:
     torch.cuda.init()
     with SyncClient(node.address, tenant="gpu-sdk-sync", timeout=30.0) as kv:
         ns = kv.register_namespace("gpu-sdk-model", LAYOUT)
@@ -128,7 +127,7 @@ def test_sync_client_copies_on_the_callers_stream(node) -> None:  # noqa: F811
     assert values == [1.0, 2.0], "the copies did not wait for the caller's stream"
 
 
-def test_sync_client_attaches_for_the_callers_gpu(node) -> None:  # noqa: F811
+def test_sync_client_attaches_for_the_callers_gpu(node) -> None:
     if torch.cuda.device_count() < 2:
         pytest.skip("needs two GPUs")
     torch.cuda.set_device(1)  # the node's pool is on GPU 0; this runner computes on 1

@@ -14,7 +14,7 @@ from hypothesis.stateful import invariant, rule
 
 from kvstore import BlockState
 from tests.kvstore.conftest import NS
-from tests.kvstore.test_store_state_machine import QUARANTINE, TTL, StoreMachine
+from tests.kvstore.store_machine import QUARANTINE, TTL, StoreMachine
 
 ARENA = 4
 """Slots per arena (the machine's pool starts with 12: three arenas)."""

@@ -1,79 +1,18 @@
-"""Fixtures of the Redis tests: a private redis-server, nodes wired to it."""
+"""Fixtures of the Redis tests: nodes wired to the private redis-server (``redis_server``,
+tests/conftest.py), and a Redis Cluster of three masters with nodes and a client on it."""
 
 from __future__ import annotations
 
-import uuid
 from collections.abc import AsyncIterator, Iterator
-from dataclasses import replace
 
 import pytest
+import redis.asyncio as aioredis
 
-from service.config import Config
-from service.server import Server
-from tests.redis.server import REDIS_SERVER, RedisServer
-from tests.service.conftest import BLOCK_BYTES
+from service.cluster import link
+from tests.redis.nodes import ClusterNodes, NodeFactory
+from tests.redis.server import REDIS_SERVER, RedisClusterServers
 
 pytestmark = pytest.mark.skipif(REDIS_SERVER is None, reason="needs redis-server on PATH")
-
-
-@pytest.fixture
-def redis_server(tmp_path) -> Iterator[RedisServer]:
-    if REDIS_SERVER is None:
-        pytest.skip("needs redis-server on PATH")
-    server = RedisServer(tmp_path / "redis").start()
-    try:
-        yield server
-    finally:
-        server.stop()
-
-
-def node_config(tmp_path, redis_url: str, node_id: str, **overrides) -> Config:
-    """A small, fast node config on a free port, wired to ``redis_url``."""
-    base = Config(
-        host="127.0.0.1",
-        port=0,
-        metrics_port=0,
-        capacity_bytes=1 << 20,
-        namespace_capacity_bytes=128 * BLOCK_BYTES,
-        arena_bytes=32 * BLOCK_BYTES,
-        shm_dir=str(tmp_path),
-        pool_prefix=f"kvr{uuid.uuid4().hex[:8]}",
-        pool_prefault=False,
-        node_id=node_id,
-        salt_secret=bytes(range(32)),
-        grace_seconds=0.1,
-        max_message_bytes=1 << 20,
-        max_chain_blocks=1024,
-        redis_url=redis_url,
-        redis_key_prefix="kvt",
-        redis_timeout=0.5,
-        heartbeat_seconds=0.2,
-        node_ttl_seconds=1.0,
-        directory_flush_seconds=0.01,
-    )
-    return replace(base, **overrides)
-
-
-class NodeFactory:
-    """Starts in-process nodes on one Redis; stops them all at the end."""
-
-    def __init__(self, tmp_path, redis_url: str) -> None:
-        self.tmp_path = tmp_path
-        self.redis_url = redis_url
-        self.servers: list[Server] = []
-
-    async def start(self, node_id: str, **overrides) -> Server:
-        server = Server(
-            node_config(self.tmp_path, self.redis_url, node_id, **overrides), expiry_tick=0.05
-        )
-        await server.start()
-        self.servers.append(server)
-        return server
-
-    async def stop(self, server: Server) -> None:
-        if server in self.servers:
-            self.servers.remove(server)
-            await server.stop(0.1)
 
 
 @pytest.fixture
@@ -84,3 +23,31 @@ async def nodes(tmp_path, redis_server) -> AsyncIterator[NodeFactory]:
     finally:
         for server in list(factory.servers):
             await factory.stop(server)
+
+
+@pytest.fixture
+def redis_cluster(tmp_path) -> Iterator[RedisClusterServers]:
+    cluster = RedisClusterServers(tmp_path / "rc").start()
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+@pytest.fixture
+async def cnodes(tmp_path, redis_cluster) -> AsyncIterator[ClusterNodes]:
+    factory = ClusterNodes(tmp_path, redis_cluster.url)
+    try:
+        yield factory
+    finally:
+        for server in list(factory.servers):
+            await factory.stop(server)
+
+
+@pytest.fixture
+async def rc(redis_cluster) -> AsyncIterator[aioredis.RedisCluster]:
+    client = aioredis.RedisCluster.from_url(redis_cluster.url, socket_timeout=0.5)
+    try:
+        yield client
+    finally:
+        await link.close(client)  # RedisCluster.aclose alone may leak (see link.close)

@@ -7,7 +7,7 @@ import grpc
 from kvstore.checksum import block_checksum
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc
-from tests.service.conftest import BLOCK_BYTES, BLOCK_SIZE, LAYOUT
+from tests.inproc import BLOCK_BYTES, BLOCK_SIZE, LAYOUT
 
 MODEL = "cluster-model"
 

@@ -11,10 +11,11 @@ import contextlib
 import shutil
 import socket
 import subprocess
-import time
 from pathlib import Path
 
 import redis
+
+from tests.waiting import wait_until
 
 REDIS_SERVER = shutil.which("redis-server")
 """Path of redis-server (CI must have it; tests skip with a reason otherwise)."""
@@ -25,18 +26,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
-
-
-def wait_until(check, timeout: float = 10.0, interval: float = 0.02, what: str = "condition"):
-    """Poll ``check()`` until truthy (returned) or fail after ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = check()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(interval)
 
 
 class RedisServer:
@@ -64,7 +53,9 @@ class RedisServer:
         self.proc = subprocess.Popen(
             self.command(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
         )
-        wait_until(self.ping, timeout, what=f"redis-server on port {self.port}")
+        wait_until(
+            self.ping, within=timeout, interval=0.02, what=f"redis-server on port {self.port}"
+        )
         return self
 
     def ping(self) -> bool:
@@ -158,7 +149,12 @@ class RedisClusterServers:
             timeout=timeout,
         )
         for server in self.servers:
-            wait_until(lambda s=server: self.state_ok(s), timeout, what="cluster_state:ok")
+            wait_until(
+                lambda s=server: self.state_ok(s),
+                within=timeout,
+                interval=0.02,
+                what="cluster_state:ok",
+            )
         return self
 
     def state_ok(self, server: RedisServer) -> bool:

@@ -13,22 +13,9 @@ from service.cluster.directory import Directory
 from service.cluster.keys import Keys, member
 from service.cluster.registry import NodeInfo, Registry
 from tests.redis.rpc import Rpc, block_bytes
+from tests.waiting import until
 
 KEYS = Keys("kvt")
-
-
-async def until(check, timeout: float = 10.0, what: str = "condition"):  # noqa: ASYNC109
-    """Await ``check()`` (sync or async) until truthy; fail after ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = check()
-        if asyncio.iscoroutine(value):
-            value = await value
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        await asyncio.sleep(0.02)
 
 
 @pytest.fixture
@@ -67,7 +54,7 @@ async def test_a_silent_node_expires_within_its_ttl(rclient):
     assert joined
     assert "ghost" in await live_ids(rclient)
     started = time.monotonic()
-    await until(lambda: _absent(rclient, "ghost"), timeout=3, what="ghost to expire")
+    await until(lambda: _absent(rclient, "ghost"), within=3, what="ghost to expire")
     assert time.monotonic() - started < 1.0
     # The next heartbeat of anyone reaps it and says so on the stream, once.
     await registry.heartbeat(rclient, NodeInfo("other", "127.0.0.1:2"))

@@ -17,7 +17,7 @@ from kvstore.client import Client
 from kvstore.layout import KVLayout
 from kvstore.v1 import kvstore_pb2 as pb
 from tests.redis.rpc import MODEL, Rpc, block_bytes, prompt
-from tests.redis.test_cluster_nodes import until
+from tests.waiting import until
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=4, block_size=4, dtype="float16")
 """The layout of `tests.redis.rpc` (256-byte blocks), as the SDK names it."""

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from tests.redis.rpc import Rpc, block_bytes
-from tests.redis.test_cluster_nodes import until
+from tests.waiting import until
 
 
 async def test_peer_fetch_grows_the_local_pool(nodes):

@@ -29,7 +29,7 @@ from kvstore.v1 import kvstore_pb2_grpc
 from service.cluster.keys import Keys, member
 from tests.redis.rpc import MODEL, Rpc, block_bytes, prompt
 from tests.redis.server import REDIS_SERVER, RedisServer, free_port
-from tests.redis.test_cluster_nodes import until
+from tests.waiting import until
 
 pytest.importorskip("nixl._api", reason="needs the nixl package (pip install kvstore[nixl])")
 pytestmark = pytest.mark.skipif(REDIS_SERVER is None, reason="needs redis-server on PATH")

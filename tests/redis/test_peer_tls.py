@@ -9,15 +9,14 @@ from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc
 from service.cluster.peer_fetch import peer_credentials
 from service.config import Config, ConfigError
+from tests.inproc import LAYOUT
 from tests.redis.rpc import MODEL, block_bytes, prompt
-from tests.redis.test_cluster_nodes import until
-from tests.security.test_tls_and_pool_files import pki  # noqa: F401  (the test CA and certs)
-from tests.service.conftest import LAYOUT
+from tests.waiting import until
 
 TENANT = (("x-kvstore-tenant", "acme"),)
 
 
-def tls_settings(pki, mutual: bool) -> dict[str, str]:  # noqa: F811
+def tls_settings(pki, mutual: bool) -> dict[str, str]:
     settings = {"tls_cert": str(pki / "server.pem"), "tls_key": str(pki / "server.key")}
     if mutual:
         settings["tls_client_ca"] = str(pki / "ca.pem")
@@ -26,7 +25,7 @@ def tls_settings(pki, mutual: bool) -> dict[str, str]:  # noqa: F811
     return settings
 
 
-async def _channel(address: str, pki) -> grpc.aio.Channel:  # noqa: F811
+async def _channel(address: str, pki) -> grpc.aio.Channel:
     creds = grpc.ssl_channel_credentials(
         root_certificates=(pki / "ca.pem").read_bytes(),
         private_key=(pki / "client.key").read_bytes(),
@@ -36,7 +35,7 @@ async def _channel(address: str, pki) -> grpc.aio.Channel:  # noqa: F811
 
 
 @pytest.mark.parametrize("mutual", [False, True], ids=["tls", "mtls"])
-async def test_peer_fetch_over_tls(nodes, pki, mutual):  # noqa: F811
+async def test_peer_fetch_over_tls(nodes, pki, mutual):
     settings = tls_settings(pki, mutual)
     a = await nodes.start("node-a", **settings)
     b = await nodes.start("node-b", **settings)
@@ -72,7 +71,7 @@ async def test_peer_fetch_over_tls(nodes, pki, mutual):  # noqa: F811
         await cb.close()
 
 
-def test_peer_credentials_follow_the_nodes_tls(tmp_path, pki):  # noqa: F811
+def test_peer_credentials_follow_the_nodes_tls(tmp_path, pki):
     assert peer_credentials(Config()) is None
     creds = peer_credentials(Config(**tls_settings(pki, mutual=True)))
     assert isinstance(creds, grpc.ChannelCredentials)

@@ -10,8 +10,7 @@ from kvstore.v1 import kvstore_pb2 as pb
 from service.cluster.keys import Keys, key_slot, member
 from tests.redis.rpc import Rpc, prompt
 from tests.redis.server import REDIS_SERVER
-from tests.redis.test_cluster_nodes import until
-from tests.redis.test_redis_cluster import cnodes, rc, redis_cluster  # noqa: F401
+from tests.waiting import until
 
 pytestmark = pytest.mark.skipif(REDIS_SERVER is None, reason="needs redis-server on PATH")
 
@@ -19,7 +18,7 @@ KEYS = Keys("kvt")
 MODELS = [f"query-model-{i}" for i in range(4)]
 
 
-async def test_query_answers_across_slots_with_engines(cnodes, rc):  # noqa: F811
+async def test_query_answers_across_slots_with_engines(cnodes, rc):
     a = await cnodes.start("node-a")
     b = await cnodes.start("node-b")
     namespaces: dict[str, tuple[str, list[bytes]]] = {}

@@ -14,10 +14,10 @@ import redis.asyncio as aioredis
 
 from kvstore.v1 import kvstore_pb2 as pb
 from service.cluster.keys import Keys, member
+from tests.inproc import BLOCK_SIZE
 from tests.redis.rpc import MODEL, Rpc, prompt
 from tests.redis.server import free_port
-from tests.redis.test_cluster_nodes import until
-from tests.service.conftest import BLOCK_SIZE
+from tests.waiting import until
 
 KEYS = Keys("kvt")
 

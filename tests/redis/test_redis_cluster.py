@@ -11,61 +11,22 @@ documented degraded mode, docs/cluster.md "Redis Cluster") and restarted.
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator, Iterator
 
 import pytest
-import redis.asyncio as aioredis
 import redis.exceptions
 
 from kvstore.v1 import kvstore_pb2 as pb
-from service.cluster import link
 from service.cluster.directory import Directory
 from service.cluster.keys import Keys
 from service.cluster.registry import Registry
-from tests.redis.conftest import NodeFactory
 from tests.redis.rpc import Rpc, block_bytes
-from tests.redis.server import REDIS_SERVER, RedisClusterServers
-from tests.redis.test_cluster_nodes import until
+from tests.redis.server import REDIS_SERVER
+from tests.waiting import until
 
 pytestmark = pytest.mark.skipif(REDIS_SERVER is None, reason="needs redis-server on PATH")
 
 KEYS = Keys("kvt")
 MODELS = [f"model-{i}" for i in range(8)]
-
-
-@pytest.fixture
-def redis_cluster(tmp_path) -> Iterator[RedisClusterServers]:
-    cluster = RedisClusterServers(tmp_path / "rc").start()
-    try:
-        yield cluster
-    finally:
-        cluster.stop()
-
-
-class ClusterNodes(NodeFactory):
-    """Nodes with ``redis_cluster`` on."""
-
-    async def start(self, node_id: str, **overrides):
-        return await super().start(node_id, redis_cluster=True, **overrides)
-
-
-@pytest.fixture
-async def cnodes(tmp_path, redis_cluster) -> AsyncIterator[ClusterNodes]:
-    factory = ClusterNodes(tmp_path, redis_cluster.url)
-    try:
-        yield factory
-    finally:
-        for server in list(factory.servers):
-            await factory.stop(server)
-
-
-@pytest.fixture
-async def rc(redis_cluster) -> AsyncIterator[aioredis.RedisCluster]:
-    client = aioredis.RedisCluster.from_url(redis_cluster.url, socket_timeout=0.5)
-    try:
-        yield client
-    finally:
-        await link.close(client)  # RedisCluster.aclose alone may leak (see link.close)
 
 
 async def _live_ids(rc) -> list[str]:

@@ -8,7 +8,7 @@ from service.cluster.directory import Change, Directory, DirectoryQueue
 from service.cluster.keys import Keys
 from tests.redis.rpc import Rpc
 from tests.redis.server import RedisServer, free_port
-from tests.redis.test_cluster_nodes import until
+from tests.waiting import until
 
 KEYS = Keys("kvt")
 
@@ -38,7 +38,7 @@ async def _held(server: RedisServer, ns: str, chain, node_id: str) -> int:
 
 
 async def test_redis_down_at_start_then_up(tmp_path):
-    from tests.redis.conftest import NodeFactory
+    from tests.redis.nodes import NodeFactory
 
     server = RedisServer(tmp_path / "redis", free_port())
     factory = NodeFactory(tmp_path, server.url)
@@ -64,7 +64,7 @@ async def _is(value, expected) -> bool:
 
 
 async def test_redis_killed_under_load_then_restarted_resyncs(tmp_path):
-    from tests.redis.conftest import NodeFactory
+    from tests.redis.nodes import NodeFactory
 
     server = RedisServer(tmp_path / "redis").start()
     factory = NodeFactory(tmp_path, server.url)

@@ -11,13 +11,13 @@ from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc
 from service.server import Server
 from service.tenancy.tenants import TenantDirectory, TenantsFileError
-from tests.security.conftest import (
+from tests.inproc import ManualClock
+from tests.tenants import (
     ADMIN_TOKEN,
     ALICE_TOKEN,
     BOB_TOKEN,
     MODEL,
     OTHER_MODEL,
-    ManualClock,
     bearer,
     open_lease,
     register,

@@ -11,15 +11,8 @@ import pytest
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc
 from service.server import Server
-from tests.security.conftest import (
-    ALICE_TOKEN,
-    BOB_TOKEN,
-    ManualClock,
-    bearer,
-    open_lease,
-    register,
-    store,
-)
+from tests.inproc import ManualClock
+from tests.tenants import ALICE_TOKEN, BOB_TOKEN, bearer, open_lease, register, store
 
 
 async def test_identical_prompts_never_share_and_foreign_prefix_is_a_plain_miss(auth_stub):
@@ -96,7 +89,7 @@ async def test_pins_per_lease_bound(server_config):
     try:
         async with grpc.aio.insecure_channel(server.address) as ch:
             stub = kvstore_pb2_grpc.KVStoreStub(ch)
-            from tests.service.conftest import LAYOUT
+            from tests.inproc import LAYOUT
 
             ns = (
                 await stub.RegisterNamespace(
@@ -129,7 +122,7 @@ async def test_request_size_bounds(server_config):
     try:
         async with grpc.aio.insecure_channel(server.address) as ch:
             stub = kvstore_pb2_grpc.KVStoreStub(ch)
-            from tests.service.conftest import LAYOUT
+            from tests.inproc import LAYOUT
 
             ns = (
                 await stub.RegisterNamespace(

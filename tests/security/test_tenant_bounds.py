@@ -24,8 +24,8 @@ from kvstore.v1 import kvstore_pb2_grpc
 from service.config import Config
 from service.server import Server
 from service.tenancy.callers import ROOT_CACHE_SIZE
-from tests.security.conftest import ALICE_TOKEN, BOB_TOKEN, bearer, register
-from tests.service.conftest import BLOCK_SIZE, LAYOUT, ManualClock
+from tests.inproc import BLOCK_SIZE, LAYOUT, ManualClock
+from tests.tenants import ALICE_TOKEN, BOB_TOKEN, bearer, register
 
 TENANTS = 100_000
 """Distinct tenant names sent through the node (the issue's figure)."""

@@ -10,7 +10,7 @@ import pytest
 from grpc_status import rpc_status
 
 from kvstore.v1 import kvstore_pb2 as pb
-from tests.service.conftest import LAYOUT
+from tests.inproc import LAYOUT
 
 INVALID = grpc.StatusCode.INVALID_ARGUMENT
 SERVICE = pb.DESCRIPTOR.services_by_name["KVStore"]

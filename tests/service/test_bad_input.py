@@ -9,25 +9,14 @@ from google.rpc import error_details_pb2
 from grpc_status import rpc_status
 
 from kvstore.v1 import kvstore_pb2 as pb
-from tests.service.conftest import BLOCK_BYTES, BLOCK_SIZE, LAYOUT, tenant
+from tests.inproc import BLOCK_BYTES, BLOCK_SIZE, LAYOUT, tenant
+from tests.service.calls import INVALID, expect
 
-INVALID = grpc.StatusCode.INVALID_ARGUMENT
 NOT_FOUND = grpc.StatusCode.NOT_FOUND
 PRECONDITION = grpc.StatusCode.FAILED_PRECONDITION
 EXHAUSTED = grpc.StatusCode.RESOURCE_EXHAUSTED
 UNKNOWN_NS = "0123456789abcdef"
 H = b"\x01" * 32
-
-
-async def expect(stub, code: grpc.StatusCode, words: str, call) -> grpc.aio.AioRpcError:
-    """Await ``call``; it must fail with ``code`` and a message containing ``words``."""
-    with pytest.raises(grpc.aio.AioRpcError) as err:
-        result = await call if not hasattr(call, "__aiter__") else [m async for m in call]
-        del result
-    assert err.value.code() == code, err.value.details()
-    assert words.lower() in err.value.details().lower(), err.value.details()
-    assert (await stub.Ping(pb.PingRequest(payload=b"ok"))).payload == b"ok"
-    return err.value
 
 
 @pytest.fixture

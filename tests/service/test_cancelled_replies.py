@@ -9,12 +9,12 @@ reservations itself.
 from __future__ import annotations
 
 import asyncio
-import time
 
 import pytest
 
 from kvstore.v1 import kvstore_pb2 as pb
 from service.api import blocks as blocks_module
+from tests.waiting import until
 
 TOKENS = list(range(1, 33))  # 8 blocks of the test layout
 
@@ -39,14 +39,6 @@ async def stats(stub):
     return await stub.Stats(pb.StatsRequest(), timeout=5)
 
 
-async def wait_until(fetch, ok, what: str, within: float = 5.0) -> None:
-    """Poll ``fetch()`` until ``ok`` holds for its result, failing after ``within`` s."""
-    deadline = time.monotonic() + within
-    while not ok(await fetch()):
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        await asyncio.sleep(0.01)
-
-
 async def test_a_lookup_cancelled_mid_reply_drops_its_pins(stub, namespace, stalled_replies):
     lease = (await stub.OpenLease(pb.OpenLeaseRequest(ttl_seconds=60))).lease_id
     ns = namespace.id
@@ -64,7 +56,9 @@ async def test_a_lookup_cancelled_mid_reply_drops_its_pins(stub, namespace, stal
     call.cancel()
     with pytest.raises(asyncio.CancelledError):
         await call
-    await wait_until(lambda: stats(stub), lambda r: r.pinned == 0, "no pinned blocks")
+    await until(
+        lambda: stats(stub), ok=lambda r: r.pinned == 0, within=5.0, what="no pinned blocks"
+    )
 
 
 async def test_a_reserve_cancelled_mid_reply_aborts_its_slots(stub, namespace, stalled_replies):
@@ -76,4 +70,6 @@ async def test_a_reserve_cancelled_mid_reply_aborts_its_slots(stub, namespace, s
     call.cancel()
     with pytest.raises(asyncio.CancelledError):
         await call
-    await wait_until(lambda: stats(stub), lambda r: r.writing == 0, "no writing blocks")
+    await until(
+        lambda: stats(stub), ok=lambda r: r.writing == 0, within=5.0, what="no writing blocks"
+    )

@@ -13,8 +13,8 @@ from kvstore.checksum import block_checksum, pack_checksums, unpack_checksums
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc
 from service.server import Server
-from tests.service.conftest import LAYOUT
-from tests.service.test_bad_input import INVALID, expect
+from tests.inproc import LAYOUT
+from tests.service.calls import INVALID, expect
 
 H1, H2 = b"\x01" * 32, b"\x02" * 32
 

@@ -21,7 +21,6 @@ from kvstore.pool import HostPool, attach
 from kvstore.types import NamespaceId
 from service.server import Server
 from tests.kvstore.pool.fake_cuda import FakeCudaRuntime, FakeStream, FakeTorchCuda
-from tests.service.conftest import server_config  # noqa: F401
 from tests.service.cuda_node import threaded_node
 
 UUID0 = "GPU-00000000-0000-0000-0000-000000000000"
@@ -38,7 +37,7 @@ def rt() -> FakeCudaRuntime:
 
 
 @pytest.fixture
-def node(server_config, rt) -> Iterator[Server]:  # noqa: F811
+def node(server_config, rt) -> Iterator[Server]:
     # CUDA arenas are whole 2 MiB IPC blocks, counted so in the budget.
     config = dataclasses.replace(server_config, device="cuda:0", capacity_bytes=16 << 20)
     with threaded_node(config, rt) as server:

@@ -20,7 +20,6 @@ from service.config import ConfigError, load_config
 from service.pools import PoolManager
 from service.server import Server
 from tests.kvstore.pool.fake_cuda import FakeCudaRuntime
-from tests.service.conftest import server_config  # noqa: F401
 
 UUID0 = "GPU-00000000-0000-0000-0000-000000000000"
 UUID1 = "GPU-11111111-1111-1111-1111-111111111111"
@@ -45,7 +44,7 @@ def test_capacity_flag_abbreviation():
     assert config.capacity_bytes == 40 << 30
 
 
-def test_default_is_host_pools(server_config):  # noqa: F811
+def test_default_is_host_pools(server_config):
     manager = PoolManager(server_config)
     assert server_config.device == "cpu" and manager.cuda_device is None
     pool = manager.build_arena(NamespaceId("ab" * 8), manager.plan(256, 4 * 256), 1)
@@ -53,7 +52,7 @@ def test_default_is_host_pools(server_config):  # noqa: F811
     pool.close()
 
 
-def test_cuda_device_builds_cuda_pools_on_that_gpu(server_config):  # noqa: F811
+def test_cuda_device_builds_cuda_pools_on_that_gpu(server_config):
     rt = FakeCudaRuntime(uuids=[UUID0, UUID1])
     # CUDA arenas are whole 2 MiB IPC blocks: a budget of some.
     config = dataclasses.replace(server_config, device=f"cuda:{UUID1}", capacity_bytes=16 << 20)
@@ -74,7 +73,7 @@ def test_cuda_device_builds_cuda_pools_on_that_gpu(server_config):  # noqa: F811
     assert not rt.allocations
 
 
-def test_missing_gpu_is_a_config_error(server_config):  # noqa: F811
+def test_missing_gpu_is_a_config_error(server_config):
     rt = FakeCudaRuntime(uuids=[UUID0])
     config = dataclasses.replace(server_config, device="cuda:3")
     with pytest.raises(ConfigError, match="device cuda:3: GPU ordinal 3"):
@@ -98,7 +97,7 @@ def test_server_without_cupy_exits_2_with_one_line(tmp_path):
     assert "Traceback" not in proc.stderr
 
 
-async def test_client_stores_and_reads_through_a_cuda_mapping(server_config):  # noqa: F811
+async def test_client_stores_and_reads_through_a_cuda_mapping(server_config):
     rt = FakeCudaRuntime(uuids=[UUID0], total_bytes=1 << 24)
     set_default_runtime(rt)
     try:

@@ -25,7 +25,6 @@ from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc
 from service.server import Server
 from tests.kvstore.pool.fake_cuda import FakeCudaRuntime
-from tests.service.conftest import server_config  # noqa: F401
 from tests.service.cuda_node import threaded_node
 
 UUID0 = "GPU-00000000-0000-0000-0000-000000000000"
@@ -40,7 +39,7 @@ def rt() -> FakeCudaRuntime:
 
 
 @pytest.fixture
-def node(server_config, rt) -> Iterator[Server]:  # noqa: F811
+def node(server_config, rt) -> Iterator[Server]:
     config = dataclasses.replace(
         server_config, device="cuda:0", capacity_bytes=2 * ARENA, namespace_capacity_bytes=0
     )

@@ -9,7 +9,7 @@ import grpc
 import pytest
 
 from kvstore.v1 import kvstore_pb2 as pb
-from tests.service.conftest import BLOCK_BYTES, BLOCK_SIZE, LAYOUT
+from tests.inproc import BLOCK_BYTES, BLOCK_SIZE, LAYOUT
 
 
 def exists(path: str) -> bool:

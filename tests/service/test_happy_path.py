@@ -8,7 +8,7 @@ import grpc
 import pytest
 
 from kvstore.v1 import kvstore_pb2 as pb
-from tests.service.conftest import BLOCK_BYTES, BLOCK_SIZE, LAYOUT
+from tests.inproc import BLOCK_BYTES, BLOCK_SIZE, LAYOUT
 
 TOKENS = list(range(100, 100 + 3 * BLOCK_SIZE + 2))  # 3 full blocks and a partial one
 

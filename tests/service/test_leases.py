@@ -2,22 +2,9 @@
 
 from __future__ import annotations
 
-import asyncio
-
 from kvstore.v1 import kvstore_pb2 as pb
-from tests.service.conftest import BLOCK_SIZE
-
-
-async def wait_for_stats(stub, predicate, within: float = 5.0) -> pb.StatsResponse:
-    """Poll Stats until ``predicate`` holds (the expiry task runs every few ms)."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + within
-    while True:
-        stats = await stub.Stats(pb.StatsRequest())
-        if predicate(stats):
-            return stats
-        assert loop.time() < deadline, f"condition not reached: {stats}"
-        await asyncio.sleep(0.01)
+from tests.inproc import BLOCK_SIZE
+from tests.waiting import until
 
 
 async def test_expiry_frees_pins_and_writes(stub, namespace, clock, kv_server):
@@ -32,7 +19,12 @@ async def test_expiry_frees_pins_and_writes(stub, namespace, clock, kv_server):
     assert stats.pinned == 1 and stats.writing == 1 and stats.leases == 1
 
     clock.advance(6)
-    stats = await wait_for_stats(stub, lambda s: s.leases_expired == 1)
+    stats = await until(  # the expiry task runs every few ms
+        lambda: stub.Stats(pb.StatsRequest()),
+        ok=lambda s: s.leases_expired == 1,
+        within=5.0,
+        what="the lease to expire",
+    )
     assert stats.leases == 0 and stats.pinned == 0 and stats.writing == 0
     (ns_stats,) = stats.namespaces
     assert ns_stats.pinned == 0 and ns_stats.writing == 0 and ns_stats.ready == 1

@@ -11,9 +11,8 @@ import pytest
 from google.protobuf import json_format
 
 from kvstore.v1 import kvstore_pb2 as pb
-from tests.service.conftest import BLOCK_SIZE
-from tests.service.test_release_runs import pinned
-from tests.service.test_wire_forms import INVALID, field_of, pin, store
+from tests.inproc import BLOCK_SIZE
+from tests.service.calls import INVALID, field_of, pin, pinned, store
 
 
 def carrying(

@@ -11,8 +11,8 @@ import pytest
 from kvstore.api import wire
 from kvstore.errors import InvalidArgument
 from kvstore.v1 import kvstore_pb2 as pb
-from tests.service.conftest import BLOCK_SIZE
-from tests.service.test_wire_forms import store
+from tests.inproc import BLOCK_SIZE
+from tests.service.calls import store
 
 
 async def test_packed_slots_answer_what_the_repeated_fields_do(stub, namespace, lease):

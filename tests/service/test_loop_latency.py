@@ -30,7 +30,8 @@ import grpc
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc
 from service.config import Config
-from tests.fuzz.test_fuzz_raw_bytes import varint
+from tests.fuzz.wire import varint
+from tests.waiting import until
 
 BOUND_SECONDS = 0.25
 """Slowest Ping allowed while a hostile request runs."""
@@ -66,21 +67,25 @@ async def slowest_ping_during(stub, call) -> tuple[float, object]:
     """(slowest Ping while ``call`` runs, ``call``'s result or its error)."""
     done = asyncio.Event()
     slowest = 0.0
+    pings = 0
 
     async def ping_forever() -> None:
-        nonlocal slowest
+        nonlocal slowest, pings
         while not done.is_set():
             started = time.perf_counter()
             await stub.Ping(pb.PingRequest(payload=b"p"), timeout=30)
             slowest = max(slowest, time.perf_counter() - started)
+            pings += 1
 
     pinger = asyncio.create_task(ping_forever())
-    await asyncio.sleep(0.05)  # the pinger is running before the hostile call starts
+    # The pinger is running before the hostile call starts.
+    await until(lambda: pings > 0, within=30, what="the pinger's first Ping")
     try:
         result: object = await call()
     except grpc.aio.AioRpcError as err:
         result = err
     finally:
+        # Not waiting for an event: the pings go on a little after the call, as they should.
         await asyncio.sleep(0.05)
         done.set()
         await pinger

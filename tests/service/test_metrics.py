@@ -9,7 +9,7 @@ import grpc
 import pytest
 
 from kvstore.v1 import kvstore_pb2 as pb
-from tests.service.conftest import BLOCK_SIZE
+from tests.inproc import BLOCK_SIZE
 
 
 async def test_lookup_and_occupancy_metrics(stub, namespace, kv_server):

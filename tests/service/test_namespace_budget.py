@@ -22,7 +22,8 @@ from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc
 from service.config import Config
 from service.server import Server
-from tests.service.conftest import BLOCK_BYTES, BLOCK_SIZE, LAYOUT
+from tests.inproc import BLOCK_BYTES, BLOCK_SIZE, LAYOUT
+from tests.service.pool_stores import REAL_LAYOUT, payload, store
 
 ARENA_BLOCKS = 16
 """Slots per arena in the small config of the conftest (arena_bytes = 16 blocks)."""
@@ -30,27 +31,6 @@ ARENA_BLOCKS = 16
 
 def tokens_of(n_blocks: int, seed: int) -> list[int]:
     return [seed * 100_000 + i for i in range(n_blocks * BLOCK_SIZE)]
-
-
-async def store(stub, ns: str, lid: int, tokens: list[int], fill: int = 1) -> pb.ReserveResponse:
-    """Reserve, write and commit what fits; the Reserve answer."""
-    res = await stub.Reserve(pb.ReserveRequest(namespace_id=ns, lease_id=lid, tokens=tokens))
-    fresh = [e for e in res.entries if e.status == pb.RESERVE_STATUS_RESERVED]
-
-    async def writes():
-        yield pb.WriteBlocksRequest(
-            header=pb.WriteBlocksHeader(namespace_id=ns, lease_id=lid, commit=True)
-        )
-        for e in fresh:
-            yield pb.WriteBlocksRequest(block=pb.BlockData(hash=e.hash, data=payload(e.hash, fill)))
-
-    if fresh:
-        await stub.WriteBlocks(writes())
-    return res
-
-
-def payload(block_hash: bytes, fill: int, size: int = BLOCK_BYTES) -> bytes:
-    return (bytes([fill]) + block_hash[:7]) * (size // 8)
 
 
 async def read_back(stub, ns: str, lid: int, tokens: list[int]) -> tuple[int, list[bytes]]:
@@ -69,11 +49,6 @@ def by_model(stats: pb.StatsResponse) -> dict[str, pb.NamespaceStats]:
 
 
 # --- the default budget ------------------------------------------------------------------
-
-REAL_LAYOUT = pb.KVLayout(
-    num_layers=4, num_kv_heads=8, head_dim=128, block_size=16, dtype="float16"
-)
-"""256 KiB blocks: 256 to a default 64 MiB arena."""
 
 
 @pytest.fixture

@@ -13,9 +13,8 @@ import asyncio
 import dataclasses
 import logging
 import threading
-import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
@@ -26,8 +25,9 @@ from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc
 from service.config import Config
 from service.server import Server
-from tests.service.conftest import BLOCK_BYTES, BLOCK_SIZE, LAYOUT
-from tests.service.test_namespace_budget import REAL_LAYOUT, store
+from tests.inproc import BLOCK_BYTES, BLOCK_SIZE, LAYOUT
+from tests.service.pool_stores import REAL_LAYOUT, store
+from tests.waiting import until
 
 ARENA_BLOCKS = 16
 """Slots per arena of the small config (arena_bytes = 16 blocks)."""
@@ -89,11 +89,14 @@ def tokens_of(n_blocks: int, seed: int) -> list[int]:
     return [seed * 100_000 + i for i in range(n_blocks * BLOCK_SIZE)]
 
 
-async def eventually(check: Callable[[], Any], within: float = 5.0) -> None:
-    deadline = time.monotonic() + within
-    while not await check():
-        assert time.monotonic() < deadline, "timed out"
-        await asyncio.sleep(0.01)
+def growing(node: Node) -> bool:
+    """Whether the node is building headroom in the background now (its growth tasks)."""
+    return bool(node.server.node.memory._ahead)
+
+
+async def settled(node: Node, after: str) -> None:
+    """Wait until no background growth is in flight: what ``after`` could start has ended."""
+    await until(lambda: not growing(node), within=5.0, what=f"no growth in flight after {after}")
 
 
 class HeldBuilds:
@@ -139,7 +142,7 @@ async def test_a_commit_into_the_headroom_grows_the_pool_in_the_background(node:
     )
     assert all(e.status == pb.RESERVE_STATUS_RESERVED for e in res.entries)
     assert res.pool_version == before.pool_version  # no arena was added on its path
-    await asyncio.sleep(0.05)
+    await settled(node, "the Reserve")
     assert held.begun == 0
     # ... the commit starts it, and answers while the arena is still being built.
     commit = await asyncio.wait_for(
@@ -149,7 +152,7 @@ async def test_a_commit_into_the_headroom_grows_the_pool_in_the_background(node:
         5,
     )
     assert commit.committed == 20
-    await eventually(lambda: _begun(held))
+    await until(lambda: held.begun > 0, within=5.0, what="the arena build to begin")
     assert await node.arenas(ns) == 2
     # A Reserve that fits the free slots never waits for the arena being built.
     more = await asyncio.wait_for(
@@ -159,17 +162,9 @@ async def test_a_commit_into_the_headroom_grows_the_pool_in_the_background(node:
     assert all(e.status == pb.RESERVE_STATUS_RESERVED for e in more.entries)
     held.go.set()
     # 64 slots (the ceiling) hold 40 free: the headroom is back.
-    await eventually(lambda: _has_arenas(node, ns, 4))
+    await until(lambda: node.arenas(ns), ok=lambda n: n == 4, within=5.0, what="4 arenas")
     after = await node.stub.AttachPool(pb.AttachPoolRequest(namespace_id=ns))
     assert after.arenas[:2] == before.arenas[:2]  # arenas are added at the end
-
-
-async def _begun(held: HeldBuilds) -> bool:
-    return held.begun > 0
-
-
-async def _has_arenas(node: Node, ns: str, n: int) -> bool:
-    return await node.arenas(ns) == n
 
 
 async def test_a_reserve_beyond_the_free_slots_still_grows_on_its_path(node: Node) -> None:
@@ -177,7 +172,7 @@ async def test_a_reserve_beyond_the_free_slots_still_grows_on_its_path(node: Nod
     ns, lid = reg.namespace_id, await node.lease()
     res = await store(node.stub, ns, lid, tokens_of(40, 2))  # 32 free: 8 more needed now
     assert sum(e.status == pb.RESERVE_STATUS_RESERVED for e in res.entries) == 40
-    await eventually(lambda: _has_arenas(node, ns, 4))
+    await until(lambda: node.arenas(ns), ok=lambda n: n == 4, within=5.0, what="4 arenas")
 
 
 async def test_growth_ahead_of_need_takes_no_arena_from_other_namespaces(tmp_path: Any) -> None:
@@ -189,7 +184,7 @@ async def test_growth_ahead_of_need_takes_no_arena_from_other_namespaces(tmp_pat
         assert (first.capacity_blocks, second.capacity_blocks) == (32, 16)
         lid = await node.lease()
         await store(node.stub, second.namespace_id, lid, tokens_of(10, 3))  # under its headroom
-        await asyncio.sleep(0.1)
+        await settled(node, "the store")
         assert await node.arenas(first.namespace_id) == 2  # kept: nothing was taken back
         assert await node.arenas(second.namespace_id) == 1
 
@@ -223,7 +218,8 @@ async def test_stopping_the_node_while_headroom_is_built_leaves_no_files(tmp_pat
         reg = await node.register("m")
         held = HeldBuilds(node.server)
         await store(node.stub, reg.namespace_id, await node.lease(), tokens_of(20, 5))
-        await eventually(lambda h=held: _begun(h))  # the background growth waits in its thread
+        # The background growth waits in its thread.
+        await until(lambda h=held: h.begun > 0, within=5.0, what="the background build to begin")
         asyncio.get_running_loop().call_later(0.1, held.go.set)
         await node.server.stop(0.1)
     assert [p for p in tmp_path.iterdir() if p.name.startswith(config.pool_prefix)] == []

@@ -21,7 +21,7 @@ from kvstore.v1 import kvstore_pb2_grpc
 from service.config import Config, ConfigError, load_config
 from service.pools import PoolManager
 from service.server import Server
-from tests.service.conftest import LAYOUT
+from tests.inproc import LAYOUT
 
 
 def test_the_setting_takes_auto_on_off_only() -> None:

@@ -13,22 +13,19 @@ import pytest
 
 from kvstore.v1 import kvstore_pb2 as pb
 from service.config import Config
+from tests.inproc import BLOCK_SIZE
 from tests.redis.server import free_port
-from tests.security.conftest import (  # noqa: F401
+from tests.tenants import (
     ADMIN_TOKEN,
     ALICE_TOKEN,
     BOB_TOKEN,
     MODEL,
     OTHER_MODEL,
-    auth_config,
-    auth_server,
-    auth_stub,
     bearer,
     open_lease,
     register,
     store,
 )
-from tests.service.conftest import BLOCK_SIZE
 
 TOKENS = list(range(500, 500 + 3 * BLOCK_SIZE))
 
@@ -39,7 +36,7 @@ def server_config(server_config: Config) -> Config:
 
 
 @pytest.fixture
-async def alice_blocks(auth_stub) -> str:  # noqa: F811
+async def alice_blocks(auth_stub) -> str:
     ns = (await register(auth_stub, ALICE_TOKEN)).namespace_id
     await store(auth_stub, ALICE_TOKEN, ns, await open_lease(auth_stub, ALICE_TOKEN), TOKENS)
     return ns
@@ -60,7 +57,7 @@ async def refused(stub, token: str | None, **fields) -> grpc.StatusCode:
     return err.value.code()
 
 
-async def test_a_tenant_asks_about_itself_and_the_admin_about_anyone(auth_stub, alice_blocks):  # noqa: F811
+async def test_a_tenant_asks_about_itself_and_the_admin_about_anyone(auth_stub, alice_blocks):
     own = await ask(auth_stub, ALICE_TOKEN)
     assert own.tenant_id == "alice" and [h.matched_blocks for h in own.holders] == [3]
     assert (await ask(auth_stub, ALICE_TOKEN, tenant_id="alice")).holders == own.holders
@@ -82,7 +79,7 @@ async def test_a_tenant_asks_about_itself_and_the_admin_about_anyone(auth_stub, 
     assert await refused(auth_stub, "wrong-token") == grpc.StatusCode.UNAUTHENTICATED
 
 
-async def test_a_tenant_may_not_ask_about_a_model_it_may_not_use(auth_stub, alice_blocks):  # noqa: F811
+async def test_a_tenant_may_not_ask_about_a_model_it_may_not_use(auth_stub, alice_blocks):
     await register(auth_stub, BOB_TOKEN, OTHER_MODEL)
     assert await refused(auth_stub, ALICE_TOKEN, model=OTHER_MODEL) == (
         grpc.StatusCode.PERMISSION_DENIED
@@ -105,7 +102,7 @@ def _post(port: int, body: dict, token: str | None) -> tuple[int, dict]:
         return exc.code, json.loads(exc.read())
 
 
-async def test_http_query_takes_the_same_tokens(auth_server, alice_blocks):  # noqa: F811
+async def test_http_query_takes_the_same_tokens(auth_server, alice_blocks):
     port = auth_server.metrics_port
 
     async def post(body: dict, token: str | None) -> tuple[int, dict]:

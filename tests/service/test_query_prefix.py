@@ -21,8 +21,8 @@ from kvstore.errors import NotFound
 from kvstore.v1 import kvstore_pb2 as pb
 from service.config import Config
 from service.ops import query_http
+from tests.inproc import BLOCK_SIZE, tenant
 from tests.redis.server import free_port
-from tests.service.conftest import BLOCK_SIZE, tenant
 
 MODEL = "test-model"
 PROMPT = list(range(1000, 1000 + 6 * BLOCK_SIZE + 2))

@@ -15,7 +15,8 @@ import grpc
 import pytest
 
 from kvstore.v1 import kvstore_pb2 as pb
-from tests.service.conftest import LAYOUT
+from tests.inproc import LAYOUT
+from tests.waiting import until
 
 
 async def test_register_again_after_a_cancelled_register(stub, kv_server):
@@ -35,6 +36,16 @@ async def test_register_again_after_a_cancelled_register(stub, kv_server):
         return pool
 
     pools.build_arena = slow_build  # type: ignore[method-assign]
+    node = kv_server.node
+    real_register = node.register
+    registers = 0
+
+    async def counted_register(*args, **kwargs):
+        nonlocal registers
+        registers += 1
+        return await real_register(*args, **kwargs)
+
+    node.register = counted_register  # type: ignore[method-assign]
     request = pb.RegisterNamespaceRequest(model_id="slow-model", layout=LAYOUT)
     first = stub.RegisterNamespace(request)
     assert await asyncio.to_thread(started.wait, 5)
@@ -43,7 +54,8 @@ async def test_register_again_after_a_cancelled_register(stub, kv_server):
         await first
 
     second = asyncio.ensure_future(stub.RegisterNamespace(request, timeout=10))
-    await asyncio.sleep(0.05)  # let the second call reach the node before the first build ends
+    # The second call reaches the node before the first build ends.
+    await until(lambda: registers == 2, within=5.0, what="the second RegisterNamespace at the node")
     release.set()
     try:
         resp = await second

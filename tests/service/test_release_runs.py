@@ -8,12 +8,8 @@ import pytest
 
 from kvstore.api import wire
 from kvstore.v1 import kvstore_pb2 as pb
-from tests.service.conftest import BLOCK_SIZE
-from tests.service.test_wire_forms import INVALID, field_of, pin, store
-
-
-async def pinned(stub) -> int:
-    return (await stub.Stats(pb.StatsRequest())).namespaces[0].pinned
+from tests.inproc import BLOCK_SIZE
+from tests.service.calls import INVALID, field_of, pin, pinned, store
 
 
 async def test_runs_release_each_hit_and_count_each(stub, namespace, lease):

@@ -17,36 +17,15 @@ from dataclasses import replace
 import grpc
 import pytest
 
-from kvstore.types import BlockHash, LeaseId, NamespaceId, TenantId
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc
 from service.cluster.directory import Holder
 from service.cluster.peer_fetch import PeerFetcher
 from service.server import Server
+from tests.inproc import BLOCK_BYTES, BLOCK_SIZE, LAYOUT, tenant
 from tests.redis.server import free_port
-from tests.service.conftest import BLOCK_BYTES, BLOCK_SIZE, LAYOUT, tenant
-from tests.service.test_leases import wait_for_stats
-
-
-class StoringPeers:
-    """Fetches by committing the missing blocks straight into the store."""
-
-    def __init__(self, node) -> None:
-        self.node = node
-
-    async def fetch(
-        self, namespace: NamespaceId, tenant: TenantId, chain: list[BlockHash], have: int
-    ) -> int:
-        store, now = self.node.store, self.node.now()
-        lease = LeaseId(0x5EED)
-        store.open_lease(lease, tenant, 5.0, now)
-        store.reserve(namespace, tenant, lease, chain, now)
-        store.commit(namespace, tenant, lease, chain[have:], now)
-        store.close_lease(lease, tenant, now)
-        return len(chain) - have
-
-    async def close(self) -> None:
-        """Nothing to close (the server's shutdown calls it)."""
+from tests.service.peers import StoringPeers
+from tests.waiting import until
 
 
 class HangingPeers:
@@ -88,7 +67,12 @@ async def test_cancelled_remote_lookup_releases_its_local_pins(stub, namespace, 
     with pytest.raises(asyncio.CancelledError):
         await call
     # The caller never learnt of those pins: the node must drop them itself.
-    stats = await wait_for_stats(stub, lambda s: s.pinned == 0)
+    stats = await until(
+        lambda: stub.Stats(pb.StatsRequest()),
+        ok=lambda s: s.pinned == 0,
+        within=5.0,
+        what="the node to drop the cancelled lookup's pins",
+    )
     assert stats.leases == 1
 
 

@@ -10,7 +10,7 @@ from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc
 from service.server import Server
 from service.tenancy.callers import ChainRoots
-from tests.service.conftest import BLOCK_SIZE, LAYOUT, tenant
+from tests.inproc import BLOCK_SIZE, LAYOUT, tenant
 
 TOKENS = list(range(2 * BLOCK_SIZE))
 A, B = tenant("alice"), tenant("bob")

@@ -17,7 +17,7 @@ from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc
 from service.config import Config
 from service.server import Server
-from tests.client.conftest import LAYOUT
+from tests.client.blocks import LAYOUT
 
 
 def exists(path: str) -> bool:

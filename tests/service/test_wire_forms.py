@@ -6,32 +6,13 @@ from __future__ import annotations
 
 import grpc
 import pytest
-from google.rpc import error_details_pb2
-from grpc_status import rpc_status
 
 from kvstore.api import wire
 from kvstore.v1 import kvstore_pb2 as pb
-from tests.service.conftest import BLOCK_BYTES, BLOCK_SIZE
+from tests.inproc import BLOCK_BYTES, BLOCK_SIZE
+from tests.service.calls import INVALID, field_of, pin, store
 
 TOKENS = list(range(7, 7 + 5 * BLOCK_SIZE + 1))  # 5 full blocks and a partial one
-INVALID = grpc.StatusCode.INVALID_ARGUMENT
-
-
-async def store(stub, ns: str, lease: int, tokens: list[int]) -> list[bytes]:
-    """Reserve and commit every block of ``tokens`` (old forms); its chain."""
-    reserved = await stub.Reserve(pb.ReserveRequest(namespace_id=ns, lease_id=lease, tokens=tokens))
-    hashes = [e.hash for e in reserved.entries]
-    await stub.Commit(pb.CommitRequest(namespace_id=ns, lease_id=lease, hashes=hashes))
-    return hashes
-
-
-def field_of(err: grpc.aio.AioRpcError) -> str:
-    """The field a BadRequest violation names."""
-    status = rpc_status.from_call(err)
-    assert status is not None
-    bad = error_details_pb2.BadRequest()
-    assert status.details[0].Unpack(bad)
-    return bad.field_violations[0].field
 
 
 async def test_old_and_packed_lookups_answer_the_same(stub, namespace, lease):
@@ -63,23 +44,6 @@ async def test_old_and_packed_lookups_answer_the_same(stub, namespace, lease):
     )
     assert by_hashes.hit_hashes == packed.hit_hashes and not by_hashes.packed_chain
     assert by_hashes.query_tokens == 5 * BLOCK_SIZE
-
-
-async def pin(stub, ns: str, lease: int, hashes: list[bytes], release_id: int = 0) -> bytes:
-    """Pin the leading hits of a chain (packed forms), named by ``release_id`` if
-    given; their hashes, packed."""
-    hit = await stub.Lookup(
-        pb.LookupRequest(
-            namespace_id=ns,
-            lease_id=lease,
-            pin=True,
-            packed_hashes=b"".join(hashes),
-            packed_reply=True,
-            release_id=release_id,
-        )
-    )
-    assert hit.pinned
-    return hit.hit_hashes
 
 
 async def test_packed_pins_are_released_by_packed_hashes(stub, namespace, lease):

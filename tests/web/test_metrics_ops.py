@@ -10,17 +10,11 @@ import pytest
 from kvstore.v1 import kvstore_pb2 as pb
 
 # The node and stub fixtures of the service tests (a Server on port 0, a manual clock).
-from tests.service.conftest import (  # noqa: F401
-    LAYOUT,
-    channel,
-    clock,
-    kv_server,
-    server_config,
-    stub,
-)
+from tests.inproc import LAYOUT
+from tests.waiting import until
 
 
-async def test_rpc_buckets_resolve_sub_millisecond_lookups(kv_server, stub):  # noqa: F811
+async def test_rpc_buckets_resolve_sub_millisecond_lookups(kv_server, stub):
     ns = (
         await stub.RegisterNamespace(pb.RegisterNamespaceRequest(model_id="m", layout=LAYOUT))
     ).namespace_id
@@ -47,7 +41,7 @@ async def test_rpc_buckets_resolve_sub_millisecond_lookups(kv_server, stub):  # 
     assert bucket("5e-05") < 20 and bucket("0.1") == 20
 
 
-async def test_namespace_info_names_the_model(kv_server, stub):  # noqa: F811
+async def test_namespace_info_names_the_model(kv_server, stub):
     resp = await stub.RegisterNamespace(
         pb.RegisterNamespaceRequest(model_id="meta-llama/Llama-3.1-8B", layout=LAYOUT)
     )
@@ -59,7 +53,7 @@ async def test_namespace_info_names_the_model(kv_server, stub):  # noqa: F811
     assert 'model="meta-llama/Llama-3.1-8B"' in line and line.endswith(" 1.0")
 
 
-async def test_a_cancelled_watch_is_not_an_error(kv_server, stub, caplog):  # noqa: F811
+async def test_a_cancelled_watch_is_not_an_error(kv_server, stub, caplog):
     caplog.set_level(logging.DEBUG)
     registry = kv_server.node.metrics.registry
     hub = kv_server.node.events
@@ -69,12 +63,14 @@ async def test_a_cancelled_watch_is_not_an_error(kv_server, stub, caplog):  # no
         call.cancel()
         with pytest.raises(asyncio.CancelledError):
             await call.read()
-    deadline = asyncio.get_running_loop().time() + 10
-    while registry.get_sample_value(
-        "kvstore_rpc_cancelled_total", {"method": "WatchEvents"}
-    ) != 3 or len(hub):
-        assert asyncio.get_running_loop().time() < deadline, "the watches never ended"
-        await asyncio.sleep(0.02)
+    await until(
+        lambda: (
+            registry.get_sample_value("kvstore_rpc_cancelled_total", {"method": "WatchEvents"}) == 3
+            and not len(hub)
+        ),
+        interval=0.02,
+        what="the watches to end",
+    )
     errors = [
         s
         for metric in registry.collect()

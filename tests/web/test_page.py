@@ -7,7 +7,6 @@ import re
 import shutil
 import struct
 import subprocess
-import time
 import urllib.error
 import urllib.request
 import zlib
@@ -16,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from tests.cli.conftest import populate, start_node, stop_node, store_prompt
+from tests.waiting import wait_until
 
 QUIET_MODEL = "quiet-model"
 """A namespace registered before the busy one, with one block and no lookups."""
@@ -47,12 +47,13 @@ def get(node, path: str) -> tuple[int, bytes]:
 
 
 def wait_for_samples(node, n: int) -> dict:
-    deadline = time.monotonic() + 10
-    while True:
-        doc = json.loads(get(node, "/api/stats")[1])
-        if len(doc["history"]) >= n or time.monotonic() > deadline:
-            return doc
-        time.sleep(0.1)
+    return wait_until(
+        lambda: json.loads(get(node, "/api/stats")[1]),
+        ok=lambda doc: len(doc["history"]) >= n,
+        within=10,
+        interval=0.1,
+        what=f"{n} samples in /api/stats history",
+    )
 
 
 def test_api_stats_and_history(web_node):

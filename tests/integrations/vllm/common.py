@@ -7,11 +7,10 @@ has 3 full blocks (96 tokens).
 from __future__ import annotations
 
 import random
-import time
-from collections.abc import Callable
 from typing import Any
 
 from tests.integrations.vllm.engines import Engine, Node
+from tests.waiting import wait_until
 
 FAULTS_ENV = "KVSTORE_TEST_FAULTS"
 """The folder of the test connector's fault switches (tests/integrations/vllm/faulty.py)."""
@@ -71,24 +70,12 @@ def assert_same_output(got: dict[str, Any], ref: dict[str, Any], tolerance: floa
 def assert_nothing_pinned(node: Node, within: float = 10.0) -> None:
     """The node's pins and WRITING slots drop to 0 within ``within`` seconds (releases and
     saves finish in the background)."""
-    deadline = time.monotonic() + within
-    while ((stats := node.stats()).pinned or stats.writing) and time.monotonic() < deadline:
-        time.sleep(0.2)
+    stats = wait_until(
+        node.stats,
+        ok=lambda s: s.pinned == 0 and s.writing == 0,
+        within=within,
+        interval=0.2,
+        what="no pinned and no WRITING blocks on the node",
+    )
     assert stats.pinned == 0
     assert stats.writing == 0
-
-
-def wait_for(
-    what: str,
-    done: Callable[[], bool],
-    within: float,
-    *,
-    tail: Callable[[], str] = lambda: "",
-    poll: float = 0.05,
-) -> None:
-    """Poll ``done`` until it is true; fail naming ``what`` (and a log tail) after ``within`` s."""
-    deadline = time.monotonic() + within
-    while not done():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{what} not within {within:.0f} s:\n{tail()}")
-        time.sleep(poll)

@@ -19,8 +19,8 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from tests.integrations.vllm.common import wait_for
 from tests.integrations.vllm.engines import vllm_environment
+from tests.waiting import wait_until
 
 CLI = ("-m", "kvstore.integrations.vllm.cli")
 MODEL_NAME = "tiny"
@@ -117,8 +117,12 @@ class ServeProcess:
             return False
 
     def wait_ready(self) -> ServeProcess:
-        wait_for(
-            f"server {self.name} healthy", self.healthy, START_TIMEOUT, tail=self.tail, poll=0.5
+        wait_until(
+            self.healthy,
+            what=f"server {self.name} healthy",
+            within=START_TIMEOUT,
+            interval=0.5,
+            tail=self.tail,
         )
         return self
 

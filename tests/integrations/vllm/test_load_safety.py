@@ -8,13 +8,14 @@ that must not look up at all (prompt logprobs).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from types import SimpleNamespace
 
 from kvstore.integrations.vllm.metadata import KVStoreWorkerReport
 from kvstore.integrations.vllm.request_life import Phase
 from service.server import Server
-from tests.integrations.vllm.test_scheduler_side import (
+from tests.integrations.vllm.scheduler_fakes import (
     BS,
     MODEL,
     answer,
@@ -25,7 +26,7 @@ from tests.integrations.vllm.test_scheduler_side import (
     step,
     store_prompt,
 )
-from tests.service.conftest import clock, kv_server, server_config  # noqa: F401
+from tests.waiting import wait_until
 
 RANKS = [f"{MODEL}#tp-2.0", f"{MODEL}#tp-2.1"]
 
@@ -37,14 +38,13 @@ def report(**fields: object) -> SimpleNamespace:
 def pins_drop_to(address: str, want: int) -> int:
     """Pinned blocks once they reach ``want`` (releases go out in the background), or
     what they are after 10 s."""
-    deadline = time.monotonic() + 10
-    while (now := pinned(address)) != want and time.monotonic() < deadline:
-        time.sleep(0.02)
-    return now
+    with contextlib.suppress(AssertionError):  # the caller's assert names what went wrong
+        wait_until(lambda: pinned(address) == want, within=10, interval=0.02, what=f"{want} pins")
+    return pinned(address)
 
 
 async def test_one_ranks_report_releases_only_that_ranks_pins(
-    kv_server: Server,  # noqa: F811
+    kv_server: Server,
 ) -> None:
     """vLLM hands the scheduler each step's reports only: rank 0 done says nothing of
     rank 1, which may still be copying (and would copy reused slots if its pins went)."""
@@ -67,7 +67,7 @@ async def test_one_ranks_report_releases_only_that_ranks_pins(
             # vLLM aborts the request meanwhile: rank 1 still copies, its pins stay.
             assert side.request_finished(req, []) is False
             assert side.phase("tp") is Phase.DRAINING
-            time.sleep(0.2)
+            time.sleep(0.2)  # not waiting for an event: time passes and rank 1's pins stay
             assert pinned(address) == 3
             side.on_worker_output(report(loaded={("tp", 1)}))
             assert pins_drop_to(address, 0) == 0
@@ -81,7 +81,7 @@ async def test_one_ranks_report_releases_only_that_ranks_pins(
 
 
 async def test_shutdown_with_a_load_in_flight_keeps_the_pins_until_the_lease_expires(
-    kv_server: Server,  # noqa: F811
+    kv_server: Server,
 ) -> None:
     """SIGTERM closes the scheduler's connector before vLLM's workers stop: ending the
     lease then would drop the pins of a copy under way. It is left to expire instead."""
@@ -110,7 +110,7 @@ async def test_shutdown_with_a_load_in_flight_keeps_the_pins_until_the_lease_exp
 
 
 async def test_a_request_that_skips_the_prefix_cache_is_never_looked_up(
-    kv_server: Server,  # noqa: F811
+    kv_server: Server,
 ) -> None:
     """Prompt logprobs need every prompt token computed: vLLM zeroes any hit itself, so
     the connector stands aside before the lookup and pins nothing."""

@@ -33,6 +33,7 @@ from kvstore.layout import KVLayout
 from kvstore.pool import CudaMapping, CudaPool, HostMapping, HostPool
 from kvstore.types import NamespaceId, SlotId
 from tests.kvstore.pool.fake_cuda import FakeCudaRuntime
+from tests.waiting import wait_until
 
 LAYOUT = KVLayout(num_layers=3, num_kv_heads=2, head_dim=4, block_size=8, dtype="float32")
 NUM_BLOCKS = 6
@@ -149,11 +150,12 @@ class _Link:
 def finish(worker: WorkerSide, *requests: str) -> set[int]:
     """Wait (bounded) until the load thread reports ``requests``; their failed block ids."""
     done: set[str] = set()
-    deadline = time.monotonic() + 10
-    while done != set(requests):
-        assert time.monotonic() < deadline, f"loads {requests} never finished ({done})"
-        done |= worker.take_finished()
-        time.sleep(0.001)
+
+    def all_finished() -> bool:
+        done.update(worker.take_finished())
+        return done == set(requests)
+
+    wait_until(all_finished, within=10, interval=0.001, what=f"loads {requests} to finish")
     return worker.take_load_errors()
 
 
@@ -417,10 +419,13 @@ def report_of_save(result: StoreResult) -> Any:
         worker.save(
             KVStoreConnectorMetadata(saves=[SaveSpec("q", (b"a" * 32, b"b" * 32), (0, 1), 1)])
         )
-        deadline = time.monotonic() + 10
-        while (report := worker.take_report()) is None:
-            assert time.monotonic() < deadline, "the save never ended"
-            time.sleep(0.005)
+        report = wait_until(
+            worker.take_report,
+            ok=lambda report: report is not None,
+            within=10,
+            interval=0.005,
+            what="the save to end",
+        )
         return report
     finally:
         worker.shutdown()

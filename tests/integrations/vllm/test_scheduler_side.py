@@ -11,88 +11,24 @@ import time
 from types import SimpleNamespace
 from typing import Any
 
-import numpy as np
-
-from kvstore.client import SyncClient
-from kvstore.integrations.vllm.config import ConnectorConfig
-from kvstore.integrations.vllm.link import NodeLink
 from kvstore.integrations.vllm.metadata import KVStoreWorkerReport
-from kvstore.integrations.vllm.scheduler import SchedulerSide
 from service.server import Server
-from tests.client.conftest import LAYOUT
-from tests.service.conftest import clock, kv_server, server_config  # noqa: F401
-
-MODEL = "vllm:test-scheduler"
-BS = LAYOUT.block_size
-
-
-def request(req_id: str, tokens: list[int]) -> Any:
-    return SimpleNamespace(
-        request_id=req_id,
-        prompt_token_ids=tokens,
-        all_token_ids=list(tokens),
-        num_tokens=len(tokens),
-        num_computed_tokens=0,
-        prompt_embeds=None,
-        lora_request=None,
-        mm_features=None,
-        cache_salt=None,
-    )
-
-
-def scheduler_side(
-    address: str, models: str | list[str] = MODEL, save_decode: bool = True, **config: Any
-) -> SchedulerSide:
-    """A scheduler side (as vLLM's engine core makes it) on the node at ``address``."""
-    link = NodeLink(
-        ConnectorConfig(target=address, tenant="acme", **config),
-        models,
-        LAYOUT,
-        client_name="test",
-        map_pool=False,
-    )
-    return SchedulerSide(link, BS, load=True, save=True, save_decode=save_decode, extra_keys=None)
-
-
-def step(**fields: Any) -> Any:
-    """A scheduler output that schedules nothing (loads are sent whatever is scheduled)."""
-    cached = SimpleNamespace(
-        req_ids=[], new_block_ids=[], num_computed_tokens=[], resumed_req_ids=set()
-    )
-    base = {
-        "preempted_req_ids": set(),
-        "num_scheduled_tokens": {},
-        "scheduled_new_reqs": [],
-        "scheduled_cached_reqs": cached,
-    }
-    return SimpleNamespace(**(base | fields))
-
-
-def answer(side: SchedulerSide, req: Any) -> int:
-    """Ask as vLLM does, step after step, until the lookup is answered (bounded)."""
-    deadline = time.monotonic() + 10
-    while (tokens := side.num_new_matched_tokens(req, 0)) is None:
-        assert time.monotonic() < deadline, "the lookup never answered"
-        time.sleep(0.005)
-    return tokens
-
-
-def store_prompt(address: str, tokens: list[int], model: str = MODEL) -> int:
-    """Store the full blocks of ``tokens`` as tenant acme; the blocks committed."""
-    with SyncClient(address, tenant="acme", timeout=5.0) as c:
-        ns = c.register_namespace(model, LAYOUT, timeout=5.0)
-        n = len(tokens) // BS
-        blocks = np.ones((n, *LAYOUT.block_shape), dtype=np.float16)
-        return c.store(ns, tokens, blocks, timeout=5.0).committed
-
-
-def pinned(address: str) -> int:
-    with SyncClient(address, timeout=5.0) as c:
-        return int(c.stats(timeout=5.0).pinned)
+from tests.integrations.vllm.scheduler_fakes import (
+    BS,
+    MODEL,
+    answer,
+    pinned,
+    prefill_step,
+    request,
+    scheduler_side,
+    step,
+    store_prompt,
+)
+from tests.waiting import wait_until
 
 
 async def test_pins_of_a_sent_load_outlive_the_request_until_the_worker_reports(
-    kv_server: Server,  # noqa: F811
+    kv_server: Server,
 ) -> None:
     address = kv_server.address
 
@@ -116,9 +52,8 @@ async def test_pins_of_a_sent_load_outlive_the_request_until_the_worker_reports(
             side.on_worker_output(
                 SimpleNamespace(kv_connector_worker_meta=KVStoreWorkerReport(loaded={("r1", 0)}))
             )
-            deadline = time.monotonic() + 10
-            while pinned(address) and time.monotonic() < deadline:
-                time.sleep(0.02)  # the Release goes out in the background
+            # The Release goes out in the background.
+            wait_until(lambda: pinned(address) == 0, within=10, interval=0.02, what="no pins")
             assert pinned(address) == 0
             assert side.pins_in_use == 0
         finally:
@@ -128,7 +63,7 @@ async def test_pins_of_a_sent_load_outlive_the_request_until_the_worker_reports(
 
 
 async def test_a_hit_vllm_does_not_take_is_released_and_never_loaded(
-    kv_server: Server,  # noqa: F811
+    kv_server: Server,
 ) -> None:
     address = kv_server.address
 
@@ -141,9 +76,7 @@ async def test_a_hit_vllm_does_not_take_is_released_and_never_loaded(
             assert answer(side, req) == 2 * BS
             side.after_alloc(req, [1, 2, 3], 0)  # vLLM dropped the hit
             assert side.build_meta(step()).loads == []
-            deadline = time.monotonic() + 10
-            while pinned(address) and time.monotonic() < deadline:
-                time.sleep(0.02)
+            wait_until(lambda: pinned(address) == 0, within=10, interval=0.02, what="no pins")
             assert pinned(address) == 0
         finally:
             side.shutdown()
@@ -162,12 +95,6 @@ def decode_step(req: Any, computed: int, new_block_ids: list[int] | None = None)
     return step(num_scheduled_tokens={req.request_id: 1}, scheduled_cached_reqs=cached)
 
 
-def prefill_step(req: Any, block_ids: list[int]) -> Any:
-    """A step scheduling the whole prompt of ``req`` into ``block_ids``."""
-    new = SimpleNamespace(req_id=req.request_id, block_ids=(block_ids,), num_computed_tokens=0)
-    return step(num_scheduled_tokens={req.request_id: req.num_tokens}, scheduled_new_reqs=[new])
-
-
 def sample(req: Any, token: int) -> None:
     """The request's next output token, as vLLM appends it after a step."""
     req.all_token_ids.append(token)
@@ -175,7 +102,7 @@ def sample(req: Any, token: int) -> None:
 
 
 async def test_output_blocks_are_saved_under_the_hashes_a_next_turn_prompt_gets(
-    kv_server: Server,  # noqa: F811
+    kv_server: Server,
 ) -> None:
     address = kv_server.address
 
@@ -219,7 +146,7 @@ async def test_output_blocks_are_saved_under_the_hashes_a_next_turn_prompt_gets(
 
 
 async def test_a_finished_request_keeps_its_blocks_until_its_last_full_blocks_are_copied_out(
-    kv_server: Server,  # noqa: F811
+    kv_server: Server,
 ) -> None:
     address = kv_server.address
 
@@ -250,7 +177,7 @@ async def test_a_finished_request_keeps_its_blocks_until_its_last_full_blocks_ar
 
 
 async def test_a_tensor_parallel_engine_looks_up_every_ranks_namespace_and_loads_the_shortest(
-    kv_server: Server,  # noqa: F811
+    kv_server: Server,
 ) -> None:
     address = kv_server.address
     ranks = [f"{MODEL}#tp-2.0", f"{MODEL}#tp-2.1"]

@@ -32,9 +32,9 @@ from tests.integrations.vllm.common import (
     run,
     system,
     tokens,
-    wait_for,
 )
 from tests.integrations.vllm.engines import Engine, Node, running
+from tests.waiting import wait_until
 
 ANSWER_TOKENS = 70
 """Tokens each chat turn generates: over two blocks of answer."""
@@ -151,10 +151,11 @@ def test_a_chat_alternating_engines_loads_each_earlier_answer(engines, node) -> 
         history = prompt + out["tokens"]
         # The last blocks are stored in the background: wait (bounded) until they are.
         new_blocks = (len(history) - 1) // BLOCK - want // BLOCK
-        wait_for(
-            f"turn {turn + 1}'s {new_blocks} new blocks on the node",
+        wait_until(
             lambda: stored_blocks(node) - before >= new_blocks,  # noqa: B023
+            what=f"turn {turn + 1}'s {new_blocks} new blocks on the node",
             within=30,
+            interval=0.05,
             tail=engine.tail,
         )
     assert_nothing_pinned(node)

@@ -38,9 +38,9 @@ from tests.integrations.vllm.common import (
     run,
     system,
     tokens,
-    wait_for,
 )
 from tests.integrations.vllm.engines import ROOT, Engine, Node, running
+from tests.waiting import wait_until
 
 pytestmark = [pytest.mark.vllm, pytest.mark.e2e, pytest.mark.timeout(900)]
 
@@ -156,12 +156,17 @@ def test_an_engine_stalled_past_its_lease_recomputes(engines, node, hold_file) -
     try:
         ticket = a.send(prompts=[prompt], max_tokens=8)
         # The lookup pinned the blocks and the load is about to copy them: stall here.
-        wait_for("the load", reached.exists, 120)
+        wait_until(reached.exists, what="the load", within=120, interval=0.05)
         a.pause()
         try:
             # The lease runs out (no renewals), the pins drop, another tenant
             # overwrites every slot of the namespace.
-            wait_for("the lease to expire", lambda: node.stats().pinned == 0, 4 * LEASE_TTL + 10)
+            wait_until(
+                lambda: node.stats().pinned == 0,
+                what="the lease to expire",
+                within=4 * LEASE_TTL + 10,
+                interval=0.05,
+            )
             assert fill_pool(node, "filler") > 0
         finally:
             a.resume()
@@ -241,9 +246,11 @@ def test_a_slot_overwritten_under_a_load_is_recomputed(engines, node, faults) ->
     leak.touch()
     try:
         ticket = a.send(prompts=[prompt], max_tokens=8)
-        wait_for("the load", reached.exists, 120, tail=a.tail)
+        wait_until(reached.exists, what="the load", within=120, interval=0.05, tail=a.tail)
         # The lease is alive (pins_until holds): only the stamps can tell.
-        wait_for("the leaked pins to go", lambda: node.stats().pinned == 0, 30)
+        wait_until(
+            lambda: node.stats().pinned == 0, what="the leaked pins to go", within=30, interval=0.05
+        )
         assert fill_pool(node, "filler") > 0
     finally:
         leak.unlink(missing_ok=True)
@@ -339,7 +346,7 @@ def test_sigterm_with_a_load_in_flight_leaks_nothing_and_saves_nothing_wrong(
     hold.touch()
     try:
         a.send(prompts=[prompt], max_tokens=8)
-        wait_for("the load", reached.exists, 120, tail=a.tail)
+        wait_until(reached.exists, what="the load", within=120, interval=0.05, tail=a.tail)
         os.killpg(a.proc.pid, signal.SIGTERM)
         time.sleep(1.0)  # the connector closes while the load is held
     finally:

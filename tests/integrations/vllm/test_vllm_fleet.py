@@ -29,10 +29,10 @@ from tests.integrations.vllm.common import (
     max_logprob_diff,
     run,
     system,
-    wait_for,
 )
 from tests.integrations.vllm.engines import Engine, Node, published, running
 from tests.redis.server import REDIS_SERVER, RedisServer, free_port
+from tests.waiting import wait_until
 
 pytestmark = [
     pytest.mark.vllm,
@@ -127,10 +127,11 @@ def save_on_host_1(engine: Engine, redis_url: str, prompt: list[int]) -> None:
     blocks in the directory (saves and directory writes happen in the background)."""
     before = published(redis_url, "host-1")
     run(engine, prompt)
-    wait_for(
-        "node 1 publishing the prompt's blocks",
+    wait_until(
         lambda: published(redis_url, "host-1") - before >= len(prompt) // BLOCK,
+        what="node 1 publishing the prompt's blocks",
         within=60,
+        interval=0.05,
         tail=engine.tail,
     )
 
@@ -169,7 +170,12 @@ def test_the_prefix_query_names_both_hosts_and_the_engine(
     # Engine a's own cache holds the whole prompt's full blocks (its KV events, ingested
     # by node 1); node 1 the same (saved); node 2 the system prompt's (fetched).
     want = {("host-1", "a"): full, ("host-1", ""): full, ("host-2", ""): SYSTEM_HIT // BLOCK}
-    wait_for("node 1 to index engine a's blocks", lambda: holders() == want, within=30)
+    wait_until(
+        lambda: holders() == want,
+        what="node 1 to index engine a's blocks",
+        within=30,
+        interval=0.05,
+    )
     with SyncClient(nodes[1].target, tenant="globex", timeout=10) as client:
         assert not client.query_prefix(model=str(tiny_model), tokens=prompt).holders
 

@@ -30,10 +30,10 @@ from tests.integrations.vllm.common import (
     USER_2,
     assert_nothing_pinned,
     system,
-    wait_for,
 )
 from tests.integrations.vllm.engines import Node, vllm_environment
 from tests.integrations.vllm.serve import CLI, ServeProcess
+from tests.waiting import wait_until
 
 pytestmark = [pytest.mark.vllm, pytest.mark.e2e, pytest.mark.timeout(900)]
 
@@ -75,12 +75,12 @@ def first(vllm_py: str, tiny_model: Path, node: Node, log_dir: Path) -> Iterator
         server.wait_ready()
         answers: dict[str, Any] = {"user_1": server.complete(SYSTEM + USER_1)}
         # Its saves run in the background: the system prompt's blocks are on the node.
-        wait_for(
-            "the system prompt's blocks on the node",
+        wait_until(
             lambda: sum(ns.ready for ns in node.stats().namespaces) >= SYSTEM_HIT // 32,
-            60.0,
+            what="the system prompt's blocks on the node",
+            within=60.0,
+            interval=0.5,
             tail=server.tail,
-            poll=0.5,
         )
         answers["user_2"] = server.complete(SYSTEM + USER_2)  # its own prefix cache's hit
     finally:

@@ -30,9 +30,9 @@ from tests.integrations.vllm.common import (
     max_logprob_diff,
     run,
     system,
-    wait_for,
 )
 from tests.integrations.vllm.engines import Engine, Node, running
+from tests.waiting import wait_until
 
 pytestmark = [pytest.mark.vllm, pytest.mark.e2e, pytest.mark.timeout(900)]
 
@@ -147,8 +147,14 @@ def test_a_slow_rank_keeps_its_pins_until_it_has_copied(engines, node, faults) -
         # ranks report in different steps (an idle step copies in the step itself).
         busy = a2.send(prompts=[system(78) + USER_3], max_tokens=300)
         ticket = a2.send(prompts=[prompt], max_tokens=8)
-        wait_for("rank 1's load", reached.exists, 300, tail=a2.tail)
-        wait_for("rank 0's pins to go", lambda: rank_pins(node, 0) == 0, 60, tail=a2.tail)
+        wait_until(reached.exists, what="rank 1's load", within=300, interval=0.05, tail=a2.tail)
+        wait_until(
+            lambda: rank_pins(node, 0) == 0,
+            what="rank 0's pins to go",
+            within=60,
+            interval=0.05,
+            tail=a2.tail,
+        )
         assert rank_pins(node, 1) == 3, "rank 1's pins went with rank 0's report"
     finally:
         hold.unlink(missing_ok=True)

@@ -1,19 +1,14 @@
-"""A node with auth on: a tenants file, an admin token and a cluster-token-less config."""
+"""Tenants of the auth tests: their tokens, the tenants file, calls made with a token.
+
+The node that reads this tenants file is the ``auth_server`` fixture (tests/conftest.py).
+"""
 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import AsyncIterator
-from dataclasses import replace
-
-import grpc
-import pytest
 
 from kvstore.v1 import kvstore_pb2 as pb
-from kvstore.v1 import kvstore_pb2_grpc
-from service.config import Config
-from service.server import Server
-from tests.service.conftest import LAYOUT, ManualClock, server_config  # noqa: F401
+from tests.inproc import LAYOUT
 
 ALICE_TOKEN = "alice-token-0123456789"
 BOB_TOKEN = "bob-token-0123456789abc"
@@ -37,29 +32,6 @@ namespaces = ["*"]
 def bearer(token: str) -> tuple[tuple[str, str], ...]:
     """Call metadata carrying a token."""
     return (("authorization", f"Bearer {token}"),)
-
-
-@pytest.fixture
-def auth_config(server_config: Config, tmp_path) -> Config:  # noqa: F811
-    path = tmp_path / "tenants.toml"
-    path.write_text(TENANTS_TOML)
-    return replace(server_config, tenants_file=str(path), admin_token=ADMIN_TOKEN)
-
-
-@pytest.fixture
-async def auth_server(auth_config: Config) -> AsyncIterator[Server]:
-    server = Server(auth_config, clock=ManualClock(), expiry_tick=0.02)
-    await server.start()
-    try:
-        yield server
-    finally:
-        await server.stop(0.1)
-
-
-@pytest.fixture
-async def auth_stub(auth_server: Server) -> AsyncIterator[kvstore_pb2_grpc.KVStoreStub]:
-    async with grpc.aio.insecure_channel(auth_server.address) as ch:
-        yield kvstore_pb2_grpc.KVStoreStub(ch)
 
 
 async def register(stub, token: str, model: str = MODEL) -> pb.RegisterNamespaceResponse:

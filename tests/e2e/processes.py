@@ -1,9 +1,7 @@
-"""Fixtures of the e2e tests: a real server process and real runner processes.
+"""Real server and runner processes of the e2e and fault tests.
 
-- ``kv_node``: ``python -m service`` on a free port with its pools in a fresh
-  directory on tmpfs; the port comes from its "listening on" line, readiness
-  from gRPC health. Teardown sends SIGTERM and asserts exit status 0 and that
-  its pool files are gone.
+- `shm_parent`: where a node process keeps its pools (tmpfs when there is one); the
+  ``kv_node`` fixture (tests/conftest.py) starts ``python -m service`` there.
 - `run_runner` runs ``python -m tests.e2e.runner`` to completion and returns
   its JSON; `LiveRunner` is one that keeps running (pins held, to be killed).
 - `node_stats` / `wait_for_stats`: the node's Stats, and a bounded poll on it.
@@ -17,19 +15,17 @@ import queue
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import grpc
-import pytest
 
-from benchmarks._server import ServerProcess
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc
+from tests.waiting import wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
 """Repository root: runners start there so ``-m tests.e2e.runner`` resolves."""
@@ -40,23 +36,8 @@ RUNNER_TIMEOUT = 60.0
 """Longest a runner may take before the test fails (none should come close)."""
 
 
-def _shm_parent() -> str | None:
+def shm_parent() -> str | None:
     return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
-
-
-@pytest.fixture
-def kv_node() -> Iterator[ServerProcess]:
-    """A kvstore server process, stopped with SIGTERM after the test."""
-    with tempfile.TemporaryDirectory(prefix="kvstore-e2e-", dir=_shm_parent()) as shm:
-        server = ServerProcess.start(shm, capacity="64MiB", prefix_stem="kve2e")
-        try:
-            yield server
-        finally:
-            status = server.stop()
-            leftovers = server.pool_files()
-            log_tail = server.log_tail()
-        assert status == 0, f"server exited with {status}:\n{log_tail}"
-        assert leftovers == [], f"pool files left after shutdown: {leftovers}"
 
 
 def runner_argv(target: str, command: str, *args: str, **options: Any) -> list[str]:
@@ -182,21 +163,6 @@ class LiveRunner:
         self.wait()
 
 
-@pytest.fixture
-def live_runners() -> Iterator[Callable[..., LiveRunner]]:
-    """Start `LiveRunner`s; any still running at teardown is killed."""
-    started: list[LiveRunner] = []
-
-    def start(target: str, command: str, *args: str, **options: Any) -> LiveRunner:
-        runner = LiveRunner(target, command, *args, **options)
-        started.append(runner)
-        return runner
-
-    yield start
-    for runner in started:
-        runner.stop()
-
-
 def node_stats(target: str, tenant: str | None = None) -> pb.StatsResponse:
     """The node's Stats, over a fresh channel."""
     metadata = (("x-kvstore-tenant", tenant),) if tenant else ()
@@ -216,14 +182,10 @@ def wait_for_stats(
     interval: float = 0.05,
 ) -> pb.StatsResponse:
     """Poll Stats until ``condition`` holds; fail with the last Stats after ``timeout``."""
-    deadline = time.monotonic() + timeout
-    while True:
-        stats = node_stats(target)
-        if condition(stats):
-            return stats
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}; last:\n{stats}")
-        time.sleep(interval)
+    stats: pb.StatsResponse = wait_until(
+        lambda: node_stats(target), ok=condition, within=timeout, interval=interval, what=what
+    )
+    return stats
 
 
 def namespace_stats(stats: pb.StatsResponse, namespace_id: str) -> pb.NamespaceStats:
