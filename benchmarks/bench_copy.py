@@ -28,6 +28,7 @@ from kvstore.client.transfer import _copy_in
 from kvstore.layout import KVLayout
 from kvstore.pool import HostMapping, HostPool, host_pages
 from kvstore.results import MissReason
+from kvstore.stamps import stamp_ident
 from kvstore.types import BlockHash, NamespaceId, SlotId
 from kvstore.v1 import kvstore_pb2 as pb
 
@@ -51,6 +52,8 @@ def run(blocks: int, block_kib: int, shm_dir: str, repeat: int) -> dict[str, Any
             arena_bytes=bb * blocks,
         )
         mapping = HostMapping.open(pool.descriptor)
+        for slot in range(blocks):  # READY at generation 1, as a commit stamps it; copy_into checks
+            pool.stamp(SlotId(slot), 1, stamp_ident(bytes(32)))
         try:
             src_all = np.random.default_rng(0).integers(0, 256, size=(blocks, bb), dtype=np.uint8)
             dst_all = np.ones((blocks, bb), dtype=np.uint8)  # faulted in
