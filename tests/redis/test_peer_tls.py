@@ -11,6 +11,7 @@ from service.cluster.peer_fetch import peer_credentials
 from service.config import Config, ConfigError
 from tests.redis.rpc import MODEL, block_bytes, prompt
 from tests.redis.test_cluster_nodes import until
+from tests.replies import entries_of
 from tests.security.test_tls_and_pool_files import pki  # noqa: F401  (the test CA and certs)
 from tests.service.conftest import LAYOUT
 
@@ -51,7 +52,7 @@ async def test_peer_fetch_over_tls(nodes, pki, mutual):  # noqa: F811
         res = await sa.Reserve(
             pb.ReserveRequest(namespace_id=ns, lease_id=lease, tokens=tokens), metadata=TENANT
         )
-        chain = [e.hash for e in res.entries]
+        chain = [e.hash for e in entries_of(res)]
         header = pb.WriteBlocksHeader(namespace_id=ns, lease_id=lease, commit=True)
         items = [pb.WriteBlocksRequest(header=header)] + [
             pb.WriteBlocksRequest(block=pb.BlockData(hash=h, data=block_bytes(4, i)))

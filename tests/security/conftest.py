@@ -13,6 +13,7 @@ from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc
 from service.config import Config
 from service.server import Server
+from tests.replies import entries_of
 from tests.service.conftest import LAYOUT, ManualClock, server_config  # noqa: F401
 
 ALICE_TOKEN = "alice-token-0123456789"
@@ -83,11 +84,11 @@ async def store(stub, token: str, ns: str, lease: int, tokens: list[int]) -> lis
         metadata=bearer(token),
         timeout=5,
     )
-    hashes = [e.hash for e in resp.entries if e.status == pb.RESERVE_STATUS_RESERVED]
+    hashes = [e.hash for e in entries_of(resp) if e.status == pb.RESERVE_STATUS_RESERVED]
     if hashes:
         await stub.Commit(
-            pb.CommitRequest(namespace_id=ns, lease_id=lease, hashes=hashes),
+            pb.CommitRequest(namespace_id=ns, lease_id=lease, packed_hashes=b"".join(hashes)),
             metadata=bearer(token),
             timeout=5,
         )
-    return [e.hash for e in resp.entries]
+    return [e.hash for e in entries_of(resp)]
