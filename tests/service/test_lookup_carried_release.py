@@ -73,7 +73,7 @@ async def test_a_lookup_without_release_answers_no_released(stub, namespace, lea
         pb.LookupRequest(namespace_id=ns, lease_id=lease, pin=True, packed_hashes=b"".join(chain))
     )
     assert resp.hit_blocks == 2 and not resp.HasField("released")
-    # One run, no ids, per-block hashes, the namespace and lease repeated: all accepted.
+    # One run, no ids, the namespace and lease repeated: all accepted.
     resp = await stub.Lookup(
         carrying(
             ns,

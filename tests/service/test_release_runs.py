@@ -48,13 +48,8 @@ async def test_runs_that_do_not_add_up_or_are_too_long_are_refused(stub, namespa
             )
         assert err.value.code() == INVALID and field_of(err.value) == field
     assert await pinned(stub) == 4  # nothing was released by a refused call
-    resp = await stub.Release(  # the per-block hashes form takes runs too
-        pb.ReleaseRequest(
-            namespace_id=ns,
-            lease_id=lease,
-            packed_hashes=b"".join(wire.unpack_hashes(hit)),
-            runs=[1, 3],
-        )
+    resp = await stub.Release(
+        pb.ReleaseRequest(namespace_id=ns, lease_id=lease, packed_hashes=hit, runs=[1, 3])
     )
     assert list(resp.run_released) == [1, 3] and await pinned(stub) == 0
 
