@@ -8,13 +8,13 @@ from typing import Any
 
 from kvstore.block_table import BlockTable
 from kvstore.errors import InvalidArgument, KVStoreError
-from kvstore.results import LookupResult, MissReason
 from kvstore.types import BlockHash, LeaseId, NamespaceId, TenantId
 from kvstore.v1 import kvstore_pb2 as pb
 from service.api import chains, convert, releases, validate
 from service.api.base import ServicerBase
 from service.api.errors import FieldError, guard_unary
 from service.api.offload import off_loop
+from service.cluster.lookup import LookupCall
 
 _HashesRequest = pb.CommitRequest | pb.AbortRequest
 """The requests that name a lease and a list of block hashes."""
@@ -61,69 +61,29 @@ class BlockRpcs(ServicerBase):
             except InvalidArgument as exc:
                 raise FieldError("release_id", str(exc)) from None
         released = None
-        if carried is not None:
+        if carried is not None:  # applied right before the lookup: no await between
             released = releases.apply(
                 node.store, namespace, tenant, LeaseId(request.lease_id), carried, node.now()
             )
             node.publish_events()
-
-        def look_up() -> LookupResult:
-            return node.store.lookup(
+        result = await node.lookup(
+            LookupCall(
                 namespace,
                 tenant,
                 chain,
-                node.now(),
+                query_tokens,
                 lease_id=lease_id,
-                query_tokens=query_tokens,
                 release_id=release_id,
+                allow_remote=request.allow_remote,
             )
-
-        result = look_up()
-        if (
-            request.allow_remote
-            and node.peers is not None
-            and result.miss_reason is MissReason.ABSENT
-        ):
-            first = result if result.pinned and result.hashes and lease_id else None
-            try:
-                fetched = await node.peers.fetch(namespace, tenant, chain, result.hit_blocks)
-            except BaseException:
-                # Cancelled (or failed) mid-fetch: the caller never learns of
-                # the first lookup's pins, so drop them here.
-                if first is not None and lease_id is not None:
-                    with contextlib.suppress(KVStoreError):
-                        node.store.unpin_lookup(
-                            namespace, tenant, lease_id, first, node.now(), release_id
-                        )
-                raise
-            if fetched:
-                # Blocks arrived from a peer: drop the first lookup's pins (one
-                # per block; its release id unspent), then look up again
-                # (counted as a second lookup) under the same id. No await in
-                # between, so nothing is evicted in the gap, and the pin bound
-                # does not count the first pins twice.
-                if first is not None and lease_id is not None:
-                    node.store.unpin_lookup(
-                        namespace, tenant, lease_id, first, node.now(), release_id
-                    )
-                result = look_up()
-        pool = node.pool(namespace)
-        node.memory.touch(namespace)  # a namespace in use gives its arenas back last
-        hit_tokens = result.hit_blocks * table.block_size
-        node.metrics.observe_lookup(
-            namespace,
-            tenant,
-            hit_blocks=result.hit_blocks,
-            miss_blocks=len(chain) - result.hit_blocks,
-            hit_tokens=hit_tokens,
-            miss_tokens=max(0, query_tokens - hit_tokens),
         )
+        pool = node.pool(namespace)
         reply = convert.lookup_reply(pool, result)  # a few µs: on the loop, no await
         if from_tokens:
             reply["packed_chain"] = b"".join(chain)
         return pb.LookupResponse(
             hit_blocks=result.hit_blocks,
-            hit_tokens=hit_tokens,
+            hit_tokens=result.hit_blocks * table.block_size,
             pinned=result.pinned and bool(result.hit_blocks),
             miss_reason=int(result.miss_reason),  # type: ignore[arg-type]
             pool_epoch=node.epoch,
