@@ -17,7 +17,6 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from benchmarks._stats import summary_us
-from kvstore.api.wire import pack_tokens
 from kvstore.client import Client, Hit, Namespace
 from kvstore.client.convert import hit_from_proto
 from kvstore.layout import KVLayout
@@ -70,7 +69,9 @@ async def bench_latency(
 ) -> dict[str, Any]:
     lease_id, generation = await client.lease.current()
     requests = {
-        "hashes": pb.LookupRequest(namespace_id=ns.id, lease_id=lease_id, pin=True, hashes=chain),
+        "hashes": pb.LookupRequest(
+            namespace_id=ns.id, lease_id=lease_id, pin=True, packed_hashes=b"".join(chain)
+        ),
         "tokens": pb.LookupRequest(namespace_id=ns.id, lease_id=lease_id, pin=True, tokens=tokens),
         "tokens_sent": pb.LookupRequest(
             namespace_id=ns.id, lease_id=lease_id, pin=True, tokens=tokens
@@ -155,7 +156,7 @@ async def bench_latency(
 async def lookup_tokens_sent(
     client: Client, ns: Namespace, tokens: list[int], lease_id: int, generation: int
 ) -> Hit:
-    """A pinned Lookup that sends the tokens (packed) and lets the node hash them.
+    """A pinned Lookup that sends the tokens and lets the node hash them.
 
     What `Client.lookup` did before it hashed prompts itself, and what a
     client without the SDK does: the node's cost of hashing, measured.
@@ -164,8 +165,7 @@ async def lookup_tokens_sent(
         namespace_id=ns.id,
         lease_id=lease_id,
         pin=True,
-        packed_reply=True,
-        packed_tokens=pack_tokens(tokens),
+        tokens=tokens,
     )
     resp = await client._rpc.call("Lookup", request, None, idempotent=False)
     return hit_from_proto(ns, resp, generation, LeaseId(lease_id))

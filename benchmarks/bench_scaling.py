@@ -119,13 +119,10 @@ def layout_of(args: argparse.Namespace) -> KVLayout:
 
 
 def lookup_request_bytes(namespace_id: str, chain: list[bytes]) -> int:
-    """Size of the pinned Lookup request the SDK sends (packed hashes where the proto has them)."""
-    request = pb.LookupRequest(namespace_id=namespace_id, lease_id=1, pin=True)
-    if "packed_hashes" in pb.LookupRequest.DESCRIPTOR.fields_by_name:
-        request.packed_hashes = b"".join(chain)
-        request.packed_reply = True
-    else:  # a tree from before the packed wire forms (to measure it with this benchmark)
-        request.hashes.extend(chain)
+    """Size of the pinned Lookup request the SDK sends (its chain as ``packed_hashes``)."""
+    request = pb.LookupRequest(
+        namespace_id=namespace_id, lease_id=1, pin=True, packed_hashes=b"".join(chain)
+    )
     return request.ByteSize()
 
 

@@ -84,9 +84,7 @@ async def store_phases(
     lease_id, _ = await client.lease.current()
     t0 = time.perf_counter()
     resp = await stub.Reserve(
-        pb.ReserveRequest(
-            namespace_id=ns.id, lease_id=lease_id, packed_hashes=b"".join(chain), packed_reply=True
-        ),
+        pb.ReserveRequest(namespace_id=ns.id, lease_id=lease_id, packed_hashes=b"".join(chain)),
         timeout=30,
         metadata=META,
     )

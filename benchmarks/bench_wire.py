@@ -3,11 +3,10 @@
 One Lookup+pin of an N-block chain, both sides in this process: the client
 builds and serialises the request, the node parses it and turns it into a
 chain, builds and serialises the reply for N hit blocks, and the client
-parses it into a `Hit`. Measured for the per-block forms (repeated fields,
-one ``BlockLocation`` per block: what a client that predates the packed
-forms sends and gets) and for the packed forms the SDK uses (docs/api.md,
-"Wire forms"), with hashes and with tokens. The node's hashing of tokens
-is left out (it is the same for both forms). Prints one JSON object.
+parses it into a `Hit`. Measured for the chain sent as ``packed_hashes``
+(what the SDK sends) and as ``tokens`` (what a caller that does not hash
+sends), in the one wire form of each (docs/api.md, "Wire forms"). The
+node's hashing of tokens is left out. Prints one JSON object.
 
     python -m benchmarks.bench_wire [--blocks 512] [--block-size 16] [--iterations 300] [--quick]
 """
@@ -24,14 +23,13 @@ from typing import Any
 import numpy as np
 
 from benchmarks._stats import median_call_us
-from kvstore.api import wire
-from kvstore.client.convert import chain_fields, hit_from_proto, location_from_proto
+from kvstore.client.convert import chain_fields, hit_from_proto
 from kvstore.client.handles import Namespace
 from kvstore.layout import KVLayout, NamespaceSpec
 from kvstore.results import BlockRef, LookupResult, MissReason
 from kvstore.types import BlockHash, LeaseId, NamespaceId, SlotId
 from kvstore.v1 import kvstore_pb2 as pb
-from service.api import chains, convert, validate
+from service.api import chains, convert
 
 MAX_BLOCKS = 16384
 
@@ -47,31 +45,7 @@ class _Pool:
     descriptor = _Descriptor()
 
 
-def _per_block(mode: str, hashes: list[bytes], tokens: list[int], refs: Any) -> Callable[[], None]:
-    pool: Any = _Pool()
-
-    def run() -> None:
-        if mode == "hashes":
-            fields: dict[str, Any] = {"hashes": hashes}
-        else:
-            fields = {"tokens": memoryview(wire.pack_tokens(tokens)).cast("I").tolist()}
-        raw = pb.LookupRequest(namespace_id="x", pin=True, **fields).SerializeToString()
-        request = pb.LookupRequest.FromString(raw)
-        if mode == "hashes":
-            validate.block_hashes(request.hashes, MAX_BLOCKS)
-        else:
-            np.fromiter(request.tokens, dtype=np.uint32, count=len(request.tokens))
-        reply = pb.LookupResponse(
-            blocks=convert.locations(pool, refs), chain=hashes if mode == "tokens" else []
-        ).SerializeToString()
-        resp = pb.LookupResponse.FromString(reply)
-        tuple(location_from_proto(b) for b in resp.blocks)
-        tuple(BlockHash(h) for h in resp.chain)
-
-    return run
-
-
-def _packed(mode: str, hashes: list[bytes], tokens: list[int], refs: Any) -> Callable[[], None]:
+def _lookup(mode: str, hashes: list[bytes], tokens: list[int], refs: Any) -> Callable[[], None]:
     pool: Any = _Pool()
     # What the core's lookup hands the servicer: arrays, no object per block.
     result = LookupResult(
@@ -97,14 +71,12 @@ def _packed(mode: str, hashes: list[bytes], tokens: list[int], refs: Any) -> Cal
             if mode == "tokens"
             else chain_fields(None, hashes, None)
         )
-        raw = pb.LookupRequest(
-            namespace_id="x", pin=True, packed_reply=True, **fields
-        ).SerializeToString()
+        raw = pb.LookupRequest(namespace_id="x", pin=True, **fields).SerializeToString()
         request = pb.LookupRequest.FromString(raw)
-        sent_tokens, _, _ = chains.packed_fields(request, MAX_BLOCKS)
+        sent_tokens, _ = chains.request_chain(request, MAX_BLOCKS)
         if mode == "tokens":
             chains.token_array(sent_tokens)
-        reply_fields = convert.packed_locations(pool, result)
+        reply_fields = convert.lookup_reply(pool, result)
         if mode == "tokens":
             reply_fields["packed_chain"] = b"".join(hashes)
         reply = pb.LookupResponse(**reply_fields).SerializeToString()
@@ -127,13 +99,7 @@ def main(argv: list[str] | None = None) -> None:
     refs = tuple(BlockRef(BlockHash(h), SlotId(i), 1) for i, h in enumerate(hashes))
     report: dict[str, Any] = {"blocks": args.blocks, "chain_tokens": len(tokens)}
     for mode in ("hashes", "tokens"):
-        old = median_call_us(_per_block(mode, hashes, tokens, refs), args.iterations)
-        new = median_call_us(_packed(mode, hashes, tokens, refs), args.iterations)
-        report[mode] = {
-            "per_block_us": old,
-            "packed_us": new,
-            "per_block_over_packed": round(old / new, 1),
-        }
+        report[mode] = {"us": median_call_us(_lookup(mode, hashes, tokens, refs), args.iterations)}
     print(json.dumps(report, indent=2))
 
 

@@ -20,13 +20,14 @@ from kvstore.block_table import BlockTable
 from kvstore.errors import PermissionDenied, UnknownNamespace
 from kvstore.layout import NamespaceSpec
 from kvstore.pool.base import BlockPool
-from kvstore.results import ExpiryReport, NamespaceStats
+from kvstore.results import ExpiryReport, LookupResult, NamespaceStats
 from kvstore.store import DropReport, Store, StoreLimits, StoreStats
 from kvstore.types import SHARED_SCOPE, BlockHash, LeaseId, NamespaceId, TenantId
 from kvstore.v1 import kvstore_pb2 as pb
 from service.api import convert
 from service.budget import NamespaceMemory
 from service.cluster.agent import RedisAgent
+from service.cluster.lookup import LookupCall, lookup
 from service.cluster.nixl_transport import NixlTransport
 from service.cluster.peer_fetch import PeerFetcher
 from service.config import Config, ConfigError
@@ -267,6 +268,26 @@ class Node:
     ) -> None:
         """Grow the namespace's pool before a reserve if it lacks free slots (`NamespaceMemory`)."""
         await self.memory.make_room(table, tenant, chain)
+
+    async def lookup(self, call: LookupCall) -> LookupResult:
+        """A Lookup: the longest cached prefix, completed from a peer when allowed.
+
+        The store's lookup runs before the first ``await`` (`service.cluster.lookup`),
+        so what the caller applied just before (a carried release) has nothing in
+        between. Counts the lookup's hits and misses, in blocks and tokens.
+        """
+        result = await lookup(self, self.peers, call)
+        self.memory.touch(call.namespace)  # a namespace in use gives its arenas back last
+        hit_tokens = result.hit_blocks * self.table(call.namespace).block_size
+        self.metrics.observe_lookup(
+            call.namespace,
+            call.tenant,
+            hit_blocks=result.hit_blocks,
+            miss_blocks=len(call.chain) - result.hit_blocks,
+            hit_tokens=hit_tokens,
+            miss_tokens=max(0, call.query_tokens - hit_tokens),
+        )
+        return result
 
     def commit(
         self,

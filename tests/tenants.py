@@ -9,6 +9,7 @@ import hashlib
 
 from kvstore.v1 import kvstore_pb2 as pb
 from tests.inproc import LAYOUT
+from tests.replies import entries_of
 
 ALICE_TOKEN = "alice-token-0123456789"
 BOB_TOKEN = "bob-token-0123456789abc"
@@ -55,11 +56,11 @@ async def store(stub, token: str, ns: str, lease: int, tokens: list[int]) -> lis
         metadata=bearer(token),
         timeout=5,
     )
-    hashes = [e.hash for e in resp.entries if e.status == pb.RESERVE_STATUS_RESERVED]
+    hashes = [e.hash for e in entries_of(resp) if e.status == pb.RESERVE_STATUS_RESERVED]
     if hashes:
         await stub.Commit(
-            pb.CommitRequest(namespace_id=ns, lease_id=lease, hashes=hashes),
+            pb.CommitRequest(namespace_id=ns, lease_id=lease, packed_hashes=b"".join(hashes)),
             metadata=bearer(token),
             timeout=5,
         )
-    return [e.hash for e in resp.entries]
+    return [e.hash for e in entries_of(resp)]

@@ -49,7 +49,6 @@ def test_ping_payload_is_as_large_as_the_sdk_s_lookup_request() -> None:
         namespace_id="ns-1",
         lease_id=1,
         pin=True,
-        packed_reply=True,
         packed_hashes=wire.pack_hashes(chain),
     )
     assert bench_scaling.lookup_request_bytes("ns-1", chain) == request.ByteSize()

@@ -4,11 +4,12 @@ and the packed forms of chains (docs/api.md, "Wire forms").
 One module owns this mapping so that the client and the service cannot
 drift apart. It imports the generated protobuf messages but not grpc.
 
-Packed forms: a chain of block hashes travels as one ``bytes`` field, the
-32-byte hashes concatenated; tokens as one ``bytes`` field of little-endian
-uint32; a Lookup's slots and generations (``packed_slots``) as little-endian
-uint64. One bytes field is parsed and serialised by protobuf in one copy,
-where a repeated field costs a Python object per item on each side.
+Packed forms (the one wire form of each value): a chain of block hashes
+travels as one ``bytes`` field, the 32-byte hashes concatenated; a Lookup's
+slots, generations and checksums as little-endian uint64; QueryPrefix's
+``packed_token_ids`` as little-endian uint32. One bytes field is parsed and
+serialised by protobuf in one copy, where a repeated field costs a Python
+object per item on each side.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ _HASH_DTYPE = np.dtype(f"V{HASH_BYTES}")
 """One opaque 32-byte item: `unpack_hashes` splits a packed field with it."""
 
 TOKEN_BYTES = 4
-"""Bytes of one token in ``packed_tokens`` (little-endian uint32)."""
+"""Bytes of one token in a packed token field (little-endian uint32)."""
 
 MAX_RELEASE_RUNS = 1024
 """Most ``runs`` one ``Release`` may carry (hits released in one call); a node
@@ -124,7 +125,7 @@ def unpack_hashes(packed: bytes, field: str = "packed_hashes") -> list[BlockHash
 
 
 def pack_tokens(tokens: Tokens) -> bytes:
-    """``packed_tokens``: token ids as little-endian uint32 (`kvstore.hashing.token_bytes`).
+    """Token ids as little-endian uint32, concatenated (`kvstore.hashing.token_bytes`).
 
     Raises:
         InvalidArgument: ids out of ``[0, 2**32)``, not integers, or not one-dimensional.
@@ -133,9 +134,9 @@ def pack_tokens(tokens: Tokens) -> bytes:
 
 
 def unpack_tokens(
-    packed: bytes, field: str = "packed_tokens"
+    packed: bytes, field: str = "packed_token_ids"
 ) -> np.ndarray[Any, np.dtype[np.uint32]]:
-    """The token ids of a ``packed_tokens`` field (a read-only view of ``packed``).
+    """The token ids of a packed token field (a read-only view of ``packed``).
 
     Raises:
         InvalidArgument: the length is not a multiple of 4 bytes.

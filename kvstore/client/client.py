@@ -253,8 +253,6 @@ class Client(PrefixQueries):
                 lease_id=lease_id,
                 pin=pin,
                 allow_remote=allow_remote,
-                packed_reply=True,
-                packed_slots=True,
                 release_id=new_release_id() if pin else 0,  # names this lookup's pins
                 **fields,
             )
@@ -337,7 +335,7 @@ class Client(PrefixQueries):
             resp = await call
         except KVStoreError:
             return
-        hashes = resp.hit_hashes or b"".join(b.hash for b in resp.blocks)
+        hashes = resp.hit_hashes
         if resp.pinned and hashes:
             # Under the lease that pinned them: if it was replaced meanwhile,
             # the new lease's pins of the same blocks are not ours to drop.

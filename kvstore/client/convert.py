@@ -10,11 +10,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-
 from kvstore.api import wire
-from kvstore.api.wire import pack_hashes, pack_tokens, unpack_hashes
-from kvstore.client.handles import BlockLocation, Hit, Namespace
+from kvstore.api.wire import pack_hashes, unpack_hashes
+from kvstore.client.handles import Hit, Namespace
 from kvstore.errors import InvalidArgument
 from kvstore.hashing import Extra, Tokens
 from kvstore.pool import ArenaSpec, PoolDescriptor
@@ -50,10 +48,10 @@ def descriptor_from_proto(msg: pb.AttachPoolResponse) -> PoolDescriptor:
 def chain_fields(
     tokens: Tokens | None, hashes: Sequence[bytes] | None, extras: Sequence[Extra] | None
 ) -> dict[str, Any]:
-    """The chain fields of a Lookup or Reserve request, in their packed wire forms.
+    """The chain fields of a Lookup or Reserve request (docs/api.md, "Wire forms").
 
-    ``packed_tokens`` or ``packed_hashes`` (one bytes field each, see
-    docs/api.md, "Wire forms"), and ``extras``.
+    ``packed_hashes`` (one bytes field), or ``tokens`` with their ``extras``
+    for the node to hash.
 
     Raises:
         InvalidArgument: neither or both of tokens and hashes, bad token ids,
@@ -63,7 +61,8 @@ def chain_fields(
         raise InvalidArgument("give exactly one of tokens or hashes")
     fields: dict[str, Any] = {}
     if tokens is not None:
-        fields["packed_tokens"] = pack_tokens(tokens)
+        # Checked and made uint32 as the node will read them (ids in [0, 2**32)).
+        fields["tokens"] = wire.unpack_tokens(wire.pack_tokens(tokens)).tolist()
     else:
         fields["packed_hashes"] = pack_hashes(hashes or ())
     if extras is not None:
@@ -105,60 +104,29 @@ def request_fields(
     return chain_fields(tokens, hashes, extras)
 
 
-def location_from_proto(msg: pb.BlockLocation) -> BlockLocation:
-    """Where one block is."""
-    return BlockLocation(
-        BlockHash(msg.hash), SlotId(msg.slot), msg.generation, msg.arena, msg.offset, msg.checksum
-    )
-
-
 def hit_from_proto(
     ns: Namespace, resp: pb.LookupResponse, lease_generation: int, lease_id: LeaseId
 ) -> Hit:
     """A `Hit` of a Lookup response, bound to the namespace's current mapping.
 
-    The packed reply (``packed_reply`` asked) is kept as it came: the hashes
-    as one bytes object, slots and generations as arrays; `Hit` builds the
-    per-block locations only if they are asked for. A reply in the per-block
-    form (a node that predates the packed fields) is read too.
+    The reply is kept as it came: the hashes as one bytes object, slots,
+    generations and checksums as arrays (views of the reply's bytes); `Hit`
+    builds per-block locations only if they are asked for.
 
     ``lease_id`` is the lease the Lookup was sent with: a pinned hit is
     released under it, never under a lease that replaced it.
+
+    Raises:
+        InvalidArgument: the reply's packed fields do not agree in length.
     """
-    fields: dict[str, Any] = {
-        "hit_tokens": resp.hit_tokens,
-        "query_tokens": resp.query_tokens,
-        "pinned": resp.pinned,
-        "miss_reason": MissReason(resp.miss_reason),
-        "epoch": resp.pool_epoch,
-        "mapping": ns.mapping,
-        "lease_generation": lease_generation,
-        "lease_id": lease_id if resp.pinned else None,
-        "pool_version": resp.pool_version,
-    }
-    if resp.blocks or resp.chain:
-        return Hit.of_locations(
-            ns,
-            [location_from_proto(b) for b in resp.blocks],
-            chain=[BlockHash(h) for h in resp.chain],
-            **fields,
-        )
-    if resp.packed_slots or resp.packed_generations:  # packed_slots asked (and known)
-        slots = wire.unpack_u64(resp.packed_slots, "packed_slots")
-        generations = wire.unpack_u64(resp.packed_generations, "packed_generations")
-    else:
-        slots = np.array(resp.slots, dtype=np.uint64)
-        generations = np.array(resp.generations, dtype=np.uint64)
+    slots = wire.unpack_u64(resp.packed_slots, "packed_slots")
+    generations = wire.unpack_u64(resp.packed_generations, "packed_generations")
     checksums = wire.unpack_u64(resp.packed_checksums, "packed_checksums")
-    if len(checksums) not in (0, len(slots)):
+    n = len(slots)
+    if len(resp.hit_hashes) != HASH_BYTES * n or len(generations) != n or len(checksums) != n:
         raise InvalidArgument(
-            f"the node's packed reply is inconsistent: {len(checksums)} checksums for "
-            f"{len(slots)} slots"
-        )
-    if len(resp.hit_hashes) != HASH_BYTES * len(slots) or len(generations) != len(slots):
-        raise InvalidArgument(
-            f"the node's packed reply is inconsistent: {len(resp.hit_hashes)} bytes of "
-            f"hashes, {len(slots)} slots, {len(generations)} generations"
+            f"the node's Lookup reply is inconsistent: {len(resp.hit_hashes)} bytes of "
+            f"hashes, {n} slots, {len(generations)} generations, {len(checksums)} checksums"
         )
     return Hit(
         namespace=ns,
@@ -169,13 +137,21 @@ def hit_from_proto(
         packed_chain=resp.packed_chain,
         slots_per_arena=resp.slots_per_arena,
         block_bytes=resp.block_bytes,
-        **fields,
+        hit_tokens=resp.hit_tokens,
+        query_tokens=resp.query_tokens,
+        pinned=resp.pinned,
+        miss_reason=MissReason(resp.miss_reason),
+        epoch=resp.pool_epoch,
+        mapping=ns.mapping,
+        lease_generation=lease_generation,
+        lease_id=lease_id if resp.pinned else None,
+        pool_version=resp.pool_version,
     )
 
 
 @dataclass(frozen=True)
 class Reservation:
-    """A Reserve reply, packed or per-block: entry i's hash, status and slot.
+    """A Reserve reply: entry i's hash, status and slot.
 
     ``slots[i]`` is meaningful for RESERVED and HIT entries only.
     ``reserved`` lists the indexes of the RESERVED entries, in chain order.
@@ -187,12 +163,10 @@ class Reservation:
     epoch: int
     version: int
     reserved: list[int]
-    slots_per_arena: int = 0
-    """Of the node's pool (packed reply); 0 when the reply was per-block."""
-    block_bytes: int = 0
-    """Of the node's pool (packed reply); 0 when the reply was per-block."""
-    places: list[tuple[int, int]] | None = None
-    """(arena, offset) of every entry (per-block reply only)."""
+    slots_per_arena: int
+    """Of the node's pool: slot s is in arena s // slots_per_arena."""
+    block_bytes: int
+    """Of the node's pool: slot s is at byte (s % slots_per_arena) * block_bytes."""
 
     def packed_reserved(self) -> bytes:
         """The RESERVED entries' hashes, concatenated (what Commit or Abort sends)."""
@@ -200,28 +174,16 @@ class Reservation:
 
 
 def reservation_from_proto(resp: pb.ReserveResponse) -> Reservation:
-    """The entries of a Reserve reply (packed, or per-block from a node that predates it).
+    """The entries of a Reserve reply.
 
     Raises:
-        InvalidArgument: the packed fields do not agree in length.
+        InvalidArgument: the reply's fields do not agree in length.
     """
-    if resp.entries:
-        entries = resp.entries
-        statuses = [e.status for e in entries]
-        return Reservation(
-            hashes=[BlockHash(e.hash) for e in entries],
-            statuses=statuses,
-            slots=[SlotId(e.location.slot) for e in entries],
-            epoch=resp.pool_epoch,
-            version=resp.pool_version,
-            reserved=[i for i, s in enumerate(statuses) if s == pb.RESERVE_STATUS_RESERVED],
-            places=[(e.location.arena, e.location.offset) for e in entries],
-        )
     statuses = list(resp.statuses)
     n = len(statuses)
     if len(resp.hashes) != HASH_BYTES * n or len(resp.slots) != n:
         raise InvalidArgument(
-            f"the node's packed Reserve reply is inconsistent: {len(resp.hashes)} bytes of "
+            f"the node's Reserve reply is inconsistent: {len(resp.hashes)} bytes of "
             f"hashes, {n} statuses, {len(resp.slots)} slots"
         )
     return Reservation(

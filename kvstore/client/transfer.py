@@ -137,7 +137,7 @@ async def _reserve(
     fields: dict[str, Any],
     timeout: float | None,
 ) -> pb.ReserveResponse:
-    req = pb.ReserveRequest(namespace_id=ns.id, lease_id=lease_id, packed_reply=True, **fields)
+    req = pb.ReserveRequest(namespace_id=ns.id, lease_id=lease_id, **fields)
     call = asyncio.ensure_future(session.rpc.call("Reserve", req, timeout, idempotent=False))
     try:
         resp: pb.ReserveResponse = await asyncio.shield(call)
@@ -194,25 +194,16 @@ def _check_placement(descriptor: PoolDescriptor, res: Reservation) -> None:
     Raises:
         FailedPrecondition: the pool changed between the mapping and the Reserve.
     """
-    if res.places is None:  # the packed reply: where slots lie follows from two numbers
-        if (res.slots_per_arena, res.block_bytes) != (
-            descriptor.slots_per_arena,
-            descriptor.block_bytes,
-        ):
-            raise FailedPrecondition(
-                f"the node's pool has {res.slots_per_arena} slots of {res.block_bytes} bytes "
-                f"an arena, the mapping {descriptor.slots_per_arena} of "
-                f"{descriptor.block_bytes}: the pool changed; store again"
-            )
-        return
-    for i in res.reserved:
-        slot, place = res.slots[i], res.places[i]
-        where = descriptor.locate(slot)
-        if where != place:
-            raise FailedPrecondition(
-                f"the node placed slot {slot} at {place[0]}/{place[1]}, the mapping says "
-                f"{where[0]}/{where[1]}: the pool changed; store again"
-            )
+    # Where a slot lies follows from two numbers: the reply's and the mapping's agree.
+    if (res.slots_per_arena, res.block_bytes) != (
+        descriptor.slots_per_arena,
+        descriptor.block_bytes,
+    ):
+        raise FailedPrecondition(
+            f"the node's pool has {res.slots_per_arena} slots of {res.block_bytes} bytes "
+            f"an arena, the mapping {descriptor.slots_per_arena} of "
+            f"{descriptor.block_bytes}: the pool changed; store again"
+        )
 
 
 def _copy_runs(

@@ -59,7 +59,8 @@ class _MissReasonEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_MissReason
     MISS_REASON_IN_FLIGHT: _MissReason.ValueType  # 2
     """the next block is being written by someone"""
 
-class MissReason(_MissReason, metaclass=_MissReasonEnumTypeWrapper): ...
+class MissReason(_MissReason, metaclass=_MissReasonEnumTypeWrapper):
+    """---- block operations ---------------------------------------------------------"""
 
 MISS_REASON_NONE: MissReason.ValueType  # 0
 """the whole chain was a hit"""
@@ -546,57 +547,12 @@ class AttachPoolResponse(_message.Message):
 Global___AttachPoolResponse: _TypeAlias = AttachPoolResponse  # noqa: Y015
 
 @_typing.final
-class BlockLocation(_message.Message):
-    """---- block operations ---------------------------------------------------------
-
-    Where one block's bytes are: arena index and byte offset in the pool that
-    AttachPool described, plus the slot's generation (stale-handle check).
-    """
-
-    DESCRIPTOR: _descriptor.Descriptor
-
-    HASH_FIELD_NUMBER: _builtins.int
-    SLOT_FIELD_NUMBER: _builtins.int
-    GENERATION_FIELD_NUMBER: _builtins.int
-    ARENA_FIELD_NUMBER: _builtins.int
-    OFFSET_FIELD_NUMBER: _builtins.int
-    CHECKSUM_FIELD_NUMBER: _builtins.int
-    hash: _builtins.bytes
-    slot: _builtins.int
-    generation: _builtins.int
-    arena: _builtins.int
-    offset: _builtins.int
-    checksum: _builtins.int
-    """xxh3-64 of the bytes its writer wrote; 0: none was sent"""
-    def __init__(
-        self,
-        *,
-        hash: _builtins.bytes = ...,
-        slot: _builtins.int = ...,
-        generation: _builtins.int = ...,
-        arena: _builtins.int = ...,
-        offset: _builtins.int = ...,
-        checksum: _builtins.int = ...,
-    ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
-    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["arena", b"arena", "checksum", b"checksum", "generation", b"generation", "hash", b"hash", "offset", b"offset", "slot", b"slot"]  # noqa: Y015
-    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
-
-Global___BlockLocation: _TypeAlias = BlockLocation  # noqa: Y015
-
-@_typing.final
 class LookupRequest(_message.Message):
-    """A chain is given either as tokens (the server hashes full blocks with the
-    tenant's root) or as precomputed block hashes (32 bytes each, computed with
-    kvstore.hashing and the chain_root of RegisterNamespace). Exactly one of
-    tokens, hashes, packed_tokens, packed_hashes.
-
-    Wire forms (docs/api.md): the packed fields carry the same values as one
-    bytes field each (or packed integers), for long chains; a request with
-    packed_reply gets the packed reply fields instead of per-block messages.
-    A request without the new fields is answered exactly as before.
+    """A chain is given as its block hashes, concatenated (packed_hashes: 32 bytes
+    each, computed with kvstore.hashing and the chain_root of RegisterNamespace),
+    or as tokens (the node hashes the full blocks under the tenant's root), for
+    callers that do not hash (grpcurl, other languages, extras). Exactly one of
+    the two. One form of each value on the wire: docs/api.md, "Wire forms".
     """
 
     DESCRIPTOR: _descriptor.Descriptor
@@ -605,15 +561,11 @@ class LookupRequest(_message.Message):
     LEASE_ID_FIELD_NUMBER: _builtins.int
     PIN_FIELD_NUMBER: _builtins.int
     TOKENS_FIELD_NUMBER: _builtins.int
-    HASHES_FIELD_NUMBER: _builtins.int
     EXTRAS_FIELD_NUMBER: _builtins.int
     ALLOW_REMOTE_FIELD_NUMBER: _builtins.int
     PACKED_HASHES_FIELD_NUMBER: _builtins.int
-    PACKED_TOKENS_FIELD_NUMBER: _builtins.int
-    PACKED_REPLY_FIELD_NUMBER: _builtins.int
     QUERY_TOKENS_FIELD_NUMBER: _builtins.int
     RELEASE_FIELD_NUMBER: _builtins.int
-    PACKED_SLOTS_FIELD_NUMBER: _builtins.int
     RELEASE_ID_FIELD_NUMBER: _builtins.int
     namespace_id: _builtins.str
     lease_id: _builtins.int
@@ -623,20 +575,11 @@ class LookupRequest(_message.Message):
     """may fetch missing blocks from a peer node"""
     packed_hashes: _builtins.bytes
     """the chain's hashes concatenated (32 bytes each)"""
-    packed_tokens: _builtins.bytes
-    """the tokens as little-endian uint32, concatenated"""
-    packed_reply: _builtins.bool
-    """answer with hit_hashes/slots/generations, not blocks"""
     query_tokens: _builtins.int
     """With hashes only, optional: how many tokens the client hashed them from
     (the full blocks' tokens plus a partial block's, fewer than block_size),
     so query_tokens and the tenant's token hit rate count the partial block
     as a token-sending lookup would. 0: the full blocks' tokens.
-    """
-    packed_slots: _builtins.bool
-    """With packed_reply: answer the slots and generations as packed_slots and
-    packed_generations (little-endian uint64 each, concatenated), not as the
-    repeated fields. A node that predates it answers the repeated fields.
     """
     release_id: _builtins.int
     """With pin, optional: the id this lookup's pins are named by (nonzero, chosen
@@ -647,9 +590,9 @@ class LookupRequest(_message.Message):
     applied). Set without pin: INVALID_ARGUMENT. 0: no id (release by hashes).
     """
     @_builtins.property
-    def tokens(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
-    @_builtins.property
-    def hashes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bytes]: ...
+    def tokens(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """or packed_hashes, not both"""
+
     @_builtins.property
     def extras(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bytes]:
         """optional per-block extra hash input (tokens only)"""
@@ -657,7 +600,7 @@ class LookupRequest(_message.Message):
     @_builtins.property
     def release(self) -> Global___ReleaseRequest:
         """Releases carried by this call, applied before the lookup (pin or not), in
-        ReleaseRequest's form: its hashes/packed_hashes, runs and release_ids.
+        ReleaseRequest's form: its packed_hashes, runs and release_ids.
         Its namespace_id and lease_id must be empty or this request's (the lease
         must be set). Checked whole before anything is applied: a bad one is
         INVALID_ARGUMENT and neither it nor the lookup happens. Answered in
@@ -671,20 +614,16 @@ class LookupRequest(_message.Message):
         lease_id: _builtins.int = ...,
         pin: _builtins.bool = ...,
         tokens: _abc.Iterable[_builtins.int] | None = ...,
-        hashes: _abc.Iterable[_builtins.bytes] | None = ...,
         extras: _abc.Iterable[_builtins.bytes] | None = ...,
         allow_remote: _builtins.bool = ...,
         packed_hashes: _builtins.bytes = ...,
-        packed_tokens: _builtins.bytes = ...,
-        packed_reply: _builtins.bool = ...,
         query_tokens: _builtins.int = ...,
         release: Global___ReleaseRequest | None = ...,
-        packed_slots: _builtins.bool = ...,
         release_id: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["release", b"release"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["allow_remote", b"allow_remote", "extras", b"extras", "hashes", b"hashes", "lease_id", b"lease_id", "namespace_id", b"namespace_id", "packed_hashes", b"packed_hashes", "packed_reply", b"packed_reply", "packed_slots", b"packed_slots", "packed_tokens", b"packed_tokens", "pin", b"pin", "query_tokens", b"query_tokens", "release", b"release", "release_id", b"release_id", "tokens", b"tokens"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["allow_remote", b"allow_remote", "extras", b"extras", "lease_id", b"lease_id", "namespace_id", b"namespace_id", "packed_hashes", b"packed_hashes", "pin", b"pin", "query_tokens", b"query_tokens", "release", b"release", "release_id", b"release_id", "tokens", b"tokens"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -692,20 +631,22 @@ Global___LookupRequest: _TypeAlias = LookupRequest  # noqa: Y015
 
 @_typing.final
 class LookupResponse(_message.Message):
+    """Block i of the hit is hit_hashes[32i:32i+32], packed_slots[8i:8i+8],
+    packed_generations[8i:8i+8] and packed_checksums[8i:8i+8] (little-endian
+    uint64 each); its arena is slot / slots_per_arena and its byte offset there
+    (slot % slots_per_arena) * block_bytes.
+    """
+
     DESCRIPTOR: _descriptor.Descriptor
 
     HIT_BLOCKS_FIELD_NUMBER: _builtins.int
     HIT_TOKENS_FIELD_NUMBER: _builtins.int
-    BLOCKS_FIELD_NUMBER: _builtins.int
     PINNED_FIELD_NUMBER: _builtins.int
     MISS_REASON_FIELD_NUMBER: _builtins.int
     POOL_EPOCH_FIELD_NUMBER: _builtins.int
-    CHAIN_FIELD_NUMBER: _builtins.int
     QUERY_TOKENS_FIELD_NUMBER: _builtins.int
     POOL_VERSION_FIELD_NUMBER: _builtins.int
     HIT_HASHES_FIELD_NUMBER: _builtins.int
-    SLOTS_FIELD_NUMBER: _builtins.int
-    GENERATIONS_FIELD_NUMBER: _builtins.int
     SLOTS_PER_ARENA_FIELD_NUMBER: _builtins.int
     BLOCK_BYTES_FIELD_NUMBER: _builtins.int
     PACKED_CHAIN_FIELD_NUMBER: _builtins.int
@@ -723,34 +664,17 @@ class LookupResponse(_message.Message):
     pool_version: _builtins.int
     """the namespace pool's arena set (AttachPool again if new)"""
     hit_hashes: _builtins.bytes
-    """The packed reply (packed_reply asked): block i of the hit is hit_hashes[32i:32i+32],
-    slots[i], generations[i]; its arena is slot / slots_per_arena and its offset
-    (slot % slots_per_arena) * block_bytes, as in BlockLocation.
-    """
+    """the hit blocks' hashes, concatenated (32 bytes each)"""
     slots_per_arena: _builtins.int
     block_bytes: _builtins.int
     packed_chain: _builtins.bytes
-    """chain, concatenated (tokens sent, packed_reply asked)"""
+    """every full block's hash, concatenated (tokens sent only)"""
     packed_slots: _builtins.bytes
-    """slots, little-endian uint64 each (packed_slots asked)"""
+    """the hit blocks' slots, little-endian uint64 each"""
     packed_generations: _builtins.bytes
-    """generations, the same way (packed_slots asked)"""
+    """their generations, the same way"""
     packed_checksums: _builtins.bytes
-    """The hit blocks' checksums (packed_reply asked): xxh3-64 of the bytes their
-    writers wrote, little-endian uint64 each, in hit order; 0: none was sent.
-    """
-    @_builtins.property
-    def blocks(self) -> _containers.RepeatedCompositeFieldContainer[Global___BlockLocation]:
-        """unless packed_reply was asked"""
-
-    @_builtins.property
-    def chain(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bytes]:
-        """every full block's hash (tokens sent; not packed_reply)"""
-
-    @_builtins.property
-    def slots(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
-    @_builtins.property
-    def generations(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    """Their checksums, the same way: xxh3-64 of the bytes their writers wrote; 0: none was sent."""
     @_builtins.property
     def released(self) -> Global___ReleaseResponse:
         """what LookupRequest.release dropped (when it was set)"""
@@ -760,16 +684,12 @@ class LookupResponse(_message.Message):
         *,
         hit_blocks: _builtins.int = ...,
         hit_tokens: _builtins.int = ...,
-        blocks: _abc.Iterable[Global___BlockLocation] | None = ...,
         pinned: _builtins.bool = ...,
         miss_reason: Global___MissReason.ValueType = ...,
         pool_epoch: _builtins.int = ...,
-        chain: _abc.Iterable[_builtins.bytes] | None = ...,
         query_tokens: _builtins.int = ...,
         pool_version: _builtins.int = ...,
         hit_hashes: _builtins.bytes = ...,
-        slots: _abc.Iterable[_builtins.int] | None = ...,
-        generations: _abc.Iterable[_builtins.int] | None = ...,
         slots_per_arena: _builtins.int = ...,
         block_bytes: _builtins.int = ...,
         packed_chain: _builtins.bytes = ...,
@@ -780,7 +700,7 @@ class LookupResponse(_message.Message):
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["released", b"released"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_bytes", b"block_bytes", "blocks", b"blocks", "chain", b"chain", "generations", b"generations", "hit_blocks", b"hit_blocks", "hit_hashes", b"hit_hashes", "hit_tokens", b"hit_tokens", "miss_reason", b"miss_reason", "packed_chain", b"packed_chain", "packed_checksums", b"packed_checksums", "packed_generations", b"packed_generations", "packed_slots", b"packed_slots", "pinned", b"pinned", "pool_epoch", b"pool_epoch", "pool_version", b"pool_version", "query_tokens", b"query_tokens", "released", b"released", "slots", b"slots", "slots_per_arena", b"slots_per_arena"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_bytes", b"block_bytes", "hit_blocks", b"hit_blocks", "hit_hashes", b"hit_hashes", "hit_tokens", b"hit_tokens", "miss_reason", b"miss_reason", "packed_chain", b"packed_chain", "packed_checksums", b"packed_checksums", "packed_generations", b"packed_generations", "packed_slots", b"packed_slots", "pinned", b"pinned", "pool_epoch", b"pool_epoch", "pool_version", b"pool_version", "query_tokens", b"query_tokens", "released", b"released", "slots_per_arena", b"slots_per_arena"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -793,23 +713,16 @@ class ReserveRequest(_message.Message):
     NAMESPACE_ID_FIELD_NUMBER: _builtins.int
     LEASE_ID_FIELD_NUMBER: _builtins.int
     TOKENS_FIELD_NUMBER: _builtins.int
-    HASHES_FIELD_NUMBER: _builtins.int
     EXTRAS_FIELD_NUMBER: _builtins.int
     PACKED_HASHES_FIELD_NUMBER: _builtins.int
-    PACKED_TOKENS_FIELD_NUMBER: _builtins.int
-    PACKED_REPLY_FIELD_NUMBER: _builtins.int
     namespace_id: _builtins.str
     lease_id: _builtins.int
     packed_hashes: _builtins.bytes
     """as in LookupRequest"""
-    packed_tokens: _builtins.bytes
-    """as in LookupRequest"""
-    packed_reply: _builtins.bool
-    """answer with the packed fields, not entries"""
     @_builtins.property
-    def tokens(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
-    @_builtins.property
-    def hashes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bytes]: ...
+    def tokens(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """as in LookupRequest: tokens or packed_hashes"""
+
     @_builtins.property
     def extras(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bytes]: ...
     def __init__(
@@ -818,53 +731,25 @@ class ReserveRequest(_message.Message):
         namespace_id: _builtins.str = ...,
         lease_id: _builtins.int = ...,
         tokens: _abc.Iterable[_builtins.int] | None = ...,
-        hashes: _abc.Iterable[_builtins.bytes] | None = ...,
         extras: _abc.Iterable[_builtins.bytes] | None = ...,
         packed_hashes: _builtins.bytes = ...,
-        packed_tokens: _builtins.bytes = ...,
-        packed_reply: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["extras", b"extras", "hashes", b"hashes", "lease_id", b"lease_id", "namespace_id", b"namespace_id", "packed_hashes", b"packed_hashes", "packed_reply", b"packed_reply", "packed_tokens", b"packed_tokens", "tokens", b"tokens"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["extras", b"extras", "lease_id", b"lease_id", "namespace_id", b"namespace_id", "packed_hashes", b"packed_hashes", "tokens", b"tokens"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ReserveRequest: _TypeAlias = ReserveRequest  # noqa: Y015
 
 @_typing.final
-class ReserveEntry(_message.Message):
-    DESCRIPTOR: _descriptor.Descriptor
-
-    HASH_FIELD_NUMBER: _builtins.int
-    STATUS_FIELD_NUMBER: _builtins.int
-    LOCATION_FIELD_NUMBER: _builtins.int
-    hash: _builtins.bytes
-    status: Global___ReserveStatus.ValueType
-    @_builtins.property
-    def location(self) -> Global___BlockLocation:
-        """set for RESERVED and HIT"""
-
-    def __init__(
-        self,
-        *,
-        hash: _builtins.bytes = ...,
-        status: Global___ReserveStatus.ValueType = ...,
-        location: Global___BlockLocation | None = ...,
-    ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["location", b"location"]  # noqa: Y015
-    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["hash", b"hash", "location", b"location", "status", b"status"]  # noqa: Y015
-    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
-
-Global___ReserveEntry: _TypeAlias = ReserveEntry  # noqa: Y015
-
-@_typing.final
 class ReserveResponse(_message.Message):
+    """Entry i (one per block of the chain) is hashes[32i:32i+32], statuses[i], and
+    for RESERVED and HIT slots[i] and generations[i] (0 otherwise).
+    """
+
     DESCRIPTOR: _descriptor.Descriptor
 
-    ENTRIES_FIELD_NUMBER: _builtins.int
     POOL_EPOCH_FIELD_NUMBER: _builtins.int
     POOL_VERSION_FIELD_NUMBER: _builtins.int
     HASHES_FIELD_NUMBER: _builtins.int
@@ -877,15 +762,8 @@ class ReserveResponse(_message.Message):
     pool_version: _builtins.int
     """the namespace pool's arena set (AttachPool again if new)"""
     hashes: _builtins.bytes
-    """The packed reply (packed_reply asked): entry i is hashes[32i:32i+32],
-    statuses[i], and for RESERVED and HIT slots[i] and generations[i] (0 otherwise).
-    """
     slots_per_arena: _builtins.int
     block_bytes: _builtins.int
-    @_builtins.property
-    def entries(self) -> _containers.RepeatedCompositeFieldContainer[Global___ReserveEntry]:
-        """unless packed_reply was asked"""
-
     @_builtins.property
     def statuses(self) -> _containers.RepeatedScalarFieldContainer[Global___ReserveStatus.ValueType]: ...
     @_builtins.property
@@ -895,7 +773,6 @@ class ReserveResponse(_message.Message):
     def __init__(
         self,
         *,
-        entries: _abc.Iterable[Global___ReserveEntry] | None = ...,
         pool_epoch: _builtins.int = ...,
         pool_version: _builtins.int = ...,
         hashes: _builtins.bytes = ...,
@@ -907,7 +784,7 @@ class ReserveResponse(_message.Message):
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_bytes", b"block_bytes", "entries", b"entries", "generations", b"generations", "hashes", b"hashes", "pool_epoch", b"pool_epoch", "pool_version", b"pool_version", "slots", b"slots", "slots_per_arena", b"slots_per_arena", "statuses", b"statuses"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_bytes", b"block_bytes", "generations", b"generations", "hashes", b"hashes", "pool_epoch", b"pool_epoch", "pool_version", b"pool_version", "slots", b"slots", "slots_per_arena", b"slots_per_arena", "statuses", b"statuses"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -919,32 +796,28 @@ class CommitRequest(_message.Message):
 
     NAMESPACE_ID_FIELD_NUMBER: _builtins.int
     LEASE_ID_FIELD_NUMBER: _builtins.int
-    HASHES_FIELD_NUMBER: _builtins.int
     PACKED_HASHES_FIELD_NUMBER: _builtins.int
     PACKED_CHECKSUMS_FIELD_NUMBER: _builtins.int
     namespace_id: _builtins.str
     lease_id: _builtins.int
     packed_hashes: _builtins.bytes
-    """or the hashes concatenated (32 bytes each); not both"""
+    """the blocks' hashes, concatenated (32 bytes each)"""
     packed_checksums: _builtins.bytes
     """The writer's checksum of each block's bytes as written (xxh3-64, kvstore.checksum),
     little-endian uint64 each, in hash order; 0 for a block it computed none for.
     Empty: none sent. Otherwise exactly 8 bytes per hash (else INVALID_ARGUMENT).
     """
-    @_builtins.property
-    def hashes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bytes]: ...
     def __init__(
         self,
         *,
         namespace_id: _builtins.str = ...,
         lease_id: _builtins.int = ...,
-        hashes: _abc.Iterable[_builtins.bytes] | None = ...,
         packed_hashes: _builtins.bytes = ...,
         packed_checksums: _builtins.bytes = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["hashes", b"hashes", "lease_id", b"lease_id", "namespace_id", b"namespace_id", "packed_checksums", b"packed_checksums", "packed_hashes", b"packed_hashes"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["lease_id", b"lease_id", "namespace_id", b"namespace_id", "packed_checksums", b"packed_checksums", "packed_hashes", b"packed_hashes"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -975,25 +848,21 @@ class AbortRequest(_message.Message):
 
     NAMESPACE_ID_FIELD_NUMBER: _builtins.int
     LEASE_ID_FIELD_NUMBER: _builtins.int
-    HASHES_FIELD_NUMBER: _builtins.int
     PACKED_HASHES_FIELD_NUMBER: _builtins.int
     namespace_id: _builtins.str
     lease_id: _builtins.int
     packed_hashes: _builtins.bytes
-    """or the hashes concatenated (32 bytes each); not both"""
-    @_builtins.property
-    def hashes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bytes]: ...
+    """the blocks' hashes, concatenated (32 bytes each)"""
     def __init__(
         self,
         *,
         namespace_id: _builtins.str = ...,
         lease_id: _builtins.int = ...,
-        hashes: _abc.Iterable[_builtins.bytes] | None = ...,
         packed_hashes: _builtins.bytes = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["hashes", b"hashes", "lease_id", b"lease_id", "namespace_id", b"namespace_id", "packed_hashes", b"packed_hashes"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["lease_id", b"lease_id", "namespace_id", b"namespace_id", "packed_hashes", b"packed_hashes"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1024,16 +893,13 @@ class ReleaseRequest(_message.Message):
 
     NAMESPACE_ID_FIELD_NUMBER: _builtins.int
     LEASE_ID_FIELD_NUMBER: _builtins.int
-    HASHES_FIELD_NUMBER: _builtins.int
     PACKED_HASHES_FIELD_NUMBER: _builtins.int
     RUNS_FIELD_NUMBER: _builtins.int
     RELEASE_IDS_FIELD_NUMBER: _builtins.int
     namespace_id: _builtins.str
     lease_id: _builtins.int
     packed_hashes: _builtins.bytes
-    """or the hashes concatenated (32 bytes each); not both"""
-    @_builtins.property
-    def hashes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bytes]: ...
+    """the blocks' hashes, concatenated (32 bytes each)"""
     @_builtins.property
     def runs(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """Several hits' releases in one call: the hashes are runs back to back, run i
@@ -1060,14 +926,13 @@ class ReleaseRequest(_message.Message):
         *,
         namespace_id: _builtins.str = ...,
         lease_id: _builtins.int = ...,
-        hashes: _abc.Iterable[_builtins.bytes] | None = ...,
         packed_hashes: _builtins.bytes = ...,
         runs: _abc.Iterable[_builtins.int] | None = ...,
         release_ids: _abc.Iterable[_builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["hashes", b"hashes", "lease_id", b"lease_id", "namespace_id", b"namespace_id", "packed_hashes", b"packed_hashes", "release_ids", b"release_ids", "runs", b"runs"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["lease_id", b"lease_id", "namespace_id", b"namespace_id", "packed_hashes", b"packed_hashes", "release_ids", b"release_ids", "runs", b"runs"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

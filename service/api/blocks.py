@@ -8,42 +8,19 @@ from typing import Any
 
 from kvstore.block_table import BlockTable
 from kvstore.errors import InvalidArgument, KVStoreError
-from kvstore.pool.base import BlockPool
-from kvstore.results import BlockRef, LookupResult, MissReason, ReserveResult
 from kvstore.types import BlockHash, LeaseId, NamespaceId, TenantId
 from kvstore.v1 import kvstore_pb2 as pb
 from service.api import chains, convert, releases, validate
 from service.api.base import ServicerBase
 from service.api.errors import FieldError, guard_unary
 from service.api.offload import off_loop
+from service.cluster.lookup import LookupCall
 
 _HashesRequest = pb.CommitRequest | pb.AbortRequest
 """The requests that name a lease and a list of block hashes."""
 
 _StoreVerb = Callable[[NamespaceId, TenantId, LeaseId, Sequence[BlockHash], float], int]
 """`Store.commit` or `Store.abort`."""
-
-
-def _reserve_entries(pool: BlockPool, result: ReserveResult) -> list[pb.ReserveEntry]:
-    """The wire form of a reservation (pure: may run off the loop)."""
-    out = []
-    for entry in result.entries:
-        msg = pb.ReserveEntry(hash=entry.hash, status=convert.RESERVE_STATUS[entry.status])
-        if entry.slot is not None:
-            msg.location.CopyFrom(
-                convert.location(pool, BlockRef(entry.hash, entry.slot, entry.generation))
-            )
-        out.append(msg)
-    return out
-
-
-def _hit_locations(pool: BlockPool, result: LookupResult) -> list[pb.BlockLocation]:
-    """The per-block wire form of a lookup's hits (pure: may run off the loop).
-
-    ``result.blocks`` is built here, not by the caller: its objects cost as much
-    as the messages, and both belong off the loop.
-    """
-    return convert.locations(pool, result.blocks)
 
 
 class BlockRpcs(ServicerBase):
@@ -84,85 +61,29 @@ class BlockRpcs(ServicerBase):
             except InvalidArgument as exc:
                 raise FieldError("release_id", str(exc)) from None
         released = None
-        if carried is not None:
+        if carried is not None:  # applied right before the lookup: no await between
             released = releases.apply(
                 node.store, namespace, tenant, LeaseId(request.lease_id), carried, node.now()
             )
             node.publish_events()
-
-        def look_up() -> LookupResult:
-            return node.store.lookup(
+        result = await node.lookup(
+            LookupCall(
                 namespace,
                 tenant,
                 chain,
-                node.now(),
+                query_tokens,
                 lease_id=lease_id,
-                query_tokens=query_tokens,
                 release_id=release_id,
+                allow_remote=request.allow_remote,
             )
-
-        result = look_up()
-        if (
-            request.allow_remote
-            and node.peers is not None
-            and result.miss_reason is MissReason.ABSENT
-        ):
-            first = result if result.pinned and result.hashes and lease_id else None
-            try:
-                fetched = await node.peers.fetch(namespace, tenant, chain, result.hit_blocks)
-            except BaseException:
-                # Cancelled (or failed) mid-fetch: the caller never learns of
-                # the first lookup's pins, so drop them here.
-                if first is not None and lease_id is not None:
-                    with contextlib.suppress(KVStoreError):
-                        node.store.unpin_lookup(
-                            namespace, tenant, lease_id, first, node.now(), release_id
-                        )
-                raise
-            if fetched:
-                # Blocks arrived from a peer: drop the first lookup's pins (one
-                # per block; its release id unspent), then look up again
-                # (counted as a second lookup) under the same id. No await in
-                # between, so nothing is evicted in the gap, and the pin bound
-                # does not count the first pins twice.
-                if first is not None and lease_id is not None:
-                    node.store.unpin_lookup(
-                        namespace, tenant, lease_id, first, node.now(), release_id
-                    )
-                result = look_up()
-        pool = node.pool(namespace)
-        node.memory.touch(namespace)  # a namespace in use gives its arenas back last
-        hit_tokens = result.hit_blocks * table.block_size
-        node.metrics.observe_lookup(
-            namespace,
-            tenant,
-            hit_blocks=result.hit_blocks,
-            miss_blocks=len(chain) - result.hit_blocks,
-            hit_tokens=hit_tokens,
-            miss_tokens=max(0, query_tokens - hit_tokens),
         )
-        try:
-            if request.packed_reply and request.packed_slots:  # a few µs: on the loop
-                reply = convert.packed_locations(pool, result, packed_slots=True)
-            elif request.packed_reply:
-                reply = await off_loop(result.hit_blocks, convert.packed_locations, pool, result)
-                if from_tokens:
-                    reply["packed_chain"] = b"".join(chain)
-            else:
-                blocks = await off_loop(result.hit_blocks, _hit_locations, pool, result)
-                reply = {"blocks": blocks, "chain": chain if from_tokens else []}
-        except BaseException:
-            # Cancelled while the reply was built: the caller never learns of
-            # these pins, so drop them (one per block, as the lookup took).
-            if result.pinned and result.hit_blocks and lease_id is not None:
-                with contextlib.suppress(KVStoreError):
-                    node.store.unpin_lookup(
-                        namespace, tenant, lease_id, result, node.now(), release_id
-                    )
-            raise
+        pool = node.pool(namespace)
+        reply = convert.lookup_reply(pool, result)  # a few µs: on the loop, no await
+        if from_tokens:
+            reply["packed_chain"] = b"".join(chain)
         return pb.LookupResponse(
             hit_blocks=result.hit_blocks,
-            hit_tokens=hit_tokens,
+            hit_tokens=result.hit_blocks * table.block_size,
             pinned=result.pinned and bool(result.hit_blocks),
             miss_reason=int(result.miss_reason),  # type: ignore[arg-type]
             pool_epoch=node.epoch,
@@ -188,11 +109,7 @@ class BlockRpcs(ServicerBase):
             node.publish_events()  # a reservation may have evicted blocks
         pool = node.pool(namespace)
         try:
-            if request.packed_reply:
-                reply = await off_loop(len(result.hashes), convert.packed_reserve, pool, result)
-            else:
-                entries = await off_loop(len(result.hashes), _reserve_entries, pool, result)
-                reply = {"entries": entries}
+            reply = await off_loop(len(result.hashes), convert.packed_reserve, pool, result)
         except BaseException:
             # Cancelled while the reply was built: give back what was reserved.
             reserved = result.reserved_hashes()
@@ -210,7 +127,7 @@ class BlockRpcs(ServicerBase):
     ) -> tuple[list[BlockHash], int, bool]:
         """The chain a Lookup or Reserve names, bounded, hashed off the loop."""
         config = self.node.config
-        tokens, hashes, checked = chains.packed_fields(request, config.max_chain_blocks)
+        tokens, hashes = chains.request_chain(request, config.max_chain_blocks)
         # Only tokens are hashed under the root: a chain of hashes needs none.
         root = self.node.root(table, tenant) if len(tokens) else BlockHash(b"")
         return await chains.chain(
@@ -222,7 +139,7 @@ class BlockRpcs(ServicerBase):
             request.extras,
             max_blocks=config.max_chain_blocks,
             max_tokens=config.max_request_tokens,
-            hashes_checked=checked,
+            hashes_checked=True,
         )
 
     def _named_blocks(
@@ -232,11 +149,7 @@ class BlockRpcs(ServicerBase):
         tenant = self.node.tenant(context)
         namespace = self.namespace(request.namespace_id, tenant)
         lease_id = validate.lease_id(request.lease_id)
-        if request.packed_hashes:  # 32 bytes each by construction
-            hashes = chains.packed_hashes(request, limit)
-        else:
-            hashes = validate.block_hashes(request.hashes, limit)
-        return namespace, tenant, lease_id, hashes
+        return namespace, tenant, lease_id, chains.named_hashes(request, limit)
 
     def _on_hashes(self, request: _HashesRequest, context: Any, verb: _StoreVerb) -> int:
         """Validate a (namespace, lease, hashes) request and apply ``verb`` to it."""

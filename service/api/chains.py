@@ -1,8 +1,8 @@
 """The chain of block hashes a Lookup or Reserve names, computed off the event loop.
 
-A request sends either the hashes or the tokens (the node then hashes them
-with the namespace's scheme under the tenant's root), each in its repeated
-or its packed form (`packed_fields`; docs/api.md, "Wire forms"). Both are
+A request sends either the hashes (``packed_hashes``) or the tokens (the node
+then hashes them with the namespace's scheme under the tenant's root), each in
+its one wire form (`request_chain`; docs/api.md, "Wire forms"). Both are
 bounded before any work: at most ``max_chain_blocks`` hashes, at most
 ``max_request_tokens`` tokens (and no more than ``max_chain_blocks`` blocks
 of them). Hashing runs on a worker thread (`service.api.offload`), so the
@@ -34,7 +34,7 @@ load the loop then waits for the GIL handoff, which costs more than the
 hashing."""
 
 Tokens = Sequence[int] | np.ndarray
-"""A request's tokens: its repeated field, or the array of its ``packed_tokens``."""
+"""A request's tokens: its repeated field (or an array of them)."""
 
 
 def token_array(tokens: Tokens) -> np.ndarray:
@@ -47,40 +47,23 @@ def token_array(tokens: Tokens) -> np.ndarray:
     return np.array(tokens, dtype=np.uint32)
 
 
-def packed_fields(request: Any, max_blocks: int) -> tuple[Tokens, Sequence[bytes], bool]:
-    """The (tokens, hashes, hashes checked) of a Lookup or Reserve, repeated or packed fields.
-
-    Hashes unpacked from ``packed_hashes`` are checked (whole 32-byte hashes,
-    at most ``max_blocks``); the repeated field's are not yet.
+def request_chain(request: Any, max_blocks: int) -> tuple[Tokens, list[BlockHash]]:
+    """The (tokens, hashes) of a Lookup or Reserve: its ``tokens`` and unpacked ``packed_hashes``.
 
     Raises:
-        FieldError: a field and its packed form both set, ``packed_hashes``
-            not a whole number of 32-byte hashes (or over ``max_blocks`` of
-            them), ``packed_tokens`` not a whole number of 4-byte tokens.
+        FieldError: ``packed_hashes`` not a whole number of 32-byte hashes, or
+            over ``max_blocks`` of them.
     """
-    tokens: Tokens = request.tokens
-    hashes: Sequence[bytes] = request.hashes
-    if request.packed_tokens:
-        if tokens:
-            raise FieldError("packed_tokens", "send tokens or packed_tokens, not both")
-        tokens = _unpack(wire.unpack_tokens, request.packed_tokens, "packed_tokens")
-    if request.packed_hashes:
-        return tokens, packed_hashes(request, max_blocks), True
-    return tokens, hashes, False
+    return request.tokens, packed_hashes(request, max_blocks)
 
 
 def packed_hashes(request: Any, max_blocks: int) -> list[BlockHash]:
-    """The hashes of a request's ``packed_hashes`` (none set: ``hashes``, checked by the caller).
+    """The hashes of a request's ``packed_hashes`` (32 bytes each, at most ``max_blocks``).
 
     Raises:
-        FieldError: both forms set, a length that is not a multiple of 32,
-            over ``max_blocks`` hashes.
+        FieldError: a length that is not a multiple of 32, over ``max_blocks`` hashes.
     """
     packed: bytes = request.packed_hashes
-    if not packed:
-        return list(request.hashes)
-    if request.hashes:
-        raise FieldError("packed_hashes", "send hashes or packed_hashes, not both")
     count = len(packed) // HASH_BYTES
     if count > max_blocks:
         raise FieldError(
@@ -88,6 +71,18 @@ def packed_hashes(request: Any, max_blocks: int) -> list[BlockHash]:
             f"names {count} blocks, at most {max_blocks} per call (max_chain_blocks)",
         )
     hashes: list[BlockHash] = _unpack(wire.unpack_hashes, packed, "packed_hashes")
+    return hashes
+
+
+def named_hashes(request: Any, max_blocks: int) -> list[BlockHash]:
+    """The blocks a Commit, Abort or Release names: its ``packed_hashes``, at least one.
+
+    Raises:
+        FieldError: none named, or `packed_hashes`' errors.
+    """
+    hashes = packed_hashes(request, max_blocks)
+    if not hashes:
+        raise FieldError("packed_hashes", "is empty; name at least one block")
     return hashes
 
 
@@ -129,9 +124,7 @@ def release_runs(request: Any, max_blocks: int) -> list[int]:
             f"has {len(request.runs)} runs, at most {wire.MAX_RELEASE_RUNS} per call "
             "(MAX_RELEASE_RUNS)",
         )
-    hashes = (
-        len(request.packed_hashes) // HASH_BYTES if request.packed_hashes else len(request.hashes)
-    )
+    hashes = len(request.packed_hashes) // HASH_BYTES
     if len(runs) > hashes:
         raise FieldError("runs", f"has {len(runs)} runs for {hashes} hashes; a run is not empty")
     if min(runs, default=1) == 0:
@@ -199,21 +192,22 @@ async def chain(
         root: the chain root of the namespace for the calling tenant.
         block_size: tokens per block of the namespace.
         scheme: the namespace's hash scheme.
-        tokens, hashes, extras: the request's fields (`packed_fields` unpacks
-            the packed forms).
+        tokens, hashes, extras: the request's fields (`request_chain` unpacks
+            ``packed_hashes``).
         max_blocks: ``max_chain_blocks`` of the node.
         max_tokens: ``max_request_tokens`` of the node.
-        hashes_checked: ``hashes`` came from `packed_fields` unpacking
-            ``packed_hashes`` (32 bytes each, bounded): not checked again.
+        hashes_checked: ``hashes`` came from unpacking a packed field (32
+            bytes each, bounded): not checked again. QueryPrefix's repeated
+            ``block_hashes`` are checked here.
 
     Returns:
         (chain, tokens in the query, whether tokens were sent).
     """
     source = validate.chain_source(tokens, hashes, extras, max_tokens, max_blocks, block_size)
     if source == "hashes":
-        if hashes_checked:  # from `packed_hashes`: 32 bytes each by construction, bounded
+        if hashes_checked:  # unpacked from a packed field: 32 bytes each, bounded
             chain: list[BlockHash] = list(hashes)  # type: ignore[arg-type]
-        else:  # the repeated field: every length checked
+        else:  # a repeated field: every length checked
             chain = await off_loop(len(hashes), validate.block_hashes, hashes, max_blocks)
         return chain, len(chain) * block_size, False
     block_extras: list[bytes] | None = None

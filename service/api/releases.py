@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from kvstore.store import Store
 from kvstore.types import BlockHash, LeaseId, NamespaceId, TenantId
 from kvstore.v1 import kvstore_pb2 as pb
-from service.api import chains, validate
+from service.api import chains
 from service.api.errors import FieldError
 
 
@@ -36,11 +36,7 @@ def plan(request: pb.ReleaseRequest, max_blocks: int) -> ReleasePlan:
     runs = chains.release_runs(request, max_blocks) if request.runs else None
     ids = chains.release_ids(request, len(runs) if runs is not None else 1)
     limit = max_blocks * len(runs) if runs is not None else max_blocks
-    if request.packed_hashes:  # 32 bytes each by construction
-        hashes = chains.packed_hashes(request, limit)
-    else:
-        hashes = validate.block_hashes(request.hashes, limit)
-    return ReleasePlan(hashes, runs, ids)
+    return ReleasePlan(chains.named_hashes(request, limit), runs, ids)
 
 
 def carried(request: pb.LookupRequest, max_blocks: int) -> ReleasePlan | None:

@@ -93,7 +93,7 @@ def chain_source(
     Returns:
         ``"tokens"`` or ``"hashes"``.
     """
-    # len(), not truth: tokens may be a numpy array (packed_tokens).
+    # len(), not truth: tokens may be a numpy array (QueryPrefix's packed_token_ids).
     if len(tokens) and len(hashes):
         raise FieldError("tokens", "send either tokens or hashes, not both")
     if not len(tokens) and not len(hashes):

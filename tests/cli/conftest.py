@@ -27,6 +27,7 @@ from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc
 from service.config import Config
 from service.server import Server
+from tests.replies import entries_of
 
 BLOCK_SIZE = 4
 LAYOUT = pb.KVLayout(
@@ -126,7 +127,11 @@ def store_prompt(
             timeout=5,
         )
         stub.Commit(
-            pb.CommitRequest(namespace_id=ns, lease_id=lid, hashes=[e.hash for e in res.entries]),
+            pb.CommitRequest(
+                namespace_id=ns,
+                lease_id=lid,
+                packed_hashes=b"".join([e.hash for e in entries_of(res)]),
+            ),
             metadata=metadata,
             timeout=5,
         )
@@ -145,8 +150,11 @@ def populate(node: LiveNode) -> str:
             res = stub.Reserve(
                 pb.ReserveRequest(namespace_id=ns, lease_id=lid, tokens=tokens), timeout=5
             )
-            fresh = [e.hash for e in res.entries if e.status == pb.RESERVE_STATUS_RESERVED]
-            stub.Commit(pb.CommitRequest(namespace_id=ns, lease_id=lid, hashes=fresh), timeout=5)
+            fresh = [e.hash for e in entries_of(res) if e.status == pb.RESERVE_STATUS_RESERVED]
+            stub.Commit(
+                pb.CommitRequest(namespace_id=ns, lease_id=lid, packed_hashes=b"".join(fresh)),
+                timeout=5,
+            )
         for tokens in REQUESTS[:3]:
             stub.Lookup(pb.LookupRequest(namespace_id=ns, tokens=tokens), timeout=5)
         stub.Lookup(pb.LookupRequest(namespace_id=ns, tokens=list(range(50, 58))), timeout=5)

@@ -10,6 +10,7 @@ import pytest
 
 from kvstore.v1 import kvstore_pb2 as pb
 from tests.cli.conftest import BLOCK_SIZE, free_port, kvstore
+from tests.replies import entries_of
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -106,9 +107,9 @@ def test_watch_streams_events(live_node):
             tokens = list(range(300, 300 + BLOCK_SIZE))
             res = stub.Reserve(pb.ReserveRequest(namespace_id=live_node.namespace, lease_id=lid,
                                                  tokens=tokens), timeout=5)  # fmt: skip
-            hashes = [e.hash for e in res.entries]
+            hashes = [e.hash for e in entries_of(res)]
             stub.Commit(pb.CommitRequest(namespace_id=live_node.namespace, lease_id=lid,
-                                         hashes=hashes), timeout=5)  # fmt: skip
+                                         packed_hashes=b"".join(hashes)), timeout=5)  # fmt: skip
             stub.CloseLease(pb.CloseLeaseRequest(lease_id=lid), timeout=5)
         out, err = proc.communicate(timeout=30)
     finally:

@@ -23,6 +23,7 @@ from tests.cli.conftest import (
     start_node,
     stop_node,
 )
+from tests.replies import entries_of
 
 
 @pytest.fixture(scope="module")
@@ -86,9 +87,10 @@ def _store_one(node: LiveNode, namespace: str, first_token: int) -> list[bytes]:
         res = stub.Reserve(
             pb.ReserveRequest(namespace_id=namespace, lease_id=lid, tokens=tokens), timeout=5
         )
-        hashes = [e.hash for e in res.entries]
+        hashes = [e.hash for e in entries_of(res)]
         stub.Commit(
-            pb.CommitRequest(namespace_id=namespace, lease_id=lid, hashes=hashes), timeout=5
+            pb.CommitRequest(namespace_id=namespace, lease_id=lid, packed_hashes=b"".join(hashes)),
+            timeout=5,
         )
         stub.CloseLease(pb.CloseLeaseRequest(lease_id=lid), timeout=5)
     return hashes

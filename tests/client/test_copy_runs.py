@@ -51,36 +51,20 @@ class _Ns:
         self.layout = LAYOUT
 
 
-def _reserved(pairs: list[tuple[int, int]], packed: bool = True) -> Reservation:
+def _reserved(pairs: list[tuple[int, int]]) -> Reservation:
     """(chain index, slot) pairs as Reserve answers them; other chain indexes are hits."""
     n = max(index for index, _ in pairs) + 1
     slots = dict(pairs)
     hashes = [bytes([i]) * 32 for i in range(n)]
     status = [pb.RESERVE_STATUS_RESERVED if i in slots else pb.RESERVE_STATUS_HIT for i in range(n)]
-    if packed:
-        resp = pb.ReserveResponse(
-            hashes=b"".join(hashes),
-            statuses=status,
-            slots=[slots.get(i, 0) for i in range(n)],
-            generations=[1] * n,
-            slots_per_arena=SPA,
-            block_bytes=BB,
-        )
-    else:
-        resp = pb.ReserveResponse(
-            entries=[
-                pb.ReserveEntry(
-                    hash=hashes[i],
-                    status=status[i],
-                    location=pb.BlockLocation(
-                        slot=slots.get(i, 0),
-                        arena=slots.get(i, 0) // SPA,
-                        offset=slots.get(i, 0) % SPA * BB,
-                    ),
-                )
-                for i in range(n)
-            ]
-        )
+    resp = pb.ReserveResponse(
+        hashes=b"".join(hashes),
+        statuses=status,
+        slots=[slots.get(i, 0) for i in range(n)],
+        generations=[1] * n,
+        slots_per_arena=SPA,
+        block_bytes=BB,
+    )
     return reservation_from_proto(resp)
 
 
@@ -101,10 +85,9 @@ def test_runs_break_at_gaps_and_at_arena_ends() -> None:
 PAIRS = [(0, 2), (1, 3), (2, 4), (3, 5), (4, 6), (6, 7), (7, 8), (8, 9), (9, 0)]
 
 
-@pytest.mark.parametrize("packed", [True, False], ids=["packed", "per_block"])
 @pytest.mark.parametrize("supplier", ["array", "list", "callable", "bytes"])
 def test_store_copies_land_in_their_slots(
-    pool: tuple[HostPool, HostMapping], supplier: str, packed: bool
+    pool: tuple[HostPool, HostMapping], supplier: str
 ) -> None:
     node, mapping = pool
     blocks = _blocks(10)
@@ -120,7 +103,7 @@ def test_store_copies_land_in_their_slots(
         nonlocal checks
         checks += 1
 
-    _copy_in(_Ns(mapping), _reserved(PAIRS, packed), given, lease_alive)  # type: ignore[arg-type]
+    _copy_in(_Ns(mapping), _reserved(PAIRS), given, lease_alive)  # type: ignore[arg-type]
     for index, slot in PAIRS:
         assert node.read(SlotId(slot)) == blocks[index].tobytes(), (index, slot)
     assert node.read(SlotId(1)) == bytes(BB)  # chain index 5 was a hit: nothing written
@@ -162,15 +145,13 @@ def test_a_reply_placing_slots_elsewhere_than_the_mapping_writes_nothing(
 ) -> None:
     node, mapping = pool
     ns = _Ns(mapping)
-    packed = _reserved(PAIRS)
-    other_arenas = dataclasses.replace(packed, slots_per_arena=SPA * 2)
+    reserved = _reserved(PAIRS)
+    other_arenas = dataclasses.replace(reserved, slots_per_arena=SPA * 2)
     with pytest.raises(FailedPrecondition, match="pool changed"):
         _copy_in(ns, other_arenas, _blocks(10), lambda: None)  # type: ignore[arg-type]
-    per_block = _reserved(PAIRS, packed=False)
-    assert per_block.places is not None
-    moved = dataclasses.replace(per_block, places=[(a, o + BB) for a, o in per_block.places])
+    other_blocks = dataclasses.replace(reserved, block_bytes=BB * 2)
     with pytest.raises(FailedPrecondition, match="pool changed"):
-        _copy_in(ns, moved, _blocks(10), lambda: None)  # type: ignore[arg-type]
+        _copy_in(ns, other_blocks, _blocks(10), lambda: None)  # type: ignore[arg-type]
     for slot in range(10):
         assert node.read(SlotId(slot)) == bytes(BB), slot
 

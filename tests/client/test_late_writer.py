@@ -116,7 +116,12 @@ class _FakeMapping:
         self.memory = bytearray(slots * size)
         self.size = size
         self.synchronized = 0
-        self.descriptor = types.SimpleNamespace(kind="host", locate=lambda slot: (0, slot * size))
+        self.descriptor = types.SimpleNamespace(
+            kind="host",
+            locate=lambda slot: (0, slot * size),
+            slots_per_arena=slots,
+            block_bytes=size,
+        )
 
     def buffer(self, slot: int) -> memoryview:
         return memoryview(self.memory)[slot * self.size : (slot + 1) * self.size]
@@ -126,17 +131,15 @@ class _FakeMapping:
 
 
 def _entries(n: int, size: int) -> Reservation:
-    """A per-block Reserve reply: block i RESERVED in slot i of arena 0."""
+    """A Reserve reply: block i RESERVED in slot i of arena 0 (of ``n`` slots)."""
     return reservation_from_proto(
         pb.ReserveResponse(
-            entries=[
-                pb.ReserveEntry(
-                    hash=bytes([i]) * 32,
-                    status=pb.RESERVE_STATUS_RESERVED,
-                    location=pb.BlockLocation(slot=i, arena=0, offset=i * size),
-                )
-                for i in range(n)
-            ]
+            hashes=b"".join(bytes([i]) * 32 for i in range(n)),
+            statuses=[pb.RESERVE_STATUS_RESERVED] * n,
+            slots=range(n),
+            generations=[1] * n,
+            slots_per_arena=n,
+            block_bytes=size,
         )
     )
 

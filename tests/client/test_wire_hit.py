@@ -4,6 +4,7 @@ and builds per-block locations only when asked (docs/api.md, "Wire forms")."""
 from __future__ import annotations
 
 import json
+from array import array
 from typing import Any
 
 import numpy as np
@@ -14,12 +15,12 @@ from hypothesis import strategies as st
 from kvstore.api import wire
 from kvstore.client import Client
 from kvstore.client.convert import chain_fields, hit_from_proto
-from kvstore.client.handles import BlockLocation
 from kvstore.errors import InvalidArgument
 from kvstore.results import MissReason
-from kvstore.types import BlockHash, LeaseId, SlotId
+from kvstore.types import BlockHash, LeaseId
 from kvstore.v1 import kvstore_pb2 as pb
 from tests.client.blocks import LAYOUT
+from tests.replies import blocks_of, chain_of
 
 TOKENS = list(range(500, 500 + 4 * 6 + 1))
 """Six full blocks and a partial one."""
@@ -43,9 +44,9 @@ async def test_lookup_is_packed_and_its_hit_lazy(kv: Client, monkeypatch) -> Non
     hit = await kv.lookup(ns, TOKENS, pin=True)
     lookup = sent[-1]
     # The SDK hashes the prompt itself and sends the chain, with the token count.
-    assert lookup.packed_reply and lookup.packed_hashes == b"".join(ns.hash(TOKENS))
+    assert lookup.packed_hashes == b"".join(ns.hash(TOKENS))
     assert lookup.query_tokens == len(TOKENS)
-    assert not lookup.tokens and not lookup.hashes and not lookup.packed_tokens
+    assert not lookup.tokens
     assert (hit.hit_tokens, hit.query_tokens) == (24, 25)  # as if the node had hashed them
     assert hit._blocks is None and hit._chain is None  # nothing built yet
     for i, view in enumerate(hit.numpy_views()):
@@ -53,15 +54,16 @@ async def test_lookup_is_packed_and_its_hit_lazy(kv: Client, monkeypatch) -> Non
     assert hit._blocks is None  # views come from the slot array
     assert hit.chain == tuple(ns.hash(TOKENS)) and hit.hashes == list(hit.chain)
 
-    # The per-block form of the same lookup (what an old client gets) agrees.
-    old = await call(
+    # The node's reply, read block by block, is what the hit's locations say.
+    raw = await call(
         "Lookup", pb.LookupRequest(namespace_id=ns.id, tokens=TOKENS), None, idempotent=True
     )
-    assert [(b.hash, b.slot, b.generation, b.arena, b.offset) for b in old.blocks] == [
+    assert [(b.hash, b.slot, b.generation, b.arena, b.offset) for b in blocks_of(raw)] == [
         (b.hash, b.slot, b.generation, b.arena, b.offset) for b in hit.blocks
     ]
+    assert chain_of(raw) == list(hit.chain)
     assert await kv.release(hit) == 6
-    assert sent[-1].packed_hashes == hit.hit_hashes and not sent[-1].hashes
+    assert sent[-1].packed_hashes == hit.hit_hashes
 
     miss = await kv.lookup(ns, [9] * 9, pin=True)
     assert (miss.hit_blocks, miss.blocks, miss.hashes, miss.slots.size) == (0, (), [], 0)
@@ -69,33 +71,8 @@ async def test_lookup_is_packed_and_its_hit_lazy(kv: Client, monkeypatch) -> Non
     assert await kv.release(miss) == 0
 
     by_hashes = await kv.lookup(ns, hashes=list(hit.chain))
-    assert sent[-1].packed_hashes == b"".join(hit.chain) and not sent[-1].hashes
+    assert sent[-1].packed_hashes == b"".join(hit.chain) and not sent[-1].tokens
     assert by_hashes.hit_blocks == 6 and by_hashes.chain == ()
-
-
-def test_a_per_block_reply_still_makes_a_hit() -> None:
-    """A node that predates the packed fields answers with BlockLocation messages."""
-    h = [bytes([i]) * 32 for i in range(3)]
-    resp = pb.LookupResponse(
-        hit_blocks=2,
-        hit_tokens=8,
-        query_tokens=12,
-        pinned=True,
-        pool_epoch=7,
-        blocks=[
-            pb.BlockLocation(hash=h[0], slot=5, generation=2, arena=1, offset=768),
-            pb.BlockLocation(hash=h[1], slot=1, generation=4, arena=0, offset=256),
-        ],
-        chain=h,
-    )
-    hit = hit_from_proto(_namespace(), resp, 3, LeaseId(9))
-    assert hit.blocks == (
-        BlockLocation(BlockHash(h[0]), SlotId(5), 2, 1, 768),
-        BlockLocation(BlockHash(h[1]), SlotId(1), 4, 0, 256),
-    )
-    assert hit.slots.tolist() == [5, 1] and hit.generations.tolist() == [2, 4]
-    assert hit.hashes == h[:2] and hit.hit_hashes == h[0] + h[1] and hit.chain == tuple(h)
-    assert (hit.hit_blocks, hit.lease_id, hit.miss_reason) == (2, 9, MissReason.NONE)
 
 
 def test_a_packed_reply_builds_locations_on_first_access() -> None:
@@ -103,8 +80,9 @@ def test_a_packed_reply_builds_locations_on_first_access() -> None:
     resp = pb.LookupResponse(
         hit_blocks=3,
         hit_hashes=b"".join(h),
-        slots=[0, 17, 33],
-        generations=[1, 2, 3],
+        packed_slots=_u64([0, 17, 33]),
+        packed_generations=_u64([1, 2, 3]),
+        packed_checksums=_u64([0, 0, 9]),
         slots_per_arena=16,
         block_bytes=256,
         packed_chain=b"".join(h),
@@ -118,19 +96,30 @@ def test_a_packed_reply_builds_locations_on_first_access() -> None:
     ]
     assert hit.blocks is hit.blocks and hit.refs is hit.blocks  # built once
     assert hit.chain == tuple(h) and hit.hashes == h
+    assert hit.checksums.tolist() == [0, 0, 9]
 
 
-def test_an_inconsistent_packed_reply_is_refused() -> None:
-    resp = pb.LookupResponse(hit_hashes=b"\x01" * 64, slots=[1], generations=[1])
+def _u64(values: list[int]) -> bytes:
+    return wire.pack_u64(array("Q", values))
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"hit_hashes": b"\x01" * 64, "packed_slots": _u64([1]), "packed_generations": _u64([1])},
+        {"hit_hashes": b"\x01" * 32, "packed_slots": _u64([1]), "packed_generations": _u64([])},
+        # Every hit block has a checksum (0: none was sent).
+        {"hit_hashes": b"\x01" * 32, "packed_slots": _u64([1]), "packed_generations": _u64([1])},
+    ],
+)
+def test_an_inconsistent_reply_is_refused(fields: dict[str, Any]) -> None:
     with pytest.raises(InvalidArgument, match="inconsistent"):
-        hit_from_proto(_namespace(), resp, 0, LeaseId(0))
+        hit_from_proto(_namespace(), pb.LookupResponse(**fields), 0, LeaseId(0))
 
 
 def test_chain_fields_pack_and_check() -> None:
-    assert chain_fields([1, 2], None, None) == {"packed_tokens": wire.pack_tokens([1, 2])}
-    assert chain_fields(np.array([1, 2], np.int64), None, None) == {
-        "packed_tokens": b"\x01\0\0\0\x02\0\0\0"
-    }
+    assert chain_fields([1, 2], None, None) == {"tokens": [1, 2]}
+    assert chain_fields(np.array([1, 2], np.int64), None, None) == {"tokens": [1, 2]}
     assert chain_fields(None, [b"\x01" * 32], None) == {"packed_hashes": b"\x01" * 32}
     with pytest.raises(InvalidArgument, match=r"hashes\[1\] is 31 bytes"):
         chain_fields(None, [b"\x01" * 32, b"\x02" * 31], None)
@@ -161,7 +150,7 @@ def test_the_wire_benchmark_runs(capsys) -> None:
     doc = json.loads(capsys.readouterr().out)
     assert doc["blocks"] == 8 and doc["chain_tokens"] == 128
     for mode in ("hashes", "tokens"):
-        assert doc[mode]["per_block_us"] > 0 and doc[mode]["packed_us"] > 0
+        assert doc[mode]["us"] > 0
 
 
 @given(st.lists(st.binary(min_size=32, max_size=32), max_size=40))

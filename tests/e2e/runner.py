@@ -61,6 +61,7 @@ from tests.e2e.workload import (
     system_prompt,
     tokens,
 )
+from tests.replies import entries_of
 
 TENANT_HEADER = "x-kvstore-tenant"
 
@@ -249,11 +250,13 @@ async def reserve_and_half_write(
     async with grpc.aio.insecure_channel(args.target) as channel:
         stub = kvstore_pb2_grpc.KVStoreStub(channel)
         resp = await stub.Reserve(
-            pb.ReserveRequest(namespace_id=ns.id, lease_id=lease_id, hashes=ns.hash(prompt)),
+            pb.ReserveRequest(
+                namespace_id=ns.id, lease_id=lease_id, packed_hashes=b"".join(ns.hash(prompt))
+            ),
             timeout=args.timeout,
             metadata=metadata,
         )
-    entries = [e for e in resp.entries if e.status == pb.RESERVE_STATUS_RESERVED]
+    entries = [e for e in entries_of(resp) if e.status == pb.RESERVE_STATUS_RESERVED]
     if entries and ns.mapping is not None:
         target = ns.mapping.buffer(entries[0].location.slot)
         half = len(target) // 2

@@ -52,6 +52,7 @@ from tests.e2e.workload import (
     tokens,
     verify_ready_blocks,
 )
+from tests.replies import entries_of
 
 PHASES = (
     "connect",  # 0: channel, lease, RegisterNamespace, AttachPool
@@ -170,9 +171,10 @@ async def _half_write(client: Client, ns: Namespace, chain: Sequence[bytes], set
     set_phase("reserve")
     stub = kvstore_pb2_grpc.KVStoreStub(client._rpc.channel)
     resp = await stub.Reserve(
-        pb.ReserveRequest(namespace_id=ns.id, lease_id=lease_id, hashes=chain), timeout=10.0
+        pb.ReserveRequest(namespace_id=ns.id, lease_id=lease_id, packed_hashes=b"".join(chain)),
+        timeout=10.0,
     )
-    entries = [e for e in resp.entries if e.status == pb.RESERVE_STATUS_RESERVED]
+    entries = [e for e in entries_of(resp) if e.status == pb.RESERVE_STATUS_RESERVED]
     set_phase("half_written")
     if entries and ns.mapping is not None:
         target = ns.mapping.buffer(entries[0].location.slot)

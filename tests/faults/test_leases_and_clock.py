@@ -32,6 +32,7 @@ from kvstore.v1 import kvstore_pb2_grpc
 from service.node import Node
 from service.server import Server
 from tests.inproc import BLOCK_BYTES, ManualClock, RegisteredNamespace
+from tests.replies import blocks_of, entries_of
 from tests.waiting import until
 
 HASHES = [bytes([i]) * 32 for i in range(1, 9)]
@@ -43,11 +44,13 @@ async def stats(stub) -> pb.StatsResponse:
 
 async def store(stub, ns: RegisteredNamespace, lease: int, hashes: list[bytes]) -> None:
     resp = await stub.Reserve(
-        pb.ReserveRequest(namespace_id=ns.id, lease_id=lease, hashes=hashes), timeout=5
+        pb.ReserveRequest(namespace_id=ns.id, lease_id=lease, packed_hashes=b"".join(hashes)),
+        timeout=5,
     )
-    assert all(e.status == pb.RESERVE_STATUS_RESERVED for e in resp.entries)
+    assert all(e.status == pb.RESERVE_STATUS_RESERVED for e in entries_of(resp))
     await stub.Commit(
-        pb.CommitRequest(namespace_id=ns.id, lease_id=lease, hashes=hashes), timeout=5
+        pb.CommitRequest(namespace_id=ns.id, lease_id=lease, packed_hashes=b"".join(hashes)),
+        timeout=5,
     )
 
 
@@ -59,14 +62,17 @@ async def test_a_runner_that_stops_renewing_loses_its_pins_and_writes(
     await store(stub, ns, owner, HASHES[:4])
     slow = (await stub.OpenLease(pb.OpenLeaseRequest(ttl_seconds=5), timeout=5)).lease_id
     hit = await stub.Lookup(
-        pb.LookupRequest(namespace_id=ns.id, lease_id=slow, pin=True, hashes=HASHES[:4]),
+        pb.LookupRequest(
+            namespace_id=ns.id, lease_id=slow, pin=True, packed_hashes=b"".join(HASHES[:4])
+        ),
         timeout=5,
     )
     assert hit.pinned and hit.hit_blocks == 4
     reserved = await stub.Reserve(
-        pb.ReserveRequest(namespace_id=ns.id, lease_id=slow, hashes=HASHES), timeout=5
+        pb.ReserveRequest(namespace_id=ns.id, lease_id=slow, packed_hashes=b"".join(HASHES)),
+        timeout=5,
     )
-    assert [e.status for e in reserved.entries[4:]] == [pb.RESERVE_STATUS_RESERVED] * 4
+    assert [e.status for e in entries_of(reserved)[4:]] == [pb.RESERVE_STATUS_RESERVED] * 4
     s = await stats(stub)
     assert (s.leases, s.pinned, s.writing) == (2, 4, 4)
 
@@ -88,11 +94,21 @@ async def test_a_runner_that_stops_renewing_loses_its_pins_and_writes(
     # Its late calls fail with FAILED_PRECONDITION; none of them acts.
     for call, req in [
         (stub.KeepAlive, pb.KeepAliveRequest(lease_id=slow)),
-        (stub.Commit, pb.CommitRequest(namespace_id=ns.id, lease_id=slow, hashes=HASHES[4:])),
-        (stub.Release, pb.ReleaseRequest(namespace_id=ns.id, lease_id=slow, hashes=HASHES[:4])),
+        (
+            stub.Commit,
+            pb.CommitRequest(namespace_id=ns.id, lease_id=slow, packed_hashes=b"".join(HASHES[4:])),
+        ),
+        (
+            stub.Release,
+            pb.ReleaseRequest(
+                namespace_id=ns.id, lease_id=slow, packed_hashes=b"".join(HASHES[:4])
+            ),
+        ),
         (
             stub.Lookup,
-            pb.LookupRequest(namespace_id=ns.id, lease_id=slow, pin=True, hashes=HASHES),
+            pb.LookupRequest(
+                namespace_id=ns.id, lease_id=slow, pin=True, packed_hashes=b"".join(HASHES)
+            ),
         ),
     ]:
         with pytest.raises(grpc.aio.AioRpcError) as err:
@@ -103,7 +119,8 @@ async def test_a_runner_that_stops_renewing_loses_its_pins_and_writes(
             namespace_id=ns.id,
             lease_id=slow,
             blocks=[
-                pb.BlockRef(hash=b.hash, slot=b.slot, generation=b.generation) for b in hit.blocks
+                pb.BlockRef(hash=b.hash, slot=b.slot, generation=b.generation)
+                for b in blocks_of(hit)
             ],
         ),
         timeout=5,
@@ -115,7 +132,9 @@ async def test_a_runner_that_stops_renewing_loses_its_pins_and_writes(
 
     # The keys it had reserved are free for another runner to write.
     await store(stub, ns, owner, HASHES[4:])
-    look = await stub.Lookup(pb.LookupRequest(namespace_id=ns.id, hashes=HASHES), timeout=5)
+    look = await stub.Lookup(
+        pb.LookupRequest(namespace_id=ns.id, packed_hashes=b"".join(HASHES)), timeout=5
+    )
     assert look.hit_blocks == 8
     s = await stats(stub)
     assert (s.leases, s.pinned, s.writing) == (1, 0, 0)
@@ -167,7 +186,8 @@ async def test_a_far_forward_jump_expires_every_lease_at_once(
         lease = (await stub.OpenLease(pb.OpenLeaseRequest(ttl_seconds=30), timeout=5)).lease_id
         chain = [bytes([i + 1, k]) * 16 for k in range(2)]
         await stub.Reserve(
-            pb.ReserveRequest(namespace_id=ns.id, lease_id=lease, hashes=chain), timeout=5
+            pb.ReserveRequest(namespace_id=ns.id, lease_id=lease, packed_hashes=b"".join(chain)),
+            timeout=5,
         )
         leases.append(lease)
     s = await stats(stub)
@@ -199,7 +219,9 @@ async def test_a_backwards_step_neither_resurrects_nor_corrupts_leases(
     live = (await stub.OpenLease(pb.OpenLeaseRequest(ttl_seconds=30), timeout=5)).lease_id
     await store(stub, ns, live, HASHES[:2])
     await stub.Lookup(
-        pb.LookupRequest(namespace_id=ns.id, lease_id=dead, pin=True, hashes=HASHES[:2]),
+        pb.LookupRequest(
+            namespace_id=ns.id, lease_id=dead, pin=True, packed_hashes=b"".join(HASHES[:2])
+        ),
         timeout=5,
     )
     clock.advance(5)
@@ -213,12 +235,15 @@ async def test_a_backwards_step_neither_resurrects_nor_corrupts_leases(
     assert (s.leases, s.pinned, s.writing) == (1, 0, 0)
     # The live lease keeps working, pins and releases balance.
     hit = await stub.Lookup(
-        pb.LookupRequest(namespace_id=ns.id, lease_id=live, pin=True, hashes=HASHES[:2]),
+        pb.LookupRequest(
+            namespace_id=ns.id, lease_id=live, pin=True, packed_hashes=b"".join(HASHES[:2])
+        ),
         timeout=5,
     )
     assert hit.hit_blocks == 2
     released = await stub.Release(
-        pb.ReleaseRequest(namespace_id=ns.id, lease_id=live, hashes=HASHES[:2]), timeout=5
+        pb.ReleaseRequest(namespace_id=ns.id, lease_id=live, packed_hashes=b"".join(HASHES[:2])),
+        timeout=5,
     )
     assert released.released == 2
     clock.advance(3600 + 60)  # back past the live lease's deadline too

@@ -28,6 +28,7 @@ from kvstore.v1 import kvstore_pb2 as pb
 from service.server import Server
 from tests.fuzz.node import LAYOUT, config
 from tests.fuzz.wire import varint
+from tests.replies import entries_of
 
 SEED = 20261203
 CALLS_PER_METHOD = int(os.environ.get("KVSTORE_RAW_FUZZ_CALLS", "300"))
@@ -136,7 +137,7 @@ async def real_values(channel: grpc.aio.Channel) -> dict[str, Any]:
     res = await stub.Reserve(
         pb.ReserveRequest(namespace_id=ns, lease_id=lease, tokens=tokens), timeout=5
     )
-    hashes = [e.hash for e in res.entries]
+    hashes = [e.hash for e in entries_of(res)]
     return {
         "namespace_id": ns,
         "lease_id": lease,
@@ -146,7 +147,7 @@ async def real_values(channel: grpc.aio.Channel) -> dict[str, Any]:
         "model_id": "raw-fuzz",
         "layout": LAYOUT,
         "payload": b"ping",
-        "blocks": [pb.BlockRef(hash=hashes[0], slot=res.entries[0].location.slot)],
+        "blocks": [pb.BlockRef(hash=hashes[0], slot=entries_of(res)[0].location.slot)],
         "header": pb.WriteBlocksHeader(namespace_id=ns, lease_id=lease),
     }
 

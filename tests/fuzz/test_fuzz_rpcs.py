@@ -38,6 +38,7 @@ from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc
 from service.server import Server
 from tests.fuzz.node import LAYOUT, config
+from tests.replies import Location, blocks_of, chain_of, entries_of
 
 EXAMPLES = int(os.environ.get("KVSTORE_FUZZ_EXAMPLES", "2000"))
 
@@ -58,7 +59,7 @@ class Real:
     namespace_id: str = ""
     lease_ids: list[int] = field(default_factory=list)
     chain: list[bytes] = field(default_factory=list)
-    locations: list[pb.BlockLocation] = field(default_factory=list)
+    locations: list[Location] = field(default_factory=list)
     opened: set[int] = field(default_factory=set)
     """Every lease the fuzzer's OpenLease calls got (closed at the end)."""
 
@@ -104,6 +105,8 @@ def _real_or(name: str, fallback: st.SearchStrategy[Any]) -> st.SearchStrategy[A
         return st.one_of(
             st.builds(lambda: list(REAL.chain) if name == "hashes" else REAL.chain[0]), fallback
         )
+    if name == "packed_hashes":  # the chain's one wire form
+        return st.one_of(st.builds(lambda: b"".join(REAL.chain)), fallback)
     if name == "tenant":
         return st.one_of(st.sampled_from(["default", "acme", ""]), fallback)
     if name == "layout":
@@ -248,7 +251,9 @@ async def setup_real(stub: Any) -> None:
     )
     await stub.Commit(
         pb.CommitRequest(
-            namespace_id=REAL.namespace_id, lease_id=lease, hashes=[e.hash for e in res.entries]
+            namespace_id=REAL.namespace_id,
+            lease_id=lease,
+            packed_hashes=b"".join([e.hash for e in entries_of(res)]),
         ),
         timeout=5,
     )
@@ -256,8 +261,8 @@ async def setup_real(stub: Any) -> None:
         pb.LookupRequest(namespace_id=REAL.namespace_id, lease_id=lease, pin=True, tokens=tokens),
         timeout=5,
     )
-    REAL.chain = list(hit.chain)
-    REAL.locations = list(hit.blocks)
+    REAL.chain = chain_of(hit)
+    REAL.locations = blocks_of(hit)
 
 
 def test_random_requests_never_crash_the_node_or_break_its_invariants(

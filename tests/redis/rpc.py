@@ -8,6 +8,7 @@ from kvstore.checksum import block_checksum
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc
 from tests.inproc import BLOCK_BYTES, BLOCK_SIZE, LAYOUT
+from tests.replies import blocks_of, entries_of
 
 MODEL = "cluster-model"
 
@@ -62,7 +63,7 @@ class Rpc:
                 )
             )
         ]
-        for i, entry in enumerate(res.entries):
+        for i, entry in enumerate(entries_of(res)):
             if entry.status == pb.RESERVE_STATUS_RESERVED:
                 items.append(
                     pb.WriteBlocksRequest(
@@ -75,7 +76,7 @@ class Rpc:
                 )
         await self.stub.WriteBlocks(iter(items), metadata=self.md, timeout=10)
         await self.stub.CloseLease(pb.CloseLeaseRequest(lease_id=lease.lease_id), metadata=self.md)
-        return [e.hash for e in res.entries]
+        return [e.hash for e in entries_of(res)]
 
     async def lookup(self, seed: int, blocks: int, *, remote: bool = False, deadline: float = 10):
         return await self.stub.Lookup(
@@ -96,7 +97,9 @@ class Rpc:
             ),
             metadata=self.md, timeout=10,
         )  # fmt: skip
-        refs = [pb.BlockRef(hash=b.hash, slot=b.slot, generation=b.generation) for b in hit.blocks]
+        refs = [
+            pb.BlockRef(hash=b.hash, slot=b.slot, generation=b.generation) for b in blocks_of(hit)
+        ]
         data = []
         if refs:
             call = self.stub.ReadBlocks(

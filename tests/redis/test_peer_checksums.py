@@ -17,6 +17,7 @@ from kvstore.client import Client
 from kvstore.layout import KVLayout
 from kvstore.v1 import kvstore_pb2 as pb
 from tests.redis.rpc import MODEL, Rpc, block_bytes, prompt
+from tests.replies import blocks_of
 from tests.waiting import until
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=4, block_size=4, dtype="float16")
@@ -58,8 +59,8 @@ async def test_intact_blocks_arrive_with_the_holders_checksums(nodes) -> None:
         hit = await rb.lookup(3, 4, remote=True)
         assert hit.hit_blocks == 4
         held = await ra.lookup(3, 4)
-        assert [x.checksum for x in hit.blocks] == [x.checksum for x in held.blocks]
-        assert all(x.checksum for x in hit.blocks)
+        assert [x.checksum for x in blocks_of(hit)] == [x.checksum for x in blocks_of(held)]
+        assert all(x.checksum for x in blocks_of(hit))
         assert failures(b, rb.namespace) == 0
     finally:
         await ra.close()

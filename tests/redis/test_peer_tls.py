@@ -11,6 +11,7 @@ from service.cluster.peer_fetch import peer_credentials
 from service.config import Config, ConfigError
 from tests.inproc import LAYOUT
 from tests.redis.rpc import MODEL, block_bytes, prompt
+from tests.replies import entries_of
 from tests.waiting import until
 
 TENANT = (("x-kvstore-tenant", "acme"),)
@@ -50,7 +51,7 @@ async def test_peer_fetch_over_tls(nodes, pki, mutual):
         res = await sa.Reserve(
             pb.ReserveRequest(namespace_id=ns, lease_id=lease, tokens=tokens), metadata=TENANT
         )
-        chain = [e.hash for e in res.entries]
+        chain = [e.hash for e in entries_of(res)]
         header = pb.WriteBlocksHeader(namespace_id=ns, lease_id=lease, commit=True)
         items = [pb.WriteBlocksRequest(header=header)] + [
             pb.WriteBlocksRequest(block=pb.BlockData(hash=h, data=block_bytes(4, i)))

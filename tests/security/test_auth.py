@@ -48,10 +48,13 @@ async def test_tenant_comes_from_the_token_not_the_header(auth_stub):
     chain = await store(auth_stub, ALICE_TOKEN, ns, lease, list(range(8)))
     # Bob claims to be alice in the header: still bob, still a miss.
     meta = (*bearer(BOB_TOKEN), ("x-kvstore-tenant", "alice"))
-    resp = await auth_stub.Lookup(pb.LookupRequest(namespace_id=ns, hashes=chain), metadata=meta)
+    resp = await auth_stub.Lookup(
+        pb.LookupRequest(namespace_id=ns, packed_hashes=b"".join(chain)), metadata=meta
+    )
     assert resp.hit_blocks == 0
     resp = await auth_stub.Lookup(
-        pb.LookupRequest(namespace_id=ns, hashes=chain), metadata=bearer(ALICE_TOKEN)
+        pb.LookupRequest(namespace_id=ns, packed_hashes=b"".join(chain)),
+        metadata=bearer(ALICE_TOKEN),
     )
     assert resp.hit_blocks == 2
 
@@ -71,13 +74,22 @@ async def test_namespace_permission(auth_stub):
             metadata=meta,
         ),
         auth_stub.Commit(
-            pb.CommitRequest(namespace_id=other, lease_id=lease, hashes=[bytes(32)]), metadata=meta
+            pb.CommitRequest(
+                namespace_id=other, lease_id=lease, packed_hashes=b"".join([bytes(32)])
+            ),
+            metadata=meta,
         ),
         auth_stub.Abort(
-            pb.AbortRequest(namespace_id=other, lease_id=lease, hashes=[bytes(32)]), metadata=meta
+            pb.AbortRequest(
+                namespace_id=other, lease_id=lease, packed_hashes=b"".join([bytes(32)])
+            ),
+            metadata=meta,
         ),
         auth_stub.Release(
-            pb.ReleaseRequest(namespace_id=other, lease_id=lease, hashes=[bytes(32)]), metadata=meta
+            pb.ReleaseRequest(
+                namespace_id=other, lease_id=lease, packed_hashes=b"".join([bytes(32)])
+            ),
+            metadata=meta,
         ),
         auth_stub.ListBlocks(pb.ListBlocksRequest(namespace_id=other), metadata=meta),
     ]

@@ -12,6 +12,7 @@ from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc
 from service.server import Server
 from tests.inproc import ManualClock
+from tests.replies import entries_of
 from tests.tenants import ALICE_TOKEN, BOB_TOKEN, bearer, open_lease, register, store
 
 
@@ -25,25 +26,26 @@ async def test_identical_prompts_never_share_and_foreign_prefix_is_a_plain_miss(
         auth_stub, ALICE_TOKEN, ns, await open_lease(auth_stub, ALICE_TOKEN), prompt
     )
     meta = bearer(BOB_TOKEN)
-    for fields in ({"tokens": prompt}, {"hashes": alice_chain}):
+    for fields in ({"tokens": prompt}, {"packed_hashes": b"".join(alice_chain)}):
         cached = await auth_stub.Lookup(pb.LookupRequest(namespace_id=ns, **fields), metadata=meta)
         fresh_fields = (
             {"tokens": list(range(500, 512))}
             if "tokens" in fields
-            else {"hashes": [bytes([9]) * 32] * 3}
+            else {"packed_hashes": bytes([9]) * 32 * 3}
         )
         never = await auth_stub.Lookup(
             pb.LookupRequest(namespace_id=ns, **fresh_fields), metadata=meta
         )
-        cached.ClearField("chain")
-        never.ClearField("chain")
+        cached.ClearField("packed_chain")
+        never.ClearField("packed_chain")
         assert cached == never  # every field, miss_reason included
     bob_lease = await open_lease(auth_stub, BOB_TOKEN)
     resp = await auth_stub.Reserve(
-        pb.ReserveRequest(namespace_id=ns, lease_id=bob_lease, hashes=alice_chain), metadata=meta
+        pb.ReserveRequest(namespace_id=ns, lease_id=bob_lease, packed_hashes=b"".join(alice_chain)),
+        metadata=meta,
     )
-    assert [e.status for e in resp.entries] == [pb.RESERVE_STATUS_RESERVED] * 3
-    assert {e.location.slot for e in resp.entries}.isdisjoint(
+    assert [e.status for e in entries_of(resp)] == [pb.RESERVE_STATUS_RESERVED] * 3
+    assert {e.location.slot for e in entries_of(resp)}.isdisjoint(
         {
             b.slot
             for b in (
@@ -63,7 +65,7 @@ async def test_quota_from_the_tenants_file(auth_stub):
         pb.ReserveRequest(namespace_id=ns, lease_id=lease, tokens=list(range(1000, 1004))),
         metadata=bearer(ALICE_TOKEN),
     )
-    assert resp.entries[0].status == pb.RESERVE_STATUS_RESERVED  # evicted one of her own
+    assert entries_of(resp)[0].status == pb.RESERVE_STATUS_RESERVED  # evicted one of her own
     stats = await auth_stub.Stats(pb.StatsRequest(), metadata=bearer(ALICE_TOKEN))
     assert stats.namespaces[0].tenants[0].resident_blocks == 6
 
@@ -102,7 +104,9 @@ async def test_pins_per_lease_bound(server_config):
             )
             await stub.Commit(
                 pb.CommitRequest(
-                    namespace_id=ns, lease_id=lease, hashes=[e.hash for e in resp.entries]
+                    namespace_id=ns,
+                    lease_id=lease,
+                    packed_hashes=b"".join([e.hash for e in entries_of(resp)]),
                 )
             )
             with pytest.raises(grpc.aio.AioRpcError) as err:
@@ -130,7 +134,9 @@ async def test_request_size_bounds(server_config):
                 )
             ).namespace_id
             with pytest.raises(grpc.aio.AioRpcError) as err:
-                await stub.Lookup(pb.LookupRequest(namespace_id=ns, hashes=[bytes(32)] * 5))
+                await stub.Lookup(
+                    pb.LookupRequest(namespace_id=ns, packed_hashes=b"".join([bytes(32)] * 5))
+                )
             assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
             assert "at most 4" in err.value.details()
             with pytest.raises(grpc.aio.AioRpcError) as err:

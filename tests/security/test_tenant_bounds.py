@@ -25,6 +25,7 @@ from service.config import Config
 from service.server import Server
 from service.tenancy.callers import ROOT_CACHE_SIZE
 from tests.inproc import BLOCK_SIZE, LAYOUT, ManualClock
+from tests.replies import entries_of
 from tests.tenants import ALICE_TOKEN, BOB_TOKEN, bearer, register
 
 TENANTS = 100_000
@@ -88,7 +89,9 @@ async def test_100k_made_up_tenants_leave_the_node_bounded(open_node: Server):
             )
             await stub.Commit(
                 pb.CommitRequest(
-                    namespace_id=ns, lease_id=lid, hashes=[e.hash for e in res.entries]
+                    namespace_id=ns,
+                    lease_id=lid,
+                    packed_hashes=b"".join([e.hash for e in entries_of(res)]),
                 ),
                 metadata=md,
                 timeout=30,
@@ -174,7 +177,11 @@ async def test_tenants_holding_blocks_fold_too(server_config: Config):
                     metadata=md,
                 )
                 await stub.Commit(
-                    pb.CommitRequest(namespace_id=ns, lease_id=lid, hashes=[res.entries[0].hash]),
+                    pb.CommitRequest(
+                        namespace_id=ns,
+                        lease_id=lid,
+                        packed_hashes=b"".join([entries_of(res)[0].hash]),
+                    ),
                     metadata=md,
                 )
             (ns_stats,) = (await stub.Stats(pb.StatsRequest(), timeout=5)).namespaces

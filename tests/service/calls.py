@@ -11,15 +11,18 @@ from google.rpc import error_details_pb2
 from grpc_status import rpc_status
 
 from kvstore.v1 import kvstore_pb2 as pb
+from tests.replies import entries_of
 
 INVALID = grpc.StatusCode.INVALID_ARGUMENT
 
 
 async def store(stub, ns: str, lease: int, tokens: list[int]) -> list[bytes]:
-    """Reserve and commit every block of ``tokens`` (old forms); its chain."""
+    """Reserve and commit every block of ``tokens``; its chain."""
     reserved = await stub.Reserve(pb.ReserveRequest(namespace_id=ns, lease_id=lease, tokens=tokens))
-    hashes = [e.hash for e in reserved.entries]
-    await stub.Commit(pb.CommitRequest(namespace_id=ns, lease_id=lease, hashes=hashes))
+    hashes = [e.hash for e in entries_of(reserved)]
+    await stub.Commit(
+        pb.CommitRequest(namespace_id=ns, lease_id=lease, packed_hashes=b"".join(hashes))
+    )
     return hashes
 
 
@@ -41,7 +44,6 @@ async def pin(stub, ns: str, lease: int, hashes: list[bytes], release_id: int = 
             lease_id=lease,
             pin=True,
             packed_hashes=b"".join(hashes),
-            packed_reply=True,
             release_id=release_id,
         )
     )

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 from kvstore.v1 import kvstore_pb2 as pb
 from tests.inproc import BLOCK_BYTES
+from tests.replies import entries_of
 
 
 async def store(stub, ns: str, lid: int, tokens: list[int], fill: int = 1) -> pb.ReserveResponse:
     """Reserve, write and commit what fits; the Reserve answer."""
     res = await stub.Reserve(pb.ReserveRequest(namespace_id=ns, lease_id=lid, tokens=tokens))
-    fresh = [e for e in res.entries if e.status == pb.RESERVE_STATUS_RESERVED]
+    fresh = [e for e in entries_of(res) if e.status == pb.RESERVE_STATUS_RESERVED]
 
     async def writes():
         yield pb.WriteBlocksRequest(

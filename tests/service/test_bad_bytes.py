@@ -65,7 +65,7 @@ async def test_malformed_bytes_are_invalid_argument_on_every_method(channel, wha
 
 
 async def test_a_truncated_message_is_invalid_argument(channel, namespace):
-    whole = pb.LookupRequest(namespace_id=namespace.id, hashes=[b"\1" * 32] * 3)
+    whole = pb.LookupRequest(namespace_id=namespace.id, packed_hashes=b"".join([b"\1" * 32] * 3))
     raw = whole.SerializeToString()
     for cut in (1, 5, len(raw) - 1):
         err = await code_of(channel, "Lookup", raw[:cut])

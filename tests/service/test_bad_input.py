@@ -10,6 +10,7 @@ from grpc_status import rpc_status
 
 from kvstore.v1 import kvstore_pb2 as pb
 from tests.inproc import BLOCK_BYTES, BLOCK_SIZE, LAYOUT, tenant
+from tests.replies import blocks_of, entries_of
 from tests.service.calls import INVALID, expect
 
 NOT_FOUND = grpc.StatusCode.NOT_FOUND
@@ -93,48 +94,54 @@ async def test_lookup(stub, namespace, lease, clock):
         kw.setdefault("namespace_id", ns)
         return stub.Lookup(pb.LookupRequest(**kw), metadata=metadata)
 
-    err = await expect(stub, INVALID, "32 bytes", look(hashes=[b"short"]))
+    err = await expect(stub, INVALID, "32-byte hashes", look(packed_hashes=b"short"))
     status = rpc_status.from_call(err)
     assert status is not None
     detail = error_details_pb2.BadRequest()
     assert status.details[0].Unpack(detail)
-    assert detail.field_violations[0].field == "hashes[0]"
-    await expect(stub, INVALID, "not both", look(tokens=[1, 2, 3, 4], hashes=[H]))
+    assert detail.field_violations[0].field == "packed_hashes"
+    await expect(stub, INVALID, "not both", look(tokens=[1, 2, 3, 4], packed_hashes=H))
     await expect(stub, INVALID, "both are empty", look())
-    await expect(stub, INVALID, "extras", look(hashes=[H], extras=[b"lora"]))
-    await expect(stub, INVALID, "pin=true", look(pin=True, hashes=[H]))
+    await expect(stub, INVALID, "extras", look(packed_hashes=H, extras=[b"lora"]))
+    await expect(stub, INVALID, "pin=true", look(pin=True, packed_hashes=H))
     await expect(stub, INVALID, "extras", look(tokens=list(range(8)), extras=[b"one"]))
-    await expect(stub, NOT_FOUND, "not registered", look(namespace_id=UNKNOWN_NS, hashes=[H]))
-    await expect(stub, INVALID, "namespace_id", look(namespace_id="", hashes=[H]))
-    await expect(stub, NOT_FOUND, "no lease", look(pin=True, lease_id=99, hashes=[H]))
+    await expect(stub, NOT_FOUND, "not registered", look(namespace_id=UNKNOWN_NS, packed_hashes=H))
+    await expect(stub, INVALID, "namespace_id", look(namespace_id="", packed_hashes=H))
+    await expect(stub, NOT_FOUND, "no lease", look(pin=True, lease_id=99, packed_hashes=H))
     # Bounded: at most max_chain_blocks (256) blocks, in hashes or in tokens.
-    await expect(stub, INVALID, "at most 256", look(hashes=[H] * 257))
+    await expect(stub, INVALID, "at most 256", look(packed_hashes=H * 257))
     await expect(stub, INVALID, "max_chain_blocks", look(tokens=[1] * (257 * BLOCK_SIZE)))
     # Over the message size limit (1 MiB): gRPC itself refuses it.
     await expect(stub, EXHAUSTED, "", look(tokens=[1 << 31] * 300_000))
-    await expect(stub, INVALID, "tenant", look(hashes=[H], metadata=tenant("bad tenant!")))
+    await expect(stub, INVALID, "tenant", look(packed_hashes=H, metadata=tenant("bad tenant!")))
     clock.advance(11)
-    await expect(stub, PRECONDITION, "expired", look(pin=True, lease_id=lease, hashes=[H]))
+    await expect(stub, PRECONDITION, "expired", look(pin=True, lease_id=lease, packed_hashes=H))
 
 
 async def test_reserve_commit_abort_release(stub, namespace, lease, clock):
     ns = namespace.id
     await expect(
-        stub, INVALID, "lease_id", stub.Reserve(pb.ReserveRequest(namespace_id=ns, hashes=[H]))
+        stub,
+        INVALID,
+        "lease_id",
+        stub.Reserve(pb.ReserveRequest(namespace_id=ns, packed_hashes=H)),
     )
     await expect(
         stub,
         NOT_FOUND,
         "no lease",
         stub.Reserve(
-            pb.ReserveRequest(namespace_id=ns, lease_id=lease, hashes=[H]), metadata=tenant("b")
+            pb.ReserveRequest(namespace_id=ns, lease_id=lease, packed_hashes=H),
+            metadata=tenant("b"),
         ),
     )
     await expect(
         stub,
         INVALID,
-        "32 bytes",
-        stub.Reserve(pb.ReserveRequest(namespace_id=ns, lease_id=lease, hashes=[b"x" * 33])),
+        "32-byte hashes",
+        stub.Reserve(
+            pb.ReserveRequest(namespace_id=ns, lease_id=lease, packed_hashes=b"".join([b"x" * 33]))
+        ),
     )
     for rpc, req in (
         (stub.Commit, pb.CommitRequest),
@@ -143,40 +150,46 @@ async def test_reserve_commit_abort_release(stub, namespace, lease, clock):
     ):
         await expect(stub, INVALID, "empty", rpc(req(namespace_id=ns, lease_id=lease)))
         await expect(
-            stub, INVALID, "32 bytes", rpc(req(namespace_id=ns, lease_id=lease, hashes=[b"1"]))
+            stub,
+            INVALID,
+            "32-byte hashes",
+            rpc(req(namespace_id=ns, lease_id=lease, packed_hashes=b"1")),
         )
-        await expect(stub, INVALID, "lease_id", rpc(req(namespace_id=ns, hashes=[H])))
+        await expect(stub, INVALID, "lease_id", rpc(req(namespace_id=ns, packed_hashes=H)))
         await expect(
             stub,
             NOT_FOUND,
             "not registered",
-            rpc(req(namespace_id=UNKNOWN_NS, lease_id=lease, hashes=[H])),
+            rpc(req(namespace_id=UNKNOWN_NS, lease_id=lease, packed_hashes=H)),
         )
         await expect(
-            stub, INVALID, "at most", rpc(req(namespace_id=ns, lease_id=lease, hashes=[H] * 300))
+            stub,
+            INVALID,
+            "at most",
+            rpc(req(namespace_id=ns, lease_id=lease, packed_hashes=H * 300)),
         )
     await expect(
         stub,
         PRECONDITION,
         "not being written",
-        stub.Commit(pb.CommitRequest(namespace_id=ns, lease_id=lease, hashes=[H])),
+        stub.Commit(pb.CommitRequest(namespace_id=ns, lease_id=lease, packed_hashes=H)),
     )
     clock.advance(11)
     await expect(
         stub,
         PRECONDITION,
         "expired",
-        stub.Reserve(pb.ReserveRequest(namespace_id=ns, lease_id=lease, hashes=[H])),
+        stub.Reserve(pb.ReserveRequest(namespace_id=ns, lease_id=lease, packed_hashes=H)),
     )
 
 
 async def test_read_blocks(stub, namespace, lease):
     ns = namespace.id
-    res = await stub.Reserve(pb.ReserveRequest(namespace_id=ns, lease_id=lease, hashes=[H]))
-    loc = res.entries[0].location
-    await stub.Commit(pb.CommitRequest(namespace_id=ns, lease_id=lease, hashes=[H]))
+    res = await stub.Reserve(pb.ReserveRequest(namespace_id=ns, lease_id=lease, packed_hashes=H))
+    loc = entries_of(res)[0].location
+    await stub.Commit(pb.CommitRequest(namespace_id=ns, lease_id=lease, packed_hashes=H))
     # A commit stamps the slot with a new (READY) generation: the one Lookup answers.
-    ready = (await stub.Lookup(pb.LookupRequest(namespace_id=ns, hashes=[H]))).blocks[0]
+    ready = blocks_of(await stub.Lookup(pb.LookupRequest(namespace_id=ns, packed_hashes=H)))[0]
     assert ready.slot == loc.slot and ready.generation != loc.generation
     ref = pb.BlockRef(hash=H, slot=loc.slot, generation=ready.generation)
 
@@ -202,7 +215,7 @@ async def test_write_blocks(stub, namespace, lease):
     def block(hash_=H, size=BLOCK_BYTES):
         return pb.WriteBlocksRequest(block=pb.BlockData(hash=hash_, data=b"\0" * size))
 
-    await stub.Reserve(pb.ReserveRequest(namespace_id=ns, lease_id=lease, hashes=[H]))
+    await stub.Reserve(pb.ReserveRequest(namespace_id=ns, lease_id=lease, packed_hashes=H))
     await expect(stub, INVALID, "header", stub.WriteBlocks(iter([])))
     await expect(stub, INVALID, "header", stub.WriteBlocks(iter([block()])))
     await expect(stub, INVALID, "only the first", stub.WriteBlocks(iter([header, header])))

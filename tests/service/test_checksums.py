@@ -14,13 +14,16 @@ from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc
 from service.server import Server
 from tests.inproc import LAYOUT
+from tests.replies import blocks_of
 from tests.service.calls import INVALID, expect
 
 H1, H2 = b"\x01" * 32, b"\x02" * 32
 
 
 async def reserve(stub, ns: str, lease: int, hashes: list[bytes]) -> None:
-    await stub.Reserve(pb.ReserveRequest(namespace_id=ns, lease_id=lease, hashes=hashes))
+    await stub.Reserve(
+        pb.ReserveRequest(namespace_id=ns, lease_id=lease, packed_hashes=b"".join(hashes))
+    )
 
 
 async def test_commit_keeps_checksums_and_lookup_answers_them(stub, namespace, lease) -> None:
@@ -34,12 +37,9 @@ async def test_commit_keeps_checksums_and_lookup_answers_them(stub, namespace, l
         packed_checksums=pack_checksums(sums),
     )
     assert (await stub.Commit(commit)).committed == 2
-    packed = await stub.Lookup(
-        pb.LookupRequest(namespace_id=ns, hashes=[H1, H2], packed_reply=True, packed_slots=True)
-    )
+    packed = await stub.Lookup(pb.LookupRequest(namespace_id=ns, packed_hashes=b"".join([H1, H2])))
     assert list(unpack_checksums(packed.packed_checksums, 2)) == sums
-    per_block = await stub.Lookup(pb.LookupRequest(namespace_id=ns, hashes=[H1, H2]))
-    assert [b.checksum for b in per_block.blocks] == sums
+    assert [b.checksum for b in blocks_of(packed)] == sums
 
 
 async def test_a_checksum_length_that_does_not_match_the_hashes_is_invalid(
@@ -49,11 +49,11 @@ async def test_a_checksum_length_that_does_not_match_the_hashes_is_invalid(
     await reserve(stub, ns, lease, [H1, H2])
     for bad in (bytes(8), bytes(17), bytes(24)):
         request = pb.CommitRequest(
-            namespace_id=ns, lease_id=lease, hashes=[H1, H2], packed_checksums=bad
+            namespace_id=ns, lease_id=lease, packed_hashes=b"".join([H1, H2]), packed_checksums=bad
         )
         await expect(stub, INVALID, f"packed_checksums: is {len(bad)} bytes", stub.Commit(request))
     # Nothing was committed by the refused calls.
-    found = await stub.Lookup(pb.LookupRequest(namespace_id=ns, hashes=[H1]))
+    found = await stub.Lookup(pb.LookupRequest(namespace_id=ns, packed_hashes=b"".join([H1])))
     assert found.hit_blocks == 0
 
 
@@ -75,15 +75,18 @@ async def test_write_blocks_refuses_data_that_does_not_have_its_checksum(
 
     await expect(stub, INVALID, "checksum", stub.WriteBlocks(write(block_checksum(data) ^ 1)))
     assert (await stub.WriteBlocks(write(block_checksum(data)))).committed == 1
-    found = await stub.Lookup(pb.LookupRequest(namespace_id=ns, hashes=[H1]))
-    assert found.blocks[0].checksum == block_checksum(data)
+    found = await stub.Lookup(pb.LookupRequest(namespace_id=ns, packed_hashes=b"".join([H1])))
+    assert blocks_of(found)[0].checksum == block_checksum(data)
 
 
 async def test_fetch_blocks_sends_the_stored_checksum(stub, namespace, lease) -> None:
     ns = namespace.id
     await reserve(stub, ns, lease, [H1])
     commit = pb.CommitRequest(
-        namespace_id=ns, lease_id=lease, hashes=[H1], packed_checksums=pack_checksums([42])
+        namespace_id=ns,
+        lease_id=lease,
+        packed_hashes=b"".join([H1]),
+        packed_checksums=pack_checksums([42]),
     )
     await stub.Commit(commit)
     call = stub.FetchBlocks(pb.FetchBlocksRequest(namespace_id=ns, tenant="default", hashes=[H1]))

@@ -10,6 +10,7 @@ import pytest
 
 from kvstore.v1 import kvstore_pb2 as pb
 from tests.inproc import BLOCK_BYTES, BLOCK_SIZE, LAYOUT
+from tests.replies import entries_of
 
 
 def exists(path: str) -> bool:
@@ -22,8 +23,8 @@ TOKENS = list(range(500, 500 + 3 * BLOCK_SIZE))
 async def store(stub, ns: str, lid: int, tokens: list[int]) -> list[bytes]:
     """Reserve, write and commit the blocks of ``tokens``; their hashes."""
     res = await stub.Reserve(pb.ReserveRequest(namespace_id=ns, lease_id=lid, tokens=tokens))
-    hashes = [e.hash for e in res.entries]
-    assert all(e.status == pb.RESERVE_STATUS_RESERVED for e in res.entries)
+    hashes = [e.hash for e in entries_of(res)]
+    assert all(e.status == pb.RESERVE_STATUS_RESERVED for e in entries_of(res))
 
     async def writes():
         yield pb.WriteBlocksRequest(
@@ -46,7 +47,9 @@ async def test_drop_refused_while_pinned_then_forced(stub, namespace, server_con
     assert all(exists(a.path) for a in pool.arenas)
     before = await stub.Stats(pb.StatsRequest())
     assert before.allocated_bytes == namespace.capacity * BLOCK_BYTES
-    await stub.Lookup(pb.LookupRequest(namespace_id=ns, lease_id=lid, pin=True, hashes=hashes))
+    await stub.Lookup(
+        pb.LookupRequest(namespace_id=ns, lease_id=lid, pin=True, packed_hashes=b"".join(hashes))
+    )
 
     with pytest.raises(grpc.aio.AioRpcError) as err:
         await stub.DropNamespace(pb.DropNamespaceRequest(namespace_id=ns))
@@ -71,7 +74,7 @@ async def test_drop_refused_while_pinned_then_forced(stub, namespace, server_con
     for call, req in (
         (stub.ListBlocks, pb.ListBlocksRequest(namespace_id=ns)),
         (stub.AttachPool, pb.AttachPoolRequest(namespace_id=ns)),
-        (stub.Lookup, pb.LookupRequest(namespace_id=ns, hashes=hashes)),
+        (stub.Lookup, pb.LookupRequest(namespace_id=ns, packed_hashes=b"".join(hashes))),
     ):
         with pytest.raises(grpc.aio.AioRpcError) as err:
             await call(req)
@@ -97,7 +100,7 @@ async def test_drop_forced_aborts_writes_and_the_layout_registers_again(stub, na
     )
     assert again.created and again.namespace_id == ns
     hashes = await store(stub, ns, lid, TOKENS)  # the old lease writes into the new pool
-    hit = await stub.Lookup(pb.LookupRequest(namespace_id=ns, hashes=hashes))
+    hit = await stub.Lookup(pb.LookupRequest(namespace_id=ns, packed_hashes=b"".join(hashes)))
     assert hit.hit_blocks == 3
 
 

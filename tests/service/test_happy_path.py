@@ -9,6 +9,7 @@ import pytest
 
 from kvstore.v1 import kvstore_pb2 as pb
 from tests.inproc import BLOCK_BYTES, BLOCK_SIZE, LAYOUT
+from tests.replies import blocks_of, chain_of, entries_of
 
 TOKENS = list(range(100, 100 + 3 * BLOCK_SIZE + 2))  # 3 full blocks and a partial one
 
@@ -53,30 +54,30 @@ async def test_life_cycle(stub, namespace):
 
     miss = await stub.Lookup(pb.LookupRequest(namespace_id=ns, tokens=TOKENS))
     assert miss.hit_blocks == 0 and miss.miss_reason == pb.MISS_REASON_ABSENT
-    assert len(miss.chain) == 3 and miss.query_tokens == len(TOKENS)
+    assert len(chain_of(miss)) == 3 and miss.query_tokens == len(TOKENS)
     assert miss.pool_epoch == lease.pool_epoch
 
     reserved = await stub.Reserve(pb.ReserveRequest(namespace_id=ns, lease_id=lid, tokens=TOKENS))
-    assert [e.status for e in reserved.entries] == [pb.RESERVE_STATUS_RESERVED] * 3
-    assert [e.hash for e in reserved.entries] == list(miss.chain)
-    for e in reserved.entries:
+    assert [e.status for e in entries_of(reserved)] == [pb.RESERVE_STATUS_RESERVED] * 3
+    assert [e.hash for e in entries_of(reserved)] == list(chain_of(miss))
+    for e in entries_of(reserved):
         assert e.location.offset == (e.location.slot % 16) * BLOCK_BYTES
 
     async def writes():
         yield pb.WriteBlocksRequest(header=pb.WriteBlocksHeader(namespace_id=ns, lease_id=lid))
-        for i, h in enumerate(miss.chain):
+        for i, h in enumerate(chain_of(miss)):
             yield pb.WriteBlocksRequest(block=pb.BlockData(hash=h, data=block_data(i)))
 
     wrote = await stub.WriteBlocks(writes())
     assert wrote.written == 3 and wrote.committed == 0
 
     committed = await stub.Commit(
-        pb.CommitRequest(namespace_id=ns, lease_id=lid, hashes=miss.chain)
+        pb.CommitRequest(namespace_id=ns, lease_id=lid, packed_hashes=b"".join(chain_of(miss)))
     )
     assert committed.committed == 3
 
     event = await asyncio.wait_for(watch.read(), 5)
-    assert event.kind == pb.EVENT_KIND_STORED and list(event.hashes) == list(miss.chain)
+    assert event.kind == pb.EVENT_KIND_STORED and list(event.hashes) == list(chain_of(miss))
     assert event.namespace_id == ns and event.tenant == "default" and event.node_id == "test-node"
     watch.cancel()
 
@@ -85,10 +86,12 @@ async def test_life_cycle(stub, namespace):
     )
     assert hit.hit_blocks == 3 and hit.pinned and hit.hit_tokens == 3 * BLOCK_SIZE
     assert hit.miss_reason == pb.MISS_REASON_NONE
-    by_hash = await stub.Lookup(pb.LookupRequest(namespace_id=ns, hashes=hit.chain))
-    assert by_hash.hit_blocks == 3 and not by_hash.pinned and not by_hash.chain
+    by_hash = await stub.Lookup(
+        pb.LookupRequest(namespace_id=ns, packed_hashes=b"".join(chain_of(hit)))
+    )
+    assert by_hash.hit_blocks == 3 and not by_hash.pinned and not chain_of(by_hash)
 
-    refs = [pb.BlockRef(hash=b.hash, slot=b.slot, generation=b.generation) for b in hit.blocks]
+    refs = [pb.BlockRef(hash=b.hash, slot=b.slot, generation=b.generation) for b in blocks_of(hit)]
     read = stub.ReadBlocks(pb.ReadBlocksRequest(namespace_id=ns, lease_id=lid, blocks=refs))
     got = [m async for m in read]
     assert [m.data for m in got] == [block_data(i) for i in range(3)]
@@ -102,16 +105,22 @@ async def test_life_cycle(stub, namespace):
     assert tenant_stats.hit_blocks == 6 and tenant_stats.miss_blocks == 3
 
     released = await stub.Release(
-        pb.ReleaseRequest(namespace_id=ns, lease_id=lid, hashes=hit.chain)
+        pb.ReleaseRequest(namespace_id=ns, lease_id=lid, packed_hashes=b"".join(chain_of(hit)))
     )
     assert released.released == 3
-    again = await stub.Release(pb.ReleaseRequest(namespace_id=ns, lease_id=lid, hashes=hit.chain))
+    again = await stub.Release(
+        pb.ReleaseRequest(namespace_id=ns, lease_id=lid, packed_hashes=b"".join(chain_of(hit)))
+    )
     assert again.released == 0  # releasing twice never drives a count negative
 
     kept = await stub.KeepAlive(pb.KeepAliveRequest(lease_id=lid))
     assert 59 < kept.ttl_seconds <= 60
 
-    await stub.Lookup(pb.LookupRequest(namespace_id=ns, lease_id=lid, pin=True, hashes=hit.chain))
+    await stub.Lookup(
+        pb.LookupRequest(
+            namespace_id=ns, lease_id=lid, pin=True, packed_hashes=b"".join(chain_of(hit))
+        )
+    )
     closed = await stub.CloseLease(pb.CloseLeaseRequest(lease_id=lid))
     assert closed.pins_released == 3 and closed.writes_aborted == 0
     stats = await stub.Stats(pb.StatsRequest())
@@ -123,7 +132,7 @@ async def test_write_blocks_with_commit_and_abort(stub, namespace):
     lid = (await stub.OpenLease(pb.OpenLeaseRequest())).lease_id
     tokens = list(range(2 * BLOCK_SIZE))
     res = await stub.Reserve(pb.ReserveRequest(namespace_id=ns, lease_id=lid, tokens=tokens))
-    first, second = (e.hash for e in res.entries)
+    first, second = (e.hash for e in entries_of(res))
     wrote = await stub.WriteBlocks(
         iter(
             [
@@ -135,7 +144,9 @@ async def test_write_blocks_with_commit_and_abort(stub, namespace):
         )
     )
     assert wrote.written == 1 and wrote.committed == 1
-    aborted = await stub.Abort(pb.AbortRequest(namespace_id=ns, lease_id=lid, hashes=[second]))
+    aborted = await stub.Abort(
+        pb.AbortRequest(namespace_id=ns, lease_id=lid, packed_hashes=b"".join([second]))
+    )
     assert aborted.aborted == 1
     look = await stub.Lookup(pb.LookupRequest(namespace_id=ns, tokens=tokens))
     assert look.hit_blocks == 1 and look.miss_reason == pb.MISS_REASON_ABSENT
@@ -147,8 +158,10 @@ async def test_list_blocks_pages(stub, namespace):
     res = await stub.Reserve(
         pb.ReserveRequest(namespace_id=ns, lease_id=lid, tokens=list(range(5 * BLOCK_SIZE)))
     )
-    hashes = [e.hash for e in res.entries]
-    await stub.Commit(pb.CommitRequest(namespace_id=ns, lease_id=lid, hashes=hashes))
+    hashes = [e.hash for e in entries_of(res)]
+    await stub.Commit(
+        pb.CommitRequest(namespace_id=ns, lease_id=lid, packed_hashes=b"".join(hashes))
+    )
     seen: list[bytes] = []
     token = ""
     pages = 0
@@ -173,8 +186,10 @@ async def test_evict_and_clear(stub, namespace):
     res = await stub.Reserve(
         pb.ReserveRequest(namespace_id=ns, lease_id=lid, tokens=list(range(3 * BLOCK_SIZE)))
     )
-    hashes = [e.hash for e in res.entries]
-    await stub.Commit(pb.CommitRequest(namespace_id=ns, lease_id=lid, hashes=hashes))
+    hashes = [e.hash for e in entries_of(res)]
+    await stub.Commit(
+        pb.CommitRequest(namespace_id=ns, lease_id=lid, packed_hashes=b"".join(hashes))
+    )
     evicted = await stub.Evict(pb.EvictRequest(namespace_id=ns, blocks=1))
     assert evicted.evicted == 1
     cleared = await stub.Clear(pb.ClearRequest(namespace_id=ns))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from kvstore.v1 import kvstore_pb2 as pb
 from tests.inproc import BLOCK_SIZE
+from tests.replies import entries_of
 from tests.waiting import until
 
 
@@ -12,9 +13,13 @@ async def test_expiry_frees_pins_and_writes(stub, namespace, clock, kv_server):
     lid = (await stub.OpenLease(pb.OpenLeaseRequest(ttl_seconds=5))).lease_id
     tokens = list(range(2 * BLOCK_SIZE))
     res = await stub.Reserve(pb.ReserveRequest(namespace_id=ns, lease_id=lid, tokens=tokens))
-    first, second = (e.hash for e in res.entries)
-    await stub.Commit(pb.CommitRequest(namespace_id=ns, lease_id=lid, hashes=[first]))
-    await stub.Lookup(pb.LookupRequest(namespace_id=ns, lease_id=lid, pin=True, hashes=[first]))
+    first, second = (e.hash for e in entries_of(res))
+    await stub.Commit(
+        pb.CommitRequest(namespace_id=ns, lease_id=lid, packed_hashes=b"".join([first]))
+    )
+    await stub.Lookup(
+        pb.LookupRequest(namespace_id=ns, lease_id=lid, pin=True, packed_hashes=b"".join([first]))
+    )
     stats = await stub.Stats(pb.StatsRequest())
     assert stats.pinned == 1 and stats.writing == 1 and stats.leases == 1
 
@@ -33,9 +38,12 @@ async def test_expiry_frees_pins_and_writes(stub, namespace, clock, kv_server):
     # The write the dead lease held is free for another lease to take.
     other = (await stub.OpenLease(pb.OpenLeaseRequest())).lease_id
     again = await stub.Reserve(
-        pb.ReserveRequest(namespace_id=ns, lease_id=other, hashes=[first, second])
+        pb.ReserveRequest(namespace_id=ns, lease_id=other, packed_hashes=b"".join([first, second]))
     )
-    assert [e.status for e in again.entries] == [pb.RESERVE_STATUS_HIT, pb.RESERVE_STATUS_RESERVED]
+    assert [e.status for e in entries_of(again)] == [
+        pb.RESERVE_STATUS_HIT,
+        pb.RESERVE_STATUS_RESERVED,
+    ]
 
 
 async def test_keepalive_keeps_a_lease(stub, clock):

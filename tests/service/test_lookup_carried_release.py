@@ -24,7 +24,6 @@ def carrying(
         lease_id=lease,
         pin=pin,
         packed_hashes=b"".join(chain),
-        packed_reply=True,
         release=release,
     )
 
@@ -70,16 +69,16 @@ async def test_a_lookup_without_release_answers_no_released(stub, namespace, lea
     ns = namespace.id
     chain = await store(stub, ns, lease, list(range(1, 1 + 2 * BLOCK_SIZE)))
     resp = await stub.Lookup(
-        pb.LookupRequest(namespace_id=ns, lease_id=lease, pin=True, hashes=chain)
+        pb.LookupRequest(namespace_id=ns, lease_id=lease, pin=True, packed_hashes=b"".join(chain))
     )
     assert resp.hit_blocks == 2 and not resp.HasField("released")
-    # One run, no ids, per-block hashes, the namespace and lease repeated: all accepted.
+    # One run, no ids, the namespace and lease repeated: all accepted.
     resp = await stub.Lookup(
         carrying(
             ns,
             lease,
             chain,
-            pb.ReleaseRequest(namespace_id=ns, lease_id=lease, hashes=chain),
+            pb.ReleaseRequest(namespace_id=ns, lease_id=lease, packed_hashes=b"".join(chain)),
         )
     )
     assert resp.released.released == 2 and not resp.released.run_released
@@ -116,8 +115,8 @@ async def test_bad_hashes_in_a_carried_release_apply_nothing(stub, namespace, le
     hit = await pin(stub, ns, lease, chain)
     for release, field in (
         (pb.ReleaseRequest(packed_hashes=hit + b"x"), "release.packed_hashes"),
-        (pb.ReleaseRequest(hashes=[chain[0], b"short"]), "release.hashes"),
-        (pb.ReleaseRequest(), "release.hashes"),  # names no block
+        (pb.ReleaseRequest(packed_hashes=chain[0] + b"short"), "release.packed_hashes"),
+        (pb.ReleaseRequest(), "release.packed_hashes"),  # names no block
     ):
         with pytest.raises(grpc.aio.AioRpcError) as err:
             await stub.Lookup(carrying(ns, lease, chain, release))
@@ -146,7 +145,7 @@ async def test_the_json_form_grpcurl_sends_carries_a_release(stub, namespace, le
     body = {
         "namespaceId": ns,
         "leaseId": str(lease),
-        "hashes": [base64.b64encode(h).decode() for h in chain],
+        "packedHashes": base64.b64encode(b"".join(chain)).decode(),
         "release": {"packedHashes": base64.b64encode(hit).decode(), "releaseIds": ["7"]},
     }
     request = json_format.Parse(json.dumps(body), pb.LookupRequest())

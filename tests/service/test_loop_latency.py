@@ -31,6 +31,7 @@ from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc
 from service.config import Config
 from tests.fuzz.wire import varint
+from tests.replies import entries_of
 from tests.waiting import until
 
 BOUND_SECONDS = 0.25
@@ -120,7 +121,9 @@ async def test_a_hostile_lookup_does_not_stall_the_loop(tmp_path) -> None:
             )
             await stub.Commit(
                 pb.CommitRequest(
-                    namespace_id=ns, lease_id=lease, hashes=[e.hash for e in stored.entries]
+                    namespace_id=ns,
+                    lease_id=lease,
+                    packed_hashes=b"".join([e.hash for e in entries_of(stored)]),
                 ),
                 timeout=30,
             )
@@ -130,7 +133,8 @@ async def test_a_hostile_lookup_does_not_stall_the_loop(tmp_path) -> None:
                     namespace_id=ns, lease_id=lease, pin=True, tokens=range(max_tokens)
                 ),
                 "max hashes": pb.LookupRequest(
-                    namespace_id=ns, hashes=[os.urandom(32) for _ in range(max_blocks)]
+                    namespace_id=ns,
+                    packed_hashes=b"".join([os.urandom(32) for _ in range(max_blocks)]),
                 ),
                 "tokens over the limit": pb.LookupRequest(
                     namespace_id=ns, tokens=range(max_tokens + 1)

@@ -19,7 +19,9 @@ async def test_lookup_and_occupancy_metrics(stub, namespace, kv_server):
     lid = (await stub.OpenLease(pb.OpenLeaseRequest())).lease_id
     await stub.Reserve(pb.ReserveRequest(namespace_id=ns, lease_id=lid, tokens=tokens))
     with pytest.raises(grpc.aio.AioRpcError):
-        await stub.Commit(pb.CommitRequest(namespace_id=ns, lease_id=lid, hashes=[b"\0" * 32]))
+        await stub.Commit(
+            pb.CommitRequest(namespace_id=ns, lease_id=lid, packed_hashes=b"".join([b"\0" * 32]))
+        )
     registry = kv_server.node.metrics.registry
 
     def value(name, **labels):

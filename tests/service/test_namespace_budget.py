@@ -23,6 +23,7 @@ from kvstore.v1 import kvstore_pb2_grpc
 from service.config import Config
 from service.server import Server
 from tests.inproc import BLOCK_BYTES, BLOCK_SIZE, LAYOUT
+from tests.replies import blocks_of, chain_of, entries_of
 from tests.service.pool_stores import REAL_LAYOUT, payload, store
 
 ARENA_BLOCKS = 16
@@ -37,10 +38,12 @@ async def read_back(stub, ns: str, lid: int, tokens: list[int]) -> tuple[int, li
     hit = await stub.Lookup(
         pb.LookupRequest(namespace_id=ns, lease_id=lid, pin=True, tokens=tokens)
     )
-    refs = [pb.BlockRef(hash=b.hash, slot=b.slot, generation=b.generation) for b in hit.blocks]
+    refs = [pb.BlockRef(hash=b.hash, slot=b.slot, generation=b.generation) for b in blocks_of(hit)]
     data = [m.data async for m in stub.ReadBlocks(pb.ReadBlocksRequest(
         namespace_id=ns, lease_id=lid, blocks=refs))]  # fmt: skip
-    await stub.Release(pb.ReleaseRequest(namespace_id=ns, lease_id=lid, hashes=hit.chain))
+    await stub.Release(
+        pb.ReleaseRequest(namespace_id=ns, lease_id=lid, packed_hashes=b"".join(chain_of(hit)))
+    )
     return hit.hit_blocks, data
 
 
@@ -94,7 +97,7 @@ async def test_ten_namespaces_fit_the_default_budget_and_one_drops(default_budge
         res = await stub.Reserve(
             pb.ReserveRequest(namespace_id=reg.namespace_id, lease_id=lid, tokens=prompt)
         )
-        hashes = [e.hash for e in res.entries]
+        hashes = [e.hash for e in entries_of(res)]
 
         async def writes(ns=reg.namespace_id, hashes=hashes, i=i):
             yield pb.WriteBlocksRequest(
@@ -142,15 +145,15 @@ async def test_a_pool_grows_arena_by_arena_on_demand(stub, namespace):
     first = await stub.AttachPool(pb.AttachPoolRequest(namespace_id=ns))
     tokens = tokens_of(40, 1)
     res = await store(stub, ns, lid, tokens)
-    assert all(e.status == pb.RESERVE_STATUS_RESERVED for e in res.entries)
-    assert max(e.location.arena for e in res.entries) == 2
+    assert all(e.status == pb.RESERVE_STATUS_RESERVED for e in entries_of(res))
+    assert max(e.location.arena for e in entries_of(res)) == 2
     assert res.pool_version != first.pool_version
     after = await stub.AttachPool(pb.AttachPoolRequest(namespace_id=ns))
     assert len(after.arenas) == 3 and after.capacity_blocks == 3 * ARENA_BLOCKS
     assert after.arenas[0].path == first.arenas[0].path  # arena 0 stays where it was
     assert after.pool_version == res.pool_version and after.pool_epoch == first.pool_epoch
     hits, data = await read_back(stub, ns, lid, tokens)
-    assert hits == 40 and data == [payload(e.hash, 1) for e in res.entries]
+    assert hits == 40 and data == [payload(e.hash, 1) for e in entries_of(res)]
     (ns_stats,) = (await stub.Stats(pb.StatsRequest())).namespaces
     assert ns_stats.capacity == 48 and ns_stats.evictions == 0
 
@@ -192,7 +195,7 @@ async def test_an_arena_is_taken_back_from_a_bigger_idle_namespace(stub, clock):
 
     clock.advance(1)
     res = await store(stub, b, lid, tokens_of(2 * ARENA_BLOCKS, 2), fill=2)
-    assert all(e.status == pb.RESERVE_STATUS_RESERVED for e in res.entries)
+    assert all(e.status == pb.RESERVE_STATUS_RESERVED for e in entries_of(res))
     stats = by_model(await stub.Stats(pb.StatsRequest()))
     assert stats["a"].capacity == 2 * ARENA_BLOCKS and stats["b"].capacity == 2 * ARENA_BLOCKS
     assert stats["a"].evictions == ARENA_BLOCKS and stats["a"].ready == 2 * ARENA_BLOCKS
@@ -224,14 +227,16 @@ async def test_pinned_blocks_keep_their_arena_and_a_full_budget_is_no_room(stub)
     more = await stub.Reserve(
         pb.ReserveRequest(namespace_id=a, lease_id=lid, tokens=tokens_of(2, 9))
     )
-    assert [e.status for e in more.entries] == [pb.RESERVE_STATUS_NO_ROOM] * 2  # not a crash
+    assert [e.status for e in entries_of(more)] == [pb.RESERVE_STATUS_NO_ROOM] * 2  # not a crash
 
     # Released: the namespace may now give its last arena to a newcomer.
     hashes = [
         e.hash
-        for e in (await stub.Lookup(pb.LookupRequest(namespace_id=a, tokens=tokens_a))).blocks
+        for e in blocks_of(await stub.Lookup(pb.LookupRequest(namespace_id=a, tokens=tokens_a)))
     ]
-    await stub.Release(pb.ReleaseRequest(namespace_id=a, lease_id=lid, hashes=hashes))
+    await stub.Release(
+        pb.ReleaseRequest(namespace_id=a, lease_id=lid, packed_hashes=b"".join(hashes))
+    )
     b = await stub.RegisterNamespace(pb.RegisterNamespaceRequest(model_id="b", layout=LAYOUT))
     assert b.created and b.capacity_blocks == ARENA_BLOCKS
     stats = by_model(await stub.Stats(pb.StatsRequest()))

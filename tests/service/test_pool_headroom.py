@@ -26,6 +26,7 @@ from kvstore.v1 import kvstore_pb2_grpc
 from service.config import Config
 from service.server import Server
 from tests.inproc import BLOCK_BYTES, BLOCK_SIZE, LAYOUT
+from tests.replies import entries_of
 from tests.service.pool_stores import REAL_LAYOUT, store
 from tests.waiting import until
 
@@ -140,14 +141,18 @@ async def test_a_commit_into_the_headroom_grows_the_pool_in_the_background(node:
     res = await node.stub.Reserve(
         pb.ReserveRequest(namespace_id=ns, lease_id=lid, tokens=tokens_of(20, 1))
     )
-    assert all(e.status == pb.RESERVE_STATUS_RESERVED for e in res.entries)
+    assert all(e.status == pb.RESERVE_STATUS_RESERVED for e in entries_of(res))
     assert res.pool_version == before.pool_version  # no arena was added on its path
     await settled(node, "the Reserve")
     assert held.begun == 0
     # ... the commit starts it, and answers while the arena is still being built.
     commit = await asyncio.wait_for(
         node.stub.Commit(
-            pb.CommitRequest(namespace_id=ns, lease_id=lid, hashes=[e.hash for e in res.entries])
+            pb.CommitRequest(
+                namespace_id=ns,
+                lease_id=lid,
+                packed_hashes=b"".join([e.hash for e in entries_of(res)]),
+            )
         ),
         5,
     )
@@ -159,7 +164,7 @@ async def test_a_commit_into_the_headroom_grows_the_pool_in_the_background(node:
         node.stub.Reserve(pb.ReserveRequest(namespace_id=ns, lease_id=lid, tokens=tokens_of(4, 9))),
         5,
     )
-    assert all(e.status == pb.RESERVE_STATUS_RESERVED for e in more.entries)
+    assert all(e.status == pb.RESERVE_STATUS_RESERVED for e in entries_of(more))
     held.go.set()
     # 64 slots (the ceiling) hold 40 free: the headroom is back.
     await until(lambda: node.arenas(ns), ok=lambda n: n == 4, within=5.0, what="4 arenas")
@@ -171,7 +176,7 @@ async def test_a_reserve_beyond_the_free_slots_still_grows_on_its_path(node: Nod
     reg = await node.register("m")
     ns, lid = reg.namespace_id, await node.lease()
     res = await store(node.stub, ns, lid, tokens_of(40, 2))  # 32 free: 8 more needed now
-    assert sum(e.status == pb.RESERVE_STATUS_RESERVED for e in res.entries) == 40
+    assert sum(e.status == pb.RESERVE_STATUS_RESERVED for e in entries_of(res)) == 40
     await until(lambda: node.arenas(ns), ok=lambda n: n == 4, within=5.0, what="4 arenas")
 
 
@@ -209,7 +214,7 @@ async def test_a_full_tmpfs_while_building_headroom_is_logged_not_fatal(
     assert "cannot add an arena" in caplog.text and "full" in caplog.text
     lid = await node.lease()
     res = await store(node.stub, reg.namespace_id, lid, tokens_of(8, 4))
-    assert all(e.status == pb.RESERVE_STATUS_RESERVED for e in res.entries)
+    assert all(e.status == pb.RESERVE_STATUS_RESERVED for e in entries_of(res))
 
 
 async def test_stopping_the_node_while_headroom_is_built_leaves_no_files(tmp_path: Any) -> None:

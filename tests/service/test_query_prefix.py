@@ -23,6 +23,7 @@ from service.config import Config
 from service.ops import query_http
 from tests.inproc import BLOCK_SIZE, tenant
 from tests.redis.server import free_port
+from tests.replies import entries_of
 
 MODEL = "test-model"
 PROMPT = list(range(1000, 1000 + 6 * BLOCK_SIZE + 2))
@@ -40,12 +41,14 @@ async def store(stub, ns: str, tokens: list[int], who=()) -> list[bytes]:
     res = await stub.Reserve(
         pb.ReserveRequest(namespace_id=ns, lease_id=lid, tokens=tokens), metadata=who, timeout=5
     )
-    fresh = [e.hash for e in res.entries if e.status == pb.RESERVE_STATUS_RESERVED]
+    fresh = [e.hash for e in entries_of(res) if e.status == pb.RESERVE_STATUS_RESERVED]
     await stub.Commit(
-        pb.CommitRequest(namespace_id=ns, lease_id=lid, hashes=fresh), metadata=who, timeout=5
+        pb.CommitRequest(namespace_id=ns, lease_id=lid, packed_hashes=b"".join(fresh)),
+        metadata=who,
+        timeout=5,
     )
     await stub.CloseLease(pb.CloseLeaseRequest(lease_id=lid), metadata=who)
-    return [e.hash for e in res.entries]
+    return [e.hash for e in entries_of(res)]
 
 
 def post(port: int, body: object, headers: dict[str, str] | None = None) -> tuple[int, dict]:

@@ -44,10 +44,8 @@ async def test_runs_that_do_not_add_up_or_are_too_long_are_refused(stub, namespa
             )
         assert err.value.code() == INVALID and field_of(err.value) == field
     assert await pinned(stub) == 4  # nothing was released by a refused call
-    resp = await stub.Release(  # the per-block hashes form takes runs too
-        pb.ReleaseRequest(
-            namespace_id=ns, lease_id=lease, hashes=wire.unpack_hashes(hit), runs=[1, 3]
-        )
+    resp = await stub.Release(
+        pb.ReleaseRequest(namespace_id=ns, lease_id=lease, packed_hashes=hit, runs=[1, 3])
     )
     assert list(resp.run_released) == [1, 3] and await pinned(stub) == 0
 
@@ -154,8 +152,10 @@ async def test_a_release_id_names_one_live_pinned_lookup(stub, namespace, lease)
     chain = await store(stub, ns, lease, list(range(1, 1 + 2 * BLOCK_SIZE)))
     hit = await pin(stub, ns, lease, chain, release_id=5)
     for request in (
-        pb.LookupRequest(namespace_id=ns, lease_id=lease, pin=True, hashes=chain, release_id=5),
-        pb.LookupRequest(namespace_id=ns, hashes=chain, release_id=6),  # no pin
+        pb.LookupRequest(
+            namespace_id=ns, lease_id=lease, pin=True, packed_hashes=b"".join(chain), release_id=5
+        ),
+        pb.LookupRequest(namespace_id=ns, packed_hashes=b"".join(chain), release_id=6),  # no pin
     ):
         with pytest.raises(grpc.aio.AioRpcError) as err:
             await stub.Lookup(request)

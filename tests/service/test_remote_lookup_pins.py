@@ -24,6 +24,7 @@ from service.cluster.peer_fetch import PeerFetcher
 from service.server import Server
 from tests.inproc import BLOCK_BYTES, BLOCK_SIZE, LAYOUT, tenant
 from tests.redis.server import free_port
+from tests.replies import chain_of, entries_of
 from tests.service.peers import StoringPeers
 from tests.waiting import until
 
@@ -46,8 +47,10 @@ class HangingPeers:
 async def _store_prefix(stub, ns: str, tokens: list[int], blocks: int) -> None:
     lid = (await stub.OpenLease(pb.OpenLeaseRequest())).lease_id
     res = await stub.Reserve(pb.ReserveRequest(namespace_id=ns, lease_id=lid, tokens=tokens))
-    hashes = [e.hash for e in res.entries[:blocks]]
-    await stub.Commit(pb.CommitRequest(namespace_id=ns, lease_id=lid, hashes=hashes))
+    hashes = [e.hash for e in entries_of(res)[:blocks]]
+    await stub.Commit(
+        pb.CommitRequest(namespace_id=ns, lease_id=lid, packed_hashes=b"".join(hashes))
+    )
     await stub.CloseLease(pb.CloseLeaseRequest(lease_id=lid))
 
 
@@ -109,7 +112,7 @@ async def test_remote_lookup_near_the_pin_bound_does_not_count_its_first_pins(se
         stats = await stub.Stats(pb.StatsRequest())
         assert stats.pinned == 3
         released = await stub.Release(
-            pb.ReleaseRequest(namespace_id=ns, lease_id=lid, hashes=resp.chain)
+            pb.ReleaseRequest(namespace_id=ns, lease_id=lid, packed_hashes=b"".join(chain_of(resp)))
         )
         assert released.released == 3
         assert (await stub.Stats(pb.StatsRequest())).pinned == 0
@@ -173,9 +176,10 @@ async def test_a_dead_holder_evicts_nothing(stub, namespace, kv_server):
     res = await stub.Reserve(
         pb.ReserveRequest(namespace_id=namespace.id, lease_id=lid, tokens=tokens), metadata=md
     )
-    hashes = [e.hash for e in res.entries]
+    hashes = [e.hash for e in entries_of(res)]
     await stub.Commit(
-        pb.CommitRequest(namespace_id=namespace.id, lease_id=lid, hashes=hashes), metadata=md
+        pb.CommitRequest(namespace_id=namespace.id, lease_id=lid, packed_hashes=b"".join(hashes)),
+        metadata=md,
     )
     await stub.CloseLease(pb.CloseLeaseRequest(lease_id=lid), metadata=md)
     fetcher = use_peer(kv_server, f"127.0.0.1:{free_port()}", 4)

@@ -11,6 +11,7 @@ from kvstore.v1 import kvstore_pb2_grpc
 from service.server import Server
 from service.tenancy.callers import ChainRoots
 from tests.inproc import BLOCK_SIZE, LAYOUT, tenant
+from tests.replies import chain_of, entries_of
 
 TOKENS = list(range(2 * BLOCK_SIZE))
 A, B = tenant("alice"), tenant("bob")
@@ -21,8 +22,11 @@ async def store_as(stub, ns: str, who) -> list[bytes]:
     res = await stub.Reserve(
         pb.ReserveRequest(namespace_id=ns, lease_id=lid, tokens=TOKENS), metadata=who
     )
-    hashes = [e.hash for e in res.entries]
-    await stub.Commit(pb.CommitRequest(namespace_id=ns, lease_id=lid, hashes=hashes), metadata=who)
+    hashes = [e.hash for e in entries_of(res)]
+    await stub.Commit(
+        pb.CommitRequest(namespace_id=ns, lease_id=lid, packed_hashes=b"".join(hashes)),
+        metadata=who,
+    )
     return hashes
 
 
@@ -32,9 +36,11 @@ async def test_other_tenant_misses_same_tokens(stub, namespace):
     hit = await stub.Lookup(pb.LookupRequest(namespace_id=ns, tokens=TOKENS), metadata=A)
     assert hit.hit_blocks == 2
     miss = await stub.Lookup(pb.LookupRequest(namespace_id=ns, tokens=TOKENS), metadata=B)
-    assert miss.hit_blocks == 0 and list(miss.chain) != stored
+    assert miss.hit_blocks == 0 and list(chain_of(miss)) != stored
     # Even A's exact hashes miss for B: B's blocks live in B's scope.
-    stolen = await stub.Lookup(pb.LookupRequest(namespace_id=ns, hashes=stored), metadata=B)
+    stolen = await stub.Lookup(
+        pb.LookupRequest(namespace_id=ns, packed_hashes=b"".join(stored)), metadata=B
+    )
     assert stolen.hit_blocks == 0
     roots = {
         (await stub.RegisterNamespace(

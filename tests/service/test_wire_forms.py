@@ -1,6 +1,6 @@
-"""Wire forms (docs/api.md): the packed request fields and the packed replies
-answer exactly what the per-block forms answer, and the per-block forms keep
-working unchanged for clients that do not know the packed ones."""
+"""Wire forms (docs/api.md): one form of each value. A chain is ``packed_hashes``
+or ``tokens``; replies are packed; malformed packed fields are INVALID_ARGUMENT
+naming the field; the numbers of the forms dropped at 0.1.0 are ignored."""
 
 from __future__ import annotations
 
@@ -10,40 +10,50 @@ import pytest
 from kvstore.api import wire
 from kvstore.v1 import kvstore_pb2 as pb
 from tests.inproc import BLOCK_BYTES, BLOCK_SIZE
+from tests.replies import entries_of
 from tests.service.calls import INVALID, field_of, pin, store
 
 TOKENS = list(range(7, 7 + 5 * BLOCK_SIZE + 1))  # 5 full blocks and a partial one
 
 
-async def test_old_and_packed_lookups_answer_the_same(stub, namespace, lease):
+async def test_a_lookup_answers_in_the_one_packed_form(stub, namespace, lease):
     ns = namespace.id
     chain = await store(stub, ns, lease, TOKENS)
-    old = await stub.Lookup(pb.LookupRequest(namespace_id=ns, tokens=TOKENS))
-    # The per-block reply, as before: no packed field is set.
-    assert old.hit_blocks == 5 and len(old.blocks) == 5 and list(old.chain) == chain
-    assert not old.hit_hashes and not old.slots and not old.packed_chain
-    packed = await stub.Lookup(
-        pb.LookupRequest(namespace_id=ns, packed_tokens=wire.pack_tokens(TOKENS), packed_reply=True)
-    )
-    assert not packed.blocks and not packed.chain
-    assert packed.packed_chain == b"".join(chain)
-    assert packed.hit_hashes == b"".join(b.hash for b in old.blocks)
-    assert list(packed.slots) == [b.slot for b in old.blocks]
-    assert list(packed.generations) == [b.generation for b in old.blocks]
-    assert (packed.hit_blocks, packed.hit_tokens, packed.query_tokens) == (
-        old.hit_blocks,
-        old.hit_tokens,
-        old.query_tokens,
-    )
-    assert packed.block_bytes == BLOCK_BYTES
-    for slot, b in zip(packed.slots, old.blocks, strict=True):
-        arena, index = divmod(slot, packed.slots_per_arena)
-        assert (arena, index * packed.block_bytes) == (b.arena, b.offset)
-    by_hashes = await stub.Lookup(
-        pb.LookupRequest(namespace_id=ns, packed_hashes=b"".join(chain), packed_reply=True)
-    )
-    assert by_hashes.hit_hashes == packed.hit_hashes and not by_hashes.packed_chain
+    by_tokens = await stub.Lookup(pb.LookupRequest(namespace_id=ns, tokens=TOKENS))
+    assert by_tokens.hit_blocks == 5 and by_tokens.packed_chain == b"".join(chain)
+    assert by_tokens.hit_hashes == b"".join(chain)
+    slots = wire.unpack_u64(by_tokens.packed_slots, "packed_slots")
+    generations = wire.unpack_u64(by_tokens.packed_generations, "packed_generations")
+    checksums = wire.unpack_u64(by_tokens.packed_checksums, "packed_checksums")
+    assert len(slots) == len(generations) == len(checksums) == 5
+    assert len(set(slots.tolist())) == 5 and all(g > 0 for g in generations.tolist())
+    assert (by_tokens.hit_tokens, by_tokens.query_tokens) == (5 * BLOCK_SIZE, len(TOKENS))
+    assert by_tokens.block_bytes == BLOCK_BYTES and by_tokens.slots_per_arena
+    by_hashes = await stub.Lookup(pb.LookupRequest(namespace_id=ns, packed_hashes=b"".join(chain)))
+    assert by_hashes.hit_hashes == by_tokens.hit_hashes and not by_hashes.packed_chain
+    assert by_hashes.packed_slots == by_tokens.packed_slots
+    assert by_hashes.packed_generations == by_tokens.packed_generations
     assert by_hashes.query_tokens == 5 * BLOCK_SIZE
+
+
+@pytest.mark.parametrize(
+    ("method", "request_type", "dropped"),
+    [
+        # Numbers of 0.1.0's dropped forms, now reserved: a node ignores them.
+        ("Lookup", pb.LookupRequest, 5),  # hashes
+        ("Lookup", pb.LookupRequest, 9),  # packed_tokens
+        ("Reserve", pb.ReserveRequest, 4),  # hashes
+        ("Reserve", pb.ReserveRequest, 7),  # packed_tokens
+    ],
+)
+async def test_a_dropped_chain_form_is_no_chain(
+    stub, namespace, lease, method, request_type, dropped
+):
+    request_ = request_type(namespace_id=namespace.id, lease_id=lease)
+    request_.MergeFromString(bytes([dropped << 3 | 2, 32]) + b"\x01" * 32)  # an unknown field
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await getattr(stub, method)(request_)
+    assert err.value.code() == INVALID and "both are empty" in err.value.details()
 
 
 async def test_packed_pins_are_released_by_packed_hashes(stub, namespace, lease):
@@ -59,13 +69,7 @@ async def test_packed_pins_are_released_by_packed_hashes(stub, namespace, lease)
 
 async def test_packed_reserve_commit_and_abort(stub, namespace, lease):
     ns = namespace.id
-    packed_tokens = wire.pack_tokens(TOKENS)
-    reserved = await stub.Reserve(
-        pb.ReserveRequest(
-            namespace_id=ns, lease_id=lease, packed_tokens=packed_tokens, packed_reply=True
-        )
-    )
-    assert not reserved.entries
+    reserved = await stub.Reserve(pb.ReserveRequest(namespace_id=ns, lease_id=lease, tokens=TOKENS))
     assert list(reserved.statuses) == [pb.RESERVE_STATUS_RESERVED] * 5
     assert len(reserved.slots) == len(reserved.generations) == 5
     assert reserved.slots_per_arena and reserved.block_bytes == BLOCK_BYTES
@@ -78,47 +82,30 @@ async def test_packed_reserve_commit_and_abort(stub, namespace, lease):
         pb.CommitRequest(namespace_id=ns, lease_id=lease, packed_hashes=b"".join(hashes[:4]))
     )
     assert (aborted.aborted, committed.committed) == (1, 4)
-    # The old form answers the same chain with per-block entries.
-    again = await stub.Reserve(pb.ReserveRequest(namespace_id=ns, lease_id=lease, tokens=TOKENS))
-    assert [e.hash for e in again.entries] == hashes and not again.hashes
-    assert [e.status for e in again.entries] == [pb.RESERVE_STATUS_HIT] * 4 + [
-        pb.RESERVE_STATUS_RESERVED
-    ]
-    packed_again = await stub.Reserve(
-        pb.ReserveRequest(
-            namespace_id=ns, lease_id=lease, packed_hashes=reserved.hashes, packed_reply=True
-        )
+    again = await stub.Reserve(
+        pb.ReserveRequest(namespace_id=ns, lease_id=lease, packed_hashes=reserved.hashes)
     )
+    assert again.hashes == reserved.hashes
+    assert list(again.statuses) == [pb.RESERVE_STATUS_HIT] * 4 + [pb.RESERVE_STATUS_RESERVED]
+    # The four hits are where the committed blocks are.
+    assert list(again.slots[:4]) == list(reserved.slots[:4])
     # Four HIT blocks and the fifth WRITING under this lease (reserved by `again`):
-    # the packed reply says what the entries say.
-    entries = await stub.Reserve(pb.ReserveRequest(namespace_id=ns, lease_id=lease, hashes=hashes))
-    assert list(packed_again.statuses) == [e.status for e in entries.entries]
-    assert list(packed_again.slots[:4]) == [e.location.slot for e in entries.entries[:4]]
-    assert list(packed_again.generations[:4]) == [
-        e.location.generation for e in entries.entries[:4]
-    ]
+    # the same slots and generations again, read block by block.
+    third = await stub.Reserve(
+        pb.ReserveRequest(namespace_id=ns, lease_id=lease, packed_hashes=reserved.hashes)
+    )
+    assert [e.status for e in entries_of(third)] == list(again.statuses)
+    assert [e.location.slot for e in entries_of(third)] == list(again.slots)
+    assert [e.location.generation for e in entries_of(third)] == list(again.generations)
 
 
 @pytest.mark.parametrize(
     ("method", "request_", "field", "words"),
     [
         ("Lookup", pb.LookupRequest(packed_hashes=b"\x01" * 33), "packed_hashes", "33 bytes"),
-        ("Lookup", pb.LookupRequest(packed_tokens=b"\x01" * 6), "packed_tokens", "6 bytes"),
         (
             "Lookup",
-            pb.LookupRequest(packed_hashes=b"\x01" * 32, hashes=[b"\x01" * 32]),
-            "packed_hashes",
-            "not both",
-        ),
-        (
-            "Lookup",
-            pb.LookupRequest(packed_tokens=b"\x01" * 4, tokens=[1]),
-            "packed_tokens",
-            "not both",
-        ),
-        (
-            "Lookup",
-            pb.LookupRequest(packed_tokens=b"\x01" * 4, packed_hashes=b"\x01" * 32),
+            pb.LookupRequest(tokens=[1], packed_hashes=b"\x01" * 32),
             "tokens",
             "not both",
         ),
@@ -126,18 +113,13 @@ async def test_packed_reserve_commit_and_abort(stub, namespace, lease):
         ("Reserve", pb.ReserveRequest(packed_hashes=b"\x01" * 31), "packed_hashes", "31 bytes"),
         (
             "Reserve",
-            pb.ReserveRequest(packed_tokens=b"\x01" * 4 * (256 * BLOCK_SIZE + BLOCK_SIZE)),
+            pb.ReserveRequest(tokens=[1] * (256 * BLOCK_SIZE + BLOCK_SIZE)),
             "tokens",
             "max_chain_blocks",
         ),
         ("Release", pb.ReleaseRequest(packed_hashes=b"\x01" * 40), "packed_hashes", "40 bytes"),
         ("Commit", pb.CommitRequest(packed_hashes=b"\x01" * 33), "packed_hashes", "33 bytes"),
-        (
-            "Abort",
-            pb.AbortRequest(packed_hashes=b"\x01" * 32, hashes=[b"\x01" * 32]),
-            "packed_hashes",
-            "not both",
-        ),
+        ("Abort", pb.AbortRequest(), "packed_hashes", "is empty"),
     ],
 )
 async def test_malformed_packed_fields_are_invalid_argument(
