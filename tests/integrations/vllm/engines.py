@@ -245,6 +245,17 @@ class Engine:
                     pipe.close()
 
 
+@contextlib.contextmanager
+def verifying_node(workdir: Path) -> Iterator[Node]:
+    """A node like conftest's (a 2 MiB namespace) whose runners check every local load's
+    bytes against their writer's checksum (``verify_checksums = "all"``)."""
+    node = Node(workdir, namespace_capacity="2MiB", extra_args=("--verify-checksums", "all"))
+    try:
+        yield node.start()
+    finally:
+        node.stop()
+
+
 def published(redis_url: str, node_id: str) -> int:
     """Blocks the Redis directory lists under ``node_id`` (every namespace and tenant)."""
     import redis

@@ -8,7 +8,10 @@ in the connector itself: production code has no test hooks.
 
 - ``hold-loads``: each load waits before it starts (after touching
   ``hold-loads.reached``) while the file exists; ``hold-loads-rank-N`` holds
-  rank N's loads only.
+  rank N's loads only, and sends every load of the step to the load thread
+  (a step that runs no forward copies in the step itself, where one held
+  rank would hold the others' reports too: the case under test is one rank
+  reporting while another still copies).
 - ``leak-pins``: the scheduler side releases the pins of every load it sends
   (the bookkeeping bug of a connector that trusted one rank's report): only
   the workers' stamp checks stand between the engine and reused slots.
@@ -60,6 +63,14 @@ class FaultyConnector(KVStoreConnector):
                 return real_load(load)
 
             worker._load = held_load  # type: ignore[method-assign]
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        folder = fault_dir()
+        if folder is not None and self.has_connector_metadata():
+            held = (p for p in folder.glob("hold-loads-rank-*") if p.suffix != ".reached")
+            if any(held):
+                self._meta().idle = False
+        super().start_load_kv(forward_context, **kwargs)
 
     def build_connector_meta(self, scheduler_output: Any) -> Any:
         meta = super().build_connector_meta(scheduler_output)

@@ -39,7 +39,7 @@ from tests.integrations.vllm.common import (
     system,
     tokens,
 )
-from tests.integrations.vllm.engines import ROOT, Engine, Node, running
+from tests.integrations.vllm.engines import ROOT, Engine, Node, running, verifying_node
 from tests.waiting import wait_until
 
 pytestmark = [pytest.mark.vllm, pytest.mark.e2e, pytest.mark.timeout(900)]
@@ -53,17 +53,9 @@ ENGINE_DIFF = 1e-5
 
 @pytest.fixture(scope="module")
 def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Node]:
-    """The shared node of `conftest`, with full verification: runners check every load's
-    bytes against their writer's checksum (``verify_checksums = "all"``)."""
-    node = Node(
-        tmp_path_factory.mktemp("node"),
-        namespace_capacity="2MiB",
-        extra_args=("--verify-checksums", "all"),
-    ).start()
-    try:
+    """The shared node of `conftest`, with full verification (`verifying_node`)."""
+    with verifying_node(tmp_path_factory.mktemp("node")) as node:
         yield node
-    finally:
-        node.stop()
 
 
 @pytest.fixture(scope="module")

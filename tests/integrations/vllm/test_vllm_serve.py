@@ -31,7 +31,7 @@ from tests.integrations.vllm.common import (
     assert_nothing_pinned,
     system,
 )
-from tests.integrations.vllm.engines import Node, vllm_environment
+from tests.integrations.vllm.engines import Node, verifying_node, vllm_environment
 from tests.integrations.vllm.serve import CLI, ServeProcess
 from tests.waiting import wait_until
 
@@ -49,17 +49,9 @@ def start_server(python: str, model: Path, node: Node, log_dir: Path, name: str)
 
 @pytest.fixture(scope="module")
 def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Node]:
-    """conftest's node, with every local load's bytes checked against their writer's
-    checksum (``verify_checksums = "all"``)."""
-    node = Node(
-        tmp_path_factory.mktemp("node"),
-        namespace_capacity="2MiB",
-        extra_args=("--verify-checksums", "all"),
-    ).start()
-    try:
+    """conftest's node, with full verification (`verifying_node`)."""
+    with verifying_node(tmp_path_factory.mktemp("node")) as node:
         yield node
-    finally:
-        node.stop()
 
 
 @pytest.fixture(scope="module")
