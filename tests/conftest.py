@@ -18,6 +18,7 @@ Constants and helpers the tests import live in modules, never here: tests/inproc
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import tempfile
 import uuid
@@ -71,14 +72,21 @@ def clock() -> ManualClock:
     return ManualClock()
 
 
-@pytest.fixture
-async def kv_server(server_config: Config, clock: ManualClock) -> AsyncIterator[Server]:
-    server = Server(server_config, clock=clock, expiry_tick=0.02)
+@contextlib.asynccontextmanager
+async def started(config: Config, clock: ManualClock) -> AsyncIterator[Server]:
+    """An in-process node on ``config`` and ``clock``, stopped at the end."""
+    server = Server(config, clock=clock, expiry_tick=0.02)
     await server.start()
     try:
         yield server
     finally:
         await server.stop(0.1)
+
+
+@pytest.fixture
+async def kv_server(server_config: Config, clock: ManualClock) -> AsyncIterator[Server]:
+    async with started(server_config, clock) as server:
+        yield server
 
 
 @pytest.fixture
@@ -122,12 +130,8 @@ def auth_config(server_config: Config, tmp_path) -> Config:
 
 @pytest.fixture
 async def auth_server(auth_config: Config) -> AsyncIterator[Server]:
-    server = Server(auth_config, clock=ManualClock(), expiry_tick=0.02)
-    await server.start()
-    try:
+    async with started(auth_config, ManualClock()) as server:
         yield server
-    finally:
-        await server.stop(0.1)
 
 
 @pytest.fixture
