@@ -9,7 +9,7 @@ only the HTTP route adds).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 from kvstore.v1 import kvstore_pb2 as pb
@@ -54,38 +54,17 @@ class PrefixHolder:
     """``matched_blocks * block_size``."""
 
     def to_proto(self) -> pb.PrefixHolder:
-        """The wire form."""
-        return pb.PrefixHolder(
-            node_id=self.node_id,
-            address=self.address,
-            tier=self.tier,
-            engine=self.engine,
-            matched_blocks=self.matched_blocks,
-            matched_tokens=self.matched_tokens,
-        )
+        """The wire form (the proto's fields are the dataclass's, by name)."""
+        return pb.PrefixHolder(**self.to_json())
 
     @classmethod
     def from_proto(cls, msg: pb.PrefixHolder) -> PrefixHolder:
         """The holder a wire form names."""
-        return cls(
-            node_id=msg.node_id,
-            address=msg.address,
-            tier=msg.tier,
-            engine=msg.engine,
-            matched_blocks=msg.matched_blocks,
-            matched_tokens=msg.matched_tokens,
-        )
+        return cls(**{f.name: getattr(msg, f.name) for f in fields(cls)})
 
     def to_json(self) -> dict[str, Any]:
-        """The JSON object of the holder."""
-        return {
-            "node_id": self.node_id,
-            "address": self.address,
-            "tier": self.tier,
-            "engine": self.engine,
-            "matched_blocks": self.matched_blocks,
-            "matched_tokens": self.matched_tokens,
-        }
+        """The JSON object of the holder: every field, by name."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
 @dataclass(frozen=True, slots=True)
