@@ -62,17 +62,11 @@ async def test_a_release_cancelled_in_flight_still_drops_the_pins(kv: Client) ->
     assert (await kv.stats()).namespaces[0].pinned == 0
 
 
-async def test_a_retried_release_never_drops_another_hits_pin(
-    kv: Client, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Two hits of one lease pin the same blocks (pins are counts per lease). The
-    first hit's Release reaches the node but its answer is lost (a timeout); the
-    caller releases it again: the second hit's pins must stay."""
-    ns, prompts = await stored_chains(kv, 1)
-    mine = await kv.lookup(ns, prompts[0], pin=True)
-    other = await kv.lookup(ns, prompts[0], pin=True)  # the same 3 blocks, pinned again
+def lose_first_release_answer(kv: Client, monkeypatch: pytest.MonkeyPatch) -> list[object]:
+    """The first Release reaches the node but its answer is lost (a timeout to the caller);
+    the list gets the lost answer."""
     call = kv._rpc.call
-    lost = []
+    lost: list[object] = []
 
     async def answer_lost(method: str, request: object, *args: object, **kw: object) -> object:
         reply = await call(method, request, *args, **kw)
@@ -82,6 +76,19 @@ async def test_a_retried_release_never_drops_another_hits_pin(
         return reply
 
     monkeypatch.setattr(kv._rpc, "call", answer_lost)
+    return lost
+
+
+async def test_a_retried_release_never_drops_another_hits_pin(
+    kv: Client, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two hits of one lease pin the same blocks (pins are counts per lease). The
+    first hit's Release reaches the node but its answer is lost (a timeout); the
+    caller releases it again: the second hit's pins must stay."""
+    ns, prompts = await stored_chains(kv, 1)
+    mine = await kv.lookup(ns, prompts[0], pin=True)
+    other = await kv.lookup(ns, prompts[0], pin=True)  # the same 3 blocks, pinned again
+    lost = lose_first_release_answer(kv, monkeypatch)
     with pytest.raises(DeadlineExceeded):
         await kv.release(mine)
     assert lost and (await kv.stats()).namespaces[0].pinned == 3  # applied: one pin each left
@@ -107,17 +114,7 @@ async def test_a_release_retried_after_5000_others_never_drops_another_hits_pin(
     mine = await kv.lookup(ns, prompts[0], pin=True)
     other = await kv.lookup(ns, prompts[0], pin=True)  # the same 3 blocks, pinned again
     assert mine.release_id and other.release_id and mine.release_id != other.release_id
-    call = kv._rpc.call
-    lost = []
-
-    async def answer_lost(method: str, request: object, *args: object, **kw: object) -> object:
-        reply = await call(method, request, *args, **kw)
-        if method == "Release" and not lost:
-            lost.append(reply)
-            raise DeadlineExceeded("Release: the answer was lost")
-        return reply
-
-    monkeypatch.setattr(kv._rpc, "call", answer_lost)
+    lost = lose_first_release_answer(kv, monkeypatch)
     with pytest.raises(DeadlineExceeded):
         await kv.release(mine)
     assert lost and (await kv.stats()).namespaces[0].pinned == 3
