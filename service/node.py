@@ -34,8 +34,8 @@ from service.config import Config, ConfigError
 from service.events.engine_index import ChainStart, EngineIndex
 from service.events.metrics import EventsCollector
 from service.events.wiring import KvEvents
-from service.ops.event_hub import EventHub
 from service.ops.metrics import Metrics
+from service.ops.watch_hub import WatchHub
 from service.pools import PoolManager
 from service.tenancy import auth
 from service.tenancy.callers import Caller, ChainRoots, TenantResolver
@@ -90,7 +90,7 @@ class Node:
         self.pools = PoolManager(config, epoch)
         self.tenants = TenantResolver(directory=directory, admin_token=config.admin_token)
         self.roots = ChainRoots(config.salt_secret)
-        self.events: EventHub[pb.Event] = EventHub()
+        self.events: WatchHub[pb.Event] = WatchHub()
         self.loop: asyncio.AbstractEventLoop | None = None
         """The loop that drives the store; set by the server when it starts."""
         self.metrics = Metrics(self.snapshot, max_tenant_labels=labels)

@@ -30,7 +30,7 @@ from typing import Any
 
 from kvstore.types import BlockHash, NamespaceId, TenantId
 from service.cluster.keys import Keys, member
-from service.cluster.link import LuaScript
+from service.cluster.redis_link import LuaScript
 
 _HELD = """
 -- held(key): how many leading chain members (ARGV[3..]) the set at key holds,
