@@ -24,7 +24,7 @@ from kvstore.results import ExpiryReport, LookupResult, NamespaceStats
 from kvstore.store import DropReport, Store, StoreLimits, StoreStats
 from kvstore.types import SHARED_SCOPE, BlockHash, LeaseId, NamespaceId, TenantId
 from kvstore.v1 import kvstore_pb2 as pb
-from service.api import convert
+from service.api import translate
 from service.budget import NamespaceMemory
 from service.cluster.agent import RedisAgent
 from service.cluster.lookup import LookupCall, lookup
@@ -190,7 +190,7 @@ class Node:
             if ns is None:
                 continue
             table = self.table(ns.namespace)
-            namespaces.append(convert.namespace_stats(ns, table.spec.layout, table.shared))
+            namespaces.append(translate.namespace_stats(ns, table.spec.layout, table.shared))
         return pb.StatsResponse(
             node_id=self.node_id,
             version=self.version,
@@ -368,7 +368,7 @@ class Node:
         KV-event publisher (queued)."""
         taken = self.store.take_events()
         for ev in taken:
-            self.events.publish(ev.namespace, convert.event(ev, self.node_id, self.to_unix))
+            self.events.publish(ev.namespace, translate.event(ev, self.node_id, self.to_unix))
             if self.cluster is not None:
                 self.cluster.publish(ev, self.to_unix(ev.at))
         if taken:

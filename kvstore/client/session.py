@@ -29,9 +29,9 @@ from collections.abc import Callable
 
 from kvstore.api.wire import layout_to_proto, scheme_to_proto
 from kvstore.client.background import Background
-from kvstore.client.convert import descriptor_from_proto
 from kvstore.client.handles import Namespace
 from kvstore.client.lease_keeper import LeaseGrant, LeaseKeeper
+from kvstore.client.replies import descriptor_from_proto
 from kvstore.client.rpc import Rpc
 from kvstore.errors import KVStoreError, LeaseExpired
 from kvstore.layout import NamespaceSpec
