@@ -25,7 +25,6 @@ from kvstore.store import DropReport, Store, StoreLimits, StoreStats
 from kvstore.types import SHARED_SCOPE, BlockHash, LeaseId, NamespaceId, TenantId
 from kvstore.v1 import kvstore_pb2 as pb
 from service.api import translate
-from service.budget import NamespaceMemory
 from service.cluster.agent import RedisAgent
 from service.cluster.lookup import LookupCall, lookup
 from service.cluster.nixl_transport import NixlTransport
@@ -34,9 +33,10 @@ from service.config import Config, ConfigError
 from service.events.engine_index import ChainStart, EngineIndex
 from service.events.metrics import EventsCollector
 from service.events.wiring import KvEvents
+from service.memory.budget import PoolManager
+from service.memory.policy import NamespaceMemory
 from service.ops.metrics import Metrics
 from service.ops.watch_hub import WatchHub
-from service.pools import PoolManager
 from service.tenancy import auth
 from service.tenancy.callers import Caller, ChainRoots, TenantResolver
 from service.tenancy.tenants import TenantDirectory, TenantsFileError
