@@ -29,9 +29,9 @@ from kvstore.hashing import HashScheme, hash_blocks
 from kvstore.types import BlockHash, NamespaceId, TenantId
 from service.api import translate
 from service.config.engines import EngineSource
-from service.events.engine_index import ChainStart, EngineIndex
-from service.events.publisher import KvEventPublisher
-from service.events.wire import decode_batch
+from service.vllm_events.engine_index import ChainStart, EngineIndex
+from service.vllm_events.publisher import KvEventPublisher
+from service.vllm_events.wire import decode_batch
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -30,9 +30,6 @@ from service.cluster.lookup import LookupCall, lookup
 from service.cluster.nixl_transport import NixlTransport
 from service.cluster.peer_fetch import PeerFetcher
 from service.config import Config, ConfigError
-from service.events.engine_index import ChainStart, EngineIndex
-from service.events.metrics import EventsCollector
-from service.events.wiring import KvEvents
 from service.memory.budget import PoolManager
 from service.memory.policy import NamespaceMemory
 from service.ops.metrics import Metrics
@@ -40,6 +37,9 @@ from service.ops.watch_hub import WatchHub
 from service.tenancy import auth
 from service.tenancy.callers import Caller, ChainRoots, TenantResolver
 from service.tenancy.tenants import TenantDirectory, TenantsFileError
+from service.vllm_events.engine_index import ChainStart, EngineIndex
+from service.vllm_events.metrics import EventsCollector
+from service.vllm_events.wiring import KvEvents
 
 log = logging.getLogger(__name__)
 

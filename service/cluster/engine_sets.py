@@ -1,6 +1,6 @@
 """Engine holdings on Redis: which blocks the serving engines of each node hold.
 
-A node that ingests its engines' vLLM KV events (`service.events`) mirrors
+A node that ingests its engines' vLLM KV events (`service.vllm_events`) mirrors
 its engine index here, per namespace and engine (keys in
 `service.cluster.keys`):
 
