@@ -38,7 +38,7 @@ from kvstore.events import CacheEvent, EventKind
 from kvstore.types import BlockHash, NamespaceId, TenantId
 from kvstore.v1 import kvstore_pb2 as pb
 from service.cluster import event_stream, redis_link
-from service.cluster.directory import Change, Directory, DirectoryQueue, Holder
+from service.cluster.directory import Change, Directory, DirectoryQueue, PeerHolder
 from service.cluster.engine_sets import EngineEntry, EngineHoldings, EngineSetQueue, EngineSets
 from service.cluster.keys import Keys, member
 from service.cluster.local import LocalNode
@@ -338,7 +338,7 @@ class RedisAgent:
 
     async def locate(
         self, namespace: NamespaceId, scope: TenantId, chain: list[BlockHash]
-    ) -> list[Holder]:
+    ) -> list[PeerHolder]:
         """Live peers holding a prefix of ``chain``, longest first; [] while Redis is away."""
         if not self.connected or self.client is None:
             return []

@@ -151,7 +151,7 @@ return #dead
 
 
 @dataclass(frozen=True, slots=True)
-class Holder:
+class PeerHolder:
     """A live node that holds a prefix of a chain."""
 
     node_id: str
@@ -309,7 +309,7 @@ class Directory:
         chain: Sequence[BlockHash],
         *,
         skip_self: bool = True,
-    ) -> list[Holder]:
+    ) -> list[PeerHolder]:
         """Live nodes holding a prefix of ``chain`` (longest first), in one round trip."""
         if not chain:
             return []
@@ -322,7 +322,7 @@ class Directory:
         reply = await LOCATE(client, keys, args)
         flat = reply[1]
         holders = [
-            Holder(_text(flat[i]), _text(flat[i + 1]), int(flat[i + 2]))
+            PeerHolder(_text(flat[i]), _text(flat[i + 1]), int(flat[i + 2]))
             for i in range(0, len(flat), 3)
         ]
         holders.sort(key=lambda h: (-h.blocks, h.node_id))
