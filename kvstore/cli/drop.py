@@ -24,6 +24,7 @@ from kvstore.cli.common import (
     print_json,
 )
 from kvstore.cli.reads import Namespace
+from kvstore.ops.plural import plural
 from kvstore.v1 import kvstore_pb2 as pb
 
 Force = Annotated[
@@ -64,9 +65,10 @@ def drop(
         print_json(doc)
     else:
         console.print(
-            f"dropped {ns.namespace_id} ({ns.model_id}): {resp.removed} blocks removed, "
-            f"{resp.pins_dropped} pins dropped, {resp.writes_aborted} writes aborted, "
-            f"{resp.freed_bytes} bytes freed"
+            f"dropped {ns.namespace_id} ({ns.model_id}): {plural(resp.removed, 'block')} removed, "
+            f"{plural(resp.pins_dropped, 'pin')} dropped, "
+            f"{plural(resp.writes_aborted, 'write')} aborted, "
+            f"{plural(resp.freed_bytes, 'byte')} freed"
         )
 
 

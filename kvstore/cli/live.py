@@ -24,6 +24,7 @@ from kvstore.cli.common import (
     size,
     table,
 )
+from kvstore.ops.plural import plural
 from kvstore.v1 import kvstore_pb2 as pb
 
 _KINDS = {
@@ -82,7 +83,7 @@ def watch(
                     first = doc["hashes"][0][:12] if doc["hashes"] else ""
                     console.print(
                         f"{at} {doc['node_id']} {doc['kind']:<8} {doc['namespace'][:12]} "
-                        f"{len(doc['hashes'])} blocks {first} {doc['tenant']}"
+                        f"{plural(len(doc['hashes']), 'block')} {first} {doc['tenant']}"
                     )
                 if count and seen >= count:
                     break

@@ -30,6 +30,7 @@ from kvstore.cli.common import (
     print_json,
     table,
 )
+from kvstore.ops.plural import plural
 from kvstore.v1 import kvstore_pb2 as pb
 
 PromptFile = Annotated[
@@ -115,7 +116,8 @@ def query(
         return
     t = table(
         f"{answer.model} ({answer.namespace_id}), tenant {answer.tenant_id}: "
-        f"{answer.query_blocks} blocks of {answer.block_size} tokens, from the {answer.source}"
+        f"{plural(answer.query_blocks, 'block')} of {plural(answer.block_size, 'token')}, "
+        f"from the {answer.source}"
     )
     for header, number in (
         ("node", False), ("address", False), ("tier", False), ("engine", False),

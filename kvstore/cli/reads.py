@@ -21,6 +21,7 @@ from kvstore.cli.common import (
     size,
     table,
 )
+from kvstore.ops.plural import plural
 from kvstore.ops.prefix_tree import BlockRecord, Run, build_tree, tree_json
 from kvstore.ops.summary import namespace_json, status_json, tenants_json
 from kvstore.v1 import kvstore_pb2 as pb
@@ -53,10 +54,10 @@ def status(target: Target = DEFAULT_TARGET, json: Json = False, timeout: Timeout
         ("version", f"{doc['version']} ({doc['pool_kind']} pool, epoch {doc['pool_epoch']})"),
         ("uptime", duration(doc["uptime_seconds"])),
         ("memory", f"{size(doc['allocated_bytes'])} of {size(doc['capacity_bytes'])} allocated"),
-        ("used", f"{doc['used_blocks']} of {doc['capacity_blocks']} blocks "
+        ("used", f"{doc['used_blocks']} of {plural(doc['capacity_blocks'], 'block')} "
                  f"({size(doc['used_bytes'])})"),
-        ("pinned", f"{doc['pinned_blocks']} blocks ({doc['pins']} pins)"),
-        ("writing", f"{doc['writing_blocks']} blocks"),
+        ("pinned", f"{plural(doc['pinned_blocks'], 'block')} ({plural(doc['pins'], 'pin')})"),
+        ("writing", plural(doc["writing_blocks"], "block")),
         ("hit rate", f"{pct(doc['hit_rate_tokens'])} of tokens "
                      f"({doc['hit_tokens']} hit / {doc['miss_tokens']} missed), "
                      f"{pct(doc['hit_rate_blocks'])} of blocks"),
@@ -170,7 +171,7 @@ def blocks(
     if json:
         print_json(doc)
         return
-    t = table(f"{ns.model_id} {ns.namespace_id}: {resp.total} blocks")
+    t = table(f"{ns.model_id} {ns.namespace_id}: {plural(resp.total, 'block')}")
     for col in ("hash", "parent"):
         column(t, col, keep=12)
     for col in ("depth", "state", "pins", "hits", "last\nused", "tenant"):
@@ -205,12 +206,13 @@ def records(blocks: list[pb.BlockInfo]) -> list[BlockRecord]:
 def _label(run: Run) -> str:
     shared = f"shared by {run.requests}" if run.requests > 1 else "1 request"
     who = f" · tenant {run.tenant}" if run.tenant else ""
-    pins = f" · {run.pins} pins" if run.pins else ""
+    pins = f" · {plural(run.pins, 'pin')}" if run.pins else ""
     engines = "".join(f" · engine {e} {n}/{run.blocks}" for e, n in sorted(run.engines.items()))
     start = run.depth * (run.tokens // run.blocks)
+    blocks = f"{plural(run.blocks, 'block')} from token {start}"
     return (
-        f"[bold]{run.tokens} tokens[/] ({run.blocks} blocks from token {start}) "
-        f"· {shared} · {run.hits} hits{pins}{who}{engines} · [dim]{run.first.hex()[:12]}[/]"
+        f"[bold]{plural(run.tokens, 'token')}[/] ({blocks}) · {shared} · "
+        f"{plural(run.hits, 'hit')}{pins}{who}{engines} · [dim]{run.first.hex()[:12]}[/]"
     )
 
 
@@ -232,7 +234,8 @@ def tree(
         print_json(doc)
         return
     title = (
-        f"{ns.model_id} {ns.namespace_id}: {doc['blocks']} blocks in {doc['runs']} runs, "
+        f"{ns.model_id} {ns.namespace_id}: {plural(doc['blocks'], 'block')} in "
+        f"{plural(doc['runs'], 'run')}, "
         f"{doc['shared_runs']} shared"
     )
     if doc["truncated"]:
@@ -247,7 +250,7 @@ def tree(
         stack.extend((c, branch) for c in reversed(run.children))
     console.print(top)
     if stack:
-        console.print(f"... {doc['runs'] - max_runs} more runs (--max-runs, or --json)")
+        console.print(f"... {plural(doc['runs'] - max_runs, 'more run')} (--max-runs, or --json)")
 
 
 __all__ = ["blocks", "namespace_json", "namespaces", "status", "tenants", "tree"]
