@@ -30,6 +30,7 @@ from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc
 
 EXIT_REFUSED = 1
+EXIT_USAGE = 2
 EXIT_UNREACHABLE = 3
 EXIT_DENIED = 4
 EXIT_NOT_CONFIGURED = 5
@@ -211,9 +212,44 @@ class NodeClient:
         return namespaces[found]
 
 
+_GRPC_SCHEMES = ("unix:", "unix-abstract:", "dns:", "ipv4:", "ipv6:", "vsock:")
+
+
+def target_problem(target: str) -> str | None:
+    """What is wrong with ``target`` as a node address, or None when it is usable.
+
+    gRPC itself takes a bare host and dials port 443, where no node listens,
+    so ``-t 127.0.0.1`` would only time out as "cannot reach": say that the
+    port is missing instead. gRPC's own forms (``unix:PATH``, ``dns:///…``,
+    ``ipv4:…``) pass untouched.
+    """
+    if target.startswith(_GRPC_SCHEMES):
+        return None
+    if target.startswith("["):  # [::1]:50051
+        inside, _, rest = target[1:].partition("]")
+        host, port = f"[{inside}]", rest[1:] if rest.startswith(":") else ""
+    elif target.count(":") > 1:
+        return f"--target {target}: write an IPv6 address in brackets, e.g. [::1]:50051"
+    else:
+        host, _, port = target.partition(":")
+    if not host or host == "[]":
+        return f"--target {target!r} has no host: give HOST:PORT, e.g. {DEFAULT_TARGET}"
+    if not port:
+        return f"--target {target} has no port: give HOST:PORT, e.g. {host}:50051"
+    if not port.isdigit() or not 0 < int(port) < 65536:
+        return f"--target {target}: the port {port!r} is not a number from 1 to 65535"
+    return None
+
+
 @contextmanager
 def connect(target: str, timeout: float, token: str = "") -> Iterator[NodeClient]:
-    """A `NodeClient` to ``target``; an RPC error ends the command with a message."""
+    """A `NodeClient` to ``target``; an RPC error ends the command with a message.
+
+    A ``target`` gRPC would dial in vain (no port) ends it first, as a usage error.
+    """
+    problem = target_problem(target)
+    if problem is not None:
+        fail(problem, EXIT_USAGE)
     channel = grpc.insecure_channel(target)
     try:
         yield NodeClient(target, channel, timeout, token)
