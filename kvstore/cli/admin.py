@@ -46,7 +46,7 @@ def evict(
     yes: Yes = False,
 ) -> None:
     """Evict up to --blocks unpinned blocks, least recently used first (admin)."""
-    with connect(target, timeout, admin_token) as node:
+    with connect(target, timeout, admin_token, admin=True) as node:
         ns = node.resolve_namespace(namespace)
         confirm(
             f"Evict up to {plural(blocks, 'block')} of {ns.model_id} ({ns.namespace_id})"
@@ -74,7 +74,7 @@ def clear(
     yes: Yes = False,
 ) -> None:
     """Remove every unpinned block of a namespace (admin)."""
-    with connect(target, timeout, admin_token) as node:
+    with connect(target, timeout, admin_token, admin=True) as node:
         ns = node.resolve_namespace(namespace)
         confirm(
             f"Clear every unpinned block of {ns.model_id} ({ns.namespace_id}) on {target}?", yes

@@ -45,7 +45,7 @@ def drop(
     yes: Yes = False,
 ) -> None:
     """Remove a namespace and free its pool (admin); refused while in use unless --force."""
-    with connect(target, timeout, admin_token) as node:
+    with connect(target, timeout, admin_token, admin=True) as node:
         ns = node.resolve_namespace(namespace)
         how = " by force" if force else ""
         confirm(f"Drop namespace {ns.model_id} ({ns.namespace_id}){how} on {target}?", yes)

@@ -23,6 +23,7 @@ from kvstore.cli.common import (
     Json,
     Target,
     Timeout,
+    Token,
     column,
     connect,
     console,
@@ -41,15 +42,6 @@ PromptFile = Annotated[
 ]
 HashesFile = Annotated[
     str, typer.Option(help="File of the prompt's block hashes, one hex hash per line (- = stdin).")
-]
-Token = Annotated[
-    str,
-    typer.Option(
-        "--token",
-        envvar="KVSTORE_TOKEN",
-        help="A tenant's token, or the admin token with --tenant (KVSTORE_TOKEN).",
-        show_default=False,
-    ),
 ]
 
 

@@ -13,6 +13,7 @@ from kvstore.cli.common import (
     Json,
     Target,
     Timeout,
+    Token,
     column,
     connect,
     console,
@@ -40,9 +41,11 @@ def duration(seconds: float) -> str:
     return f"{s // 3600}h{s % 3600 // 60:02d}m{s % 60:02d}s"
 
 
-def status(target: Target = DEFAULT_TARGET, json: Json = False, timeout: Timeout = 5.0) -> None:
+def status(
+    target: Target = DEFAULT_TARGET, token: Token = "", json: Json = False, timeout: Timeout = 5.0
+) -> None:
     """Node capacity, use, pins, hit rates (tokens and blocks), leases, uptime."""
-    with connect(target, timeout) as node:
+    with connect(target, timeout, token) as node:
         doc = status_json(node.stats(), target)
     if json:
         print_json(doc)
@@ -70,9 +73,11 @@ def status(target: Target = DEFAULT_TARGET, json: Json = False, timeout: Timeout
     console.print(t)
 
 
-def namespaces(target: Target = DEFAULT_TARGET, json: Json = False, timeout: Timeout = 5.0) -> None:
+def namespaces(
+    target: Target = DEFAULT_TARGET, token: Token = "", json: Json = False, timeout: Timeout = 5.0
+) -> None:
     """Every namespace: model, block size, occupancy, evictions, hit rate."""
-    with connect(target, timeout) as node:
+    with connect(target, timeout, token) as node:
         rows = [namespace_json(ns) for ns in node.stats().namespaces]
     if json:
         print_json(rows)
@@ -93,6 +98,7 @@ def namespaces(target: Target = DEFAULT_TARGET, json: Json = False, timeout: Tim
 
 def tenants(
     target: Target = DEFAULT_TARGET,
+    token: Token = "",
     json: Json = False,
     timeout: Timeout = 5.0,
     namespace: Annotated[
@@ -100,7 +106,7 @@ def tenants(
     ] = "",
 ) -> None:
     """Per-tenant lookups, hits and misses (tokens, blocks, miss reasons), residency."""
-    with connect(target, timeout) as node:
+    with connect(target, timeout, token) as node:
         stats = node.stats()
         ns_id = node.resolve_namespace(namespace, stats).namespace_id if namespace else ""
         rows = tenants_json(stats, ns_id)
@@ -152,13 +158,14 @@ def block_json(b: pb.BlockInfo) -> dict[str, Any]:
 def blocks(
     namespace: Namespace,
     target: Target = DEFAULT_TARGET,
+    token: Token = "",
     json: Json = False,
     timeout: Timeout = 5.0,
     page_size: Annotated[int, typer.Option(min=1, max=1000, help="Blocks per page.")] = 50,
     page: Annotated[str, typer.Option(help="Page token from the previous page.")] = "",
 ) -> None:
     """One page of a namespace's blocks: hits, last use, depth, pins, state."""
-    with connect(target, timeout) as node:
+    with connect(target, timeout, token) as node:
         ns = node.resolve_namespace(namespace)
         resp = node.list_blocks(ns.namespace_id, page_size, page)
     rows = [block_json(b) for b in resp.blocks]
@@ -219,13 +226,14 @@ def _label(run: Run) -> str:
 def tree(
     namespace: Namespace,
     target: Target = DEFAULT_TARGET,
+    token: Token = "",
     json: Json = False,
     timeout: Timeout = 10.0,
     max_blocks: Annotated[int, typer.Option(min=1, help="Most blocks to read.")] = 100_000,
     max_runs: Annotated[int, typer.Option(min=1, help="Most runs to draw (not JSON).")] = 200,
 ) -> None:
     """The prefix tree collapsed into shared runs: sizes, sharing requests, heat."""
-    with connect(target, timeout) as node:
+    with connect(target, timeout, token) as node:
         ns = node.resolve_namespace(namespace)
         got, total = node.all_blocks(ns.namespace_id, max_blocks)
     roots = build_tree(records(got), ns.block_size)
