@@ -12,8 +12,10 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+import grpc
 import pytest
 
+from kvstore.v1 import kvstore_pb2 as pb
 from tests.cli.conftest import (
     ADMIN_TOKEN,
     BLOCK_SIZE,
@@ -107,3 +109,18 @@ def test_admin_verbs_prefer_the_admin_token_and_take_token_as_an_alias(auth_node
     assert r.code == 4 and "PERMISSION_DENIED" in r.stderr, r.stderr
     r = run(auth_node, "evict", MODEL, "--blocks", "1", "--yes", "--token", ADMIN_TOKEN)
     assert r.code == 0, r.stderr
+
+
+def test_what_the_node_answers_without_a_token_as_the_docs_say(auth_node):
+    """docs/operations.md "Tokens": every read RPC needs one; Ping does not."""
+    channel, stub = auth_node.stub()
+    with channel:
+        assert stub.Ping(pb.PingRequest(payload=b"up"), timeout=5).payload == b"up"
+        for call, request in (
+            (stub.Stats, pb.StatsRequest()),
+            (stub.ListBlocks, pb.ListBlocksRequest(namespace_id="0" * 16)),
+            (stub.QueryPrefix, pb.QueryPrefixRequest(model=MODEL, packed_hashes=b"\0" * 32)),
+        ):
+            with pytest.raises(grpc.RpcError) as info:
+                call(request, timeout=5)
+            assert info.value.code() is grpc.StatusCode.UNAUTHENTICATED
