@@ -173,7 +173,7 @@ def describe(exc: grpc.RpcError, target: str, token_hint: str = "") -> str:
     the command sent none.
     """
     code = exc.code() if hasattr(exc, "code") else None
-    details = exc.details() if hasattr(exc, "details") else str(exc)
+    details = (exc.details() if hasattr(exc, "details") else str(exc)) or ""
     if code in _UNREACHABLE:
         return f"cannot reach the kvstore node at {target} ({code.name.lower()}): is it running?"
     # The node's refusal of an admin verb names --admin-token itself.

@@ -71,7 +71,9 @@ def watch(
         )
         try:
             call.initial_metadata()  # the subscription is in place once this returns
-            if call.done() and call.code() is not grpc.StatusCode.OK:
+            if not call.is_active() and call.code() is not grpc.StatusCode.OK:
+                # Ended already (a bad namespace, auth): the call is its own RpcError.
+                assert isinstance(call, grpc.RpcError), "bug: a stream call that is no RpcError"
                 raise call
             where = "the cluster" if cluster else target
             print(f"watching events on {where} (Ctrl-C to stop)", file=sys.stderr, flush=True)

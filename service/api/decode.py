@@ -20,7 +20,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
-from google.protobuf.message import DecodeError
+from google.protobuf.message import DecodeError, Message
 
 from kvstore import errors as core
 from kvstore.v1 import kvstore_pb2 as pb
@@ -76,7 +76,8 @@ async def decode_stream(method: str, raws: AsyncIterator[Any]) -> AsyncIterator[
 
 def add_servicer(servicer: Any, server: Any) -> None:
     """Register every KVStore method of ``servicer`` on ``server``, taking raw request bytes."""
-    handlers = {}
+    # Raw bytes in (decoded inside the guard), messages out.
+    handlers: dict[str, grpc.RpcMethodHandler[bytes, Message]] = {}
     for m in SERVICE.methods:
         serialize = _RESPONSE_TYPES[m.name].SerializeToString
         behaviour = getattr(servicer, m.name)
