@@ -18,6 +18,7 @@ from typing import Any
 
 from benchmarks._stats import summary_us
 from kvstore.client import Client, Hit, Namespace
+from kvstore.client.methods import LOOKUP
 from kvstore.client.replies import hit_from_proto
 from kvstore.layout import KVLayout
 from kvstore.types import BlockHash, LeaseId
@@ -167,7 +168,7 @@ async def lookup_tokens_sent(
         pin=True,
         tokens=tokens,
     )
-    resp = await client._rpc.call("Lookup", request, None, idempotent=False)
+    resp = await client._rpc.call(LOOKUP, request, None, idempotent=False)
     return hit_from_proto(ns, resp, generation, LeaseId(lease_id))
 
 
