@@ -26,6 +26,7 @@ from kvstore.store import DropReport, Store, StoreLimits, StoreStats
 from kvstore.types import SHARED_SCOPE, BlockHash, LeaseId, NamespaceId, TenantId
 from kvstore.v1 import kvstore_pb2 as pb
 from service.api import translate
+from service.api.decode import Context
 from service.cluster.agent import RedisAgent
 from service.cluster.lookup import LookupCall, lookup
 from service.cluster.nixl_transport import NixlTransport
@@ -135,11 +136,11 @@ class Node:
         """Unix seconds of a store time."""
         return self.wall() - (self.clock() - t)
 
-    def caller(self, context: object) -> Caller:
+    def caller(self, context: Context) -> Caller:
         """Who is calling (`TenantResolver.caller`): tenant, admin, policy."""
-        return self.tenants.caller(context.invocation_metadata())  # type: ignore[attr-defined]
+        return self.tenants.caller(context.invocation_metadata())
 
-    def tenant(self, context: object) -> TenantId:
+    def tenant(self, context: Context) -> TenantId:
         """The calling tenant, for cache operations (the admin is no tenant)."""
         caller = self.caller(context)
         if caller.admin:
@@ -148,7 +149,7 @@ class Node:
             )
         return caller.tenant
 
-    def require_admin(self, context: object) -> None:
+    def require_admin(self, context: Context) -> None:
         """Raise unless the caller may use the admin verbs (`service.tenancy.auth`)."""
         if not self.tenants.auth_on:
             self.tenant(context)  # a malformed tenant header is still INVALID_ARGUMENT

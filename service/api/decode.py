@@ -17,13 +17,16 @@ parsing it: parsing runs on the event loop, so its size is bounded.
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, TypeAlias
 
 import grpc
 from google.protobuf.message import DecodeError, Message
 
 from kvstore import errors as core
 from kvstore.v1 import kvstore_pb2 as pb
+
+Context: TypeAlias = "grpc.aio.ServicerContext[bytes, Message]"
+"""A KVStore handler's servicer context: raw request bytes in (`add_servicer`), messages out."""
 
 SERVICE = pb.DESCRIPTOR.services_by_name["KVStore"]
 """The KVStore service descriptor."""

@@ -23,7 +23,7 @@ import functools
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any, Protocol, TypeVar
+from typing import Any, Protocol, TypeAlias, TypeVar
 
 import grpc
 from google.protobuf import any_pb2
@@ -31,7 +31,7 @@ from google.rpc import code_pb2, error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
 from kvstore import errors as core
-from service.api.decode import decode, decode_stream
+from service.api.decode import Context, decode, decode_stream
 
 log = logging.getLogger(__name__)
 
@@ -133,11 +133,15 @@ class Guarded(Protocol):
 S = TypeVar("S", bound=Guarded)
 Req = TypeVar("Req")
 Resp = TypeVar("Resp")
+Handler: TypeAlias = "Callable[[S, Req, Context], Awaitable[Resp]]"
+"""A servicer method with one reply."""
+StreamHandler: TypeAlias = "Callable[[S, Req, Context], AsyncIterator[Resp]]"
+"""A servicer method that streams its replies (an async generator)."""
 
 _INTERNAL = status_pb2.Status(code=code_pb2.INTERNAL, message="internal error; see server log")
 
 
-async def _fail(context: Any, method: str, exc: BaseException) -> grpc.StatusCode:
+async def _fail(context: Context, method: str, exc: BaseException) -> grpc.StatusCode:
     """Abort the call for ``exc``; returns the code sent. Re-raises what must pass."""
     if isinstance(exc, core.KVStoreError):
         status = to_status(exc)
@@ -157,7 +161,7 @@ def _passes(exc: BaseException) -> bool:
     )
 
 
-def _code_of(exc: BaseException, context: Any) -> grpc.StatusCode:
+def _code_of(exc: BaseException, context: Context) -> grpc.StatusCode:
     if isinstance(exc, core.KVStoreError):
         return status_code_of(exc)
     if isinstance(exc, asyncio.CancelledError):
@@ -168,12 +172,14 @@ def _code_of(exc: BaseException, context: Any) -> grpc.StatusCode:
 
 def _guard(
     method: str, *, drain: bool
-) -> Callable[[Callable[[S, Req, Any], Awaitable[Resp]]], Callable[[S, Req, Any], Awaitable[Resp]]]:
+) -> Callable[
+    [Callable[[S, Req, Context], Awaitable[Resp]]], Callable[[S, Req, Context], Awaitable[Resp]]
+]:
     def wrap(
-        handler: Callable[[S, Req, Any], Awaitable[Resp]],
-    ) -> Callable[[S, Req, Any], Awaitable[Resp]]:
+        handler: Callable[[S, Req, Context], Awaitable[Resp]],
+    ) -> Callable[[S, Req, Context], Awaitable[Resp]]:
         @functools.wraps(handler)
-        async def guarded(self: S, request: Req, context: Any) -> Resp:
+        async def guarded(self: S, request: Req, context: Context) -> Resp:
             started = time.perf_counter()
             code = grpc.StatusCode.OK
             try:
@@ -201,7 +207,9 @@ def _guard(
 
 def guard_unary(
     method: str,
-) -> Callable[[Callable[[S, Req, Any], Awaitable[Resp]]], Callable[[S, Req, Any], Awaitable[Resp]]]:
+) -> Callable[
+    [Callable[[S, Req, Context], Awaitable[Resp]]], Callable[[S, Req, Context], Awaitable[Resp]]
+]:
     """Wrap a unary-response handler: map errors, time it, count its status."""
     return _guard(method, drain=False)
 
@@ -209,15 +217,14 @@ def guard_unary(
 def guard_stream_out(
     method: str,
 ) -> Callable[
-    [Callable[[S, Req, Any], AsyncIterator[Resp]]], Callable[[S, Req, Any], AsyncIterator[Resp]]
+    [Callable[[S, Req, Context], AsyncIterator[Resp]]],
+    Callable[[S, Req, Context], AsyncIterator[Resp]],
 ]:
     """Wrap a server-streaming handler (an async generator) like `guard_unary`."""
 
-    def wrap(
-        handler: Callable[[S, Req, Any], AsyncIterator[Resp]],
-    ) -> Callable[[S, Req, Any], AsyncIterator[Resp]]:
+    def wrap(handler: StreamHandler[S, Req, Resp]) -> StreamHandler[S, Req, Resp]:
         @functools.wraps(handler)
-        async def guarded(self: S, request: Req, context: Any) -> AsyncIterator[Resp]:
+        async def guarded(self: S, request: Req, context: Context) -> AsyncIterator[Resp]:
             started = time.perf_counter()
             code = grpc.StatusCode.OK
             try:
@@ -263,6 +270,8 @@ async def _drain(requests: Any) -> None:
 
 def guard_stream_in(
     method: str,
-) -> Callable[[Callable[[S, Req, Any], Awaitable[Resp]]], Callable[[S, Req, Any], Awaitable[Resp]]]:
+) -> Callable[
+    [Callable[[S, Req, Context], Awaitable[Resp]]], Callable[[S, Req, Context], Awaitable[Resp]]
+]:
     """Wrap a client-streaming handler like `guard_unary`, draining the stream on errors."""
     return _guard(method, drain=True)

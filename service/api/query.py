@@ -10,6 +10,7 @@ from kvstore.types import HASH_BYTES
 from kvstore.v1 import kvstore_pb2 as pb
 from service.api import chains
 from service.api.base import ServicerBase
+from service.api.decode import Context
 from service.api.errors import FieldError, guard_unary
 from service.api.prefix_query import PrefixQuery, answer
 
@@ -61,7 +62,7 @@ class QueryRpcs(ServicerBase):
 
     @guard_unary("QueryPrefix")
     async def QueryPrefix(
-        self, request: pb.QueryPrefixRequest, context: Any
+        self, request: pb.QueryPrefixRequest, context: Context
     ) -> pb.QueryPrefixResponse:
         """Who holds the longest prefix of a prompt: nodes, engines, tiers (no hit counted)."""
         node = self.node

@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import secrets
-from typing import Any
 
 from kvstore.errors import KVStoreError
 from kvstore.hashing import HashScheme
@@ -22,6 +21,7 @@ from service.api import translate, validate
 from service.api.admin import AdminRpcs
 from service.api.blocks import BlockRpcs
 from service.api.data import DataRpcs
+from service.api.decode import Context
 from service.api.errors import FieldError, guard_unary
 from service.api.peer import PeerRpcs
 from service.api.query import QueryRpcs
@@ -45,7 +45,9 @@ class KVStoreServicer(
     # --- leases -----------------------------------------------------------------
 
     @guard_unary("OpenLease")
-    async def OpenLease(self, request: pb.OpenLeaseRequest, context: Any) -> pb.OpenLeaseResponse:
+    async def OpenLease(
+        self, request: pb.OpenLeaseRequest, context: Context
+    ) -> pb.OpenLeaseResponse:
         """Open a lease with the asked TTL (0 = the node's default)."""
         node = self.node
         tenant = node.tenant(context)
@@ -60,7 +62,9 @@ class KVStoreServicer(
         )
 
     @guard_unary("KeepAlive")
-    async def KeepAlive(self, request: pb.KeepAliveRequest, context: Any) -> pb.KeepAliveResponse:
+    async def KeepAlive(
+        self, request: pb.KeepAliveRequest, context: Context
+    ) -> pb.KeepAliveResponse:
         """Extend a live lease by its TTL."""
         node = self.node
         tenant = node.tenant(context)
@@ -71,7 +75,7 @@ class KVStoreServicer(
 
     @guard_unary("CloseLease")
     async def CloseLease(
-        self, request: pb.CloseLeaseRequest, context: Any
+        self, request: pb.CloseLeaseRequest, context: Context
     ) -> pb.CloseLeaseResponse:
         """End a lease now: release its pins and abort its writes."""
         node = self.node
@@ -88,7 +92,7 @@ class KVStoreServicer(
 
     @guard_unary("RegisterNamespace")
     async def RegisterNamespace(
-        self, request: pb.RegisterNamespaceRequest, context: Any
+        self, request: pb.RegisterNamespaceRequest, context: Context
     ) -> pb.RegisterNamespaceResponse:
         """Create a namespace and its pool, or return the existing one (idempotent)."""
         node = self.node
@@ -120,7 +124,7 @@ class KVStoreServicer(
 
     @guard_unary("AttachPool")
     async def AttachPool(
-        self, request: pb.AttachPoolRequest, context: Any
+        self, request: pb.AttachPoolRequest, context: Context
     ) -> pb.AttachPoolResponse:
         """Describe the pool of a namespace so a runner can map it."""
         node = self.node

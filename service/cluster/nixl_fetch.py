@@ -35,7 +35,7 @@ import threading
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 
@@ -46,6 +46,9 @@ from service.cluster.directory import PeerHolder
 from service.cluster.fetch_lease import close_fetch_lease, open_fetch_lease, reserve_missing
 from service.cluster.local import LocalNode
 from service.cluster.nixl_agent import MEM_TYPE, NixlAgent, Place, Transfer, XferState
+
+if TYPE_CHECKING:  # the async stub exists in the generated .pyi only
+    from kvstore.v1.kvstore_pb2_grpc import KVStoreAsyncStub
 
 log = logging.getLogger(__name__)
 
@@ -96,7 +99,7 @@ class NixlPuller:
 
     async def pull(
         self,
-        stub: Any,
+        stub: KVStoreAsyncStub,
         metadata: tuple[tuple[str, str], ...],
         holder: PeerHolder,
         namespace: NamespaceId,
@@ -298,7 +301,7 @@ class NixlPuller:
             close_fetch_lease(node, tenant, lease_id)
 
     async def _end_offer(
-        self, stub: Any, metadata: tuple[tuple[str, str], ...], offer_id: int
+        self, stub: KVStoreAsyncStub, metadata: tuple[tuple[str, str], ...], offer_id: int
     ) -> int:
         """End an offer at the holder; how many offered blocks it says are intact (0: error)."""
         try:

@@ -41,7 +41,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING
 
 import grpc
 
@@ -55,6 +55,9 @@ from service.cluster.fetch_lease import close_fetch_lease, open_fetch_lease, res
 from service.cluster.local import LocalNode
 from service.cluster.nixl_fetch import NixlPuller
 from service.config import Config, read_setting_file
+
+if TYPE_CHECKING:  # the async stub exists in the generated .pyi only
+    from kvstore.v1.kvstore_pb2_grpc import KVStoreAsyncStub
 
 log = logging.getLogger(__name__)
 
@@ -195,11 +198,12 @@ class PeerFetcher:
         checksums: list[int] = []
         try:
             try:
+                # A block, or grpc.aio.EOF (typed `object`: isinstance tells them apart).
                 item = await call.read()
-                if item is grpc.aio.EOF:
+                if not isinstance(item, pb.BlockData):
                     return 0  # the peer no longer holds the chain
                 wanted: set[BlockHash] = set()
-                while item is not grpc.aio.EOF:
+                while isinstance(item, pb.BlockData):
                     if len(item.data) != block_bytes:
                         self.failed_fetches += 1
                         log.warning("peer %s sent a %d-byte block", holder.node_id, len(item.data))
@@ -250,7 +254,7 @@ class PeerFetcher:
                 # are aborted. Expired meanwhile: expiry already aborted them.
                 close_fetch_lease(node, tenant, lease_id)
 
-    def _stub(self, address: str) -> Any:
+    def _stub(self, address: str) -> KVStoreAsyncStub:
         channel = self._channels.get(address)
         if channel is None:
             limit = self.node.config.max_message_bytes
