@@ -17,7 +17,7 @@ parsing it: parsing runs on the event loop, so its size is bounded.
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from typing import Any, TypeAlias
+from typing import TypeAlias
 
 import grpc
 from google.protobuf.message import DecodeError, Message
@@ -31,10 +31,14 @@ Context: TypeAlias = "grpc.aio.ServicerContext[bytes, Message]"
 SERVICE = pb.DESCRIPTOR.services_by_name["KVStore"]
 """The KVStore service descriptor."""
 
-REQUEST_TYPES: dict[str, Any] = {m.name: getattr(pb, m.input_type.name) for m in SERVICE.methods}
+REQUEST_TYPES: dict[str, type[Message]] = {
+    m.name: getattr(pb, m.input_type.name) for m in SERVICE.methods
+}
 """Request message class of every KVStore method."""
 
-_RESPONSE_TYPES: dict[str, Any] = {m.name: getattr(pb, m.output_type.name) for m in SERVICE.methods}
+_RESPONSE_TYPES: dict[str, type[Message]] = {
+    m.name: getattr(pb, m.output_type.name) for m in SERVICE.methods
+}
 
 
 class MalformedRequest(core.InvalidArgument):
@@ -45,7 +49,7 @@ class RequestTooLarge(core.InvalidArgument):
     """A request is bigger than ``max_request_bytes``."""
 
 
-def decode(method: str, raw: Any, max_bytes: int) -> Any:
+def decode(method: str, raw: object, max_bytes: int) -> Message:
     """The request message of ``method`` parsed from ``raw``.
 
     ``raw`` that is already a message (a test calling the servicer directly)
@@ -55,8 +59,9 @@ def decode(method: str, raw: Any, max_bytes: int) -> Any:
         RequestTooLarge: ``raw`` is over ``max_bytes`` (0 = no bound).
         MalformedRequest: ``raw`` is not a valid message of the request type.
     """
-    if not isinstance(raw, bytes):
+    if isinstance(raw, Message):  # a test calling the servicer directly
         return raw
+    assert isinstance(raw, bytes), f"bug: a {type(raw).__name__} for request bytes"
     cls = REQUEST_TYPES[method]
     if max_bytes and len(raw) > max_bytes:
         raise RequestTooLarge(
@@ -71,13 +76,13 @@ def decode(method: str, raw: Any, max_bytes: int) -> Any:
         ) from None
 
 
-async def decode_stream(method: str, raws: AsyncIterator[Any]) -> AsyncIterator[Any]:
+async def decode_stream(method: str, raws: AsyncIterator[object]) -> AsyncIterator[Message]:
     """`decode` each message of a client stream (bounded by gRPC's max message size)."""
     async for raw in raws:
         yield decode(method, raw, 0)
 
 
-def add_servicer(servicer: Any, server: Any) -> None:
+def add_servicer(servicer: object, server: grpc.aio.Server) -> None:
     """Register every KVStore method of ``servicer`` on ``server``, taking raw request bytes."""
     # Raw bytes in (decoded inside the guard), messages out.
     handlers: dict[str, grpc.RpcMethodHandler[bytes, Message]] = {}

@@ -21,8 +21,7 @@ NIXL answers FAILED_PRECONDITION, and the peer streams.
 from __future__ import annotations
 
 import hmac
-from collections.abc import AsyncIterator
-from typing import Any
+from collections.abc import AsyncIterator, Iterable
 
 from kvstore.errors import FailedPrecondition, PermissionDenied, StaleSlot
 from kvstore.v1 import kvstore_pb2 as pb
@@ -34,7 +33,9 @@ from service.cluster.peer_fetch import PEER_TOKEN_HEADER
 from service.tenancy.callers import TENANT_HEADER
 
 
-def check_peer_token(metadata: Any, expected: str, *, auth_on: bool = False) -> None:
+def check_peer_token(
+    metadata: Iterable[tuple[str, str | bytes]] | None, expected: str, *, auth_on: bool = False
+) -> None:
     """Raise unless the call carries the cluster token.
 
     No token configured: allowed with auth off (trust mode), refused with auth
