@@ -25,7 +25,6 @@ import contextlib
 import itertools
 from array import array
 from collections.abc import AsyncIterator, Callable
-from typing import Any
 
 from kvstore.checksum import block_checksum, block_checksums, pack_checksums
 from kvstore.client import methods
@@ -41,7 +40,7 @@ from kvstore.client.blocks import (
 )
 from kvstore.client.errors import PoolEpochChanged
 from kvstore.client.handles import Hit, Namespace, StoreResult
-from kvstore.client.replies import Reservation, reservation_from_proto
+from kvstore.client.replies import ChainFields, Reservation, reservation_from_proto
 from kvstore.client.session import NodeSession
 from kvstore.errors import FailedPrecondition, InvalidArgument, NotFound
 from kvstore.pool import PoolDescriptor
@@ -59,7 +58,7 @@ inside the lease's safety margin, whatever the arena size."""
 async def store_chain(
     session: NodeSession,
     ns: Namespace,
-    fields: Callable[[], dict[str, Any]],
+    fields: Callable[[], ChainFields],
     blocks: BlockSupplier,
     timeout: float | None,
 ) -> StoreResult:
@@ -135,7 +134,7 @@ async def _reserve(
     session: NodeSession,
     ns: Namespace,
     lease_id: int,
-    fields: dict[str, Any],
+    fields: ChainFields,
     timeout: float | None,
 ) -> pb.ReserveResponse:
     req = pb.ReserveRequest(namespace_id=ns.id, lease_id=lease_id, **fields)
@@ -263,7 +262,7 @@ async def _stream_in(
 
 
 async def _abort_when_done(
-    session: NodeSession, namespace: str, lease_id: int, call: asyncio.Future[Any]
+    session: NodeSession, namespace: str, lease_id: int, call: asyncio.Future[pb.ReserveResponse]
 ) -> None:
     try:
         resp = await call
