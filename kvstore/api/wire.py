@@ -17,9 +17,9 @@ from __future__ import annotations
 import sys
 from array import array
 from collections.abc import Iterable
-from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 
 from kvstore.errors import InvalidArgument
 from kvstore.hashing import HashScheme, Tokens, token_bytes
@@ -138,9 +138,7 @@ def pack_tokens(tokens: Tokens) -> bytes:
     return token_bytes(tokens)
 
 
-def unpack_tokens(
-    packed: bytes, field: str = "packed_token_ids"
-) -> np.ndarray[Any, np.dtype[np.uint32]]:
+def unpack_tokens(packed: bytes, field: str = "packed_token_ids") -> npt.NDArray[np.uint32]:
     """The token ids of a packed token field (a read-only view of ``packed``).
 
     Raises:
@@ -168,7 +166,7 @@ def pack_u64(values: array[int]) -> bytes:
     return swapped.tobytes()
 
 
-def unpack_u64(packed: bytes, field: str) -> np.ndarray[Any, np.dtype[np.uint64]]:
+def unpack_u64(packed: bytes, field: str) -> npt.NDArray[np.uint64]:
     """The values of a packed uint64 field (a read-only view of ``packed``).
 
     Raises:
