@@ -22,7 +22,6 @@ import time
 from collections.abc import Sequence
 from dataclasses import replace
 from types import TracebackType
-from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -140,7 +139,7 @@ class Server:
         self.uds_path = ""
         """The Unix-domain socket bound (``uds_path``), removed again at `stop`."""
         self.metrics_port = 0
-        self._grpc: Any = None
+        self._grpc: grpc.aio.Server | None = None
         self._serving = False
         """The gRPC server started: only then does `stop` log that the node stopped."""
         self._expiry: asyncio.Task[None] | None = None
@@ -196,7 +195,7 @@ class Server:
         log.info("node %s serving on %s (pool epoch %d)", node.node_id, self.address, node.epoch)
         return self.port
 
-    def _grpc_server(self) -> Any:
+    def _grpc_server(self) -> grpc.aio.Server:
         """The gRPC server with every service registered; not bound yet."""
         limit = self.config.max_message_bytes
         server = grpc.aio.server(
@@ -218,7 +217,7 @@ class Server:
         )
         return server
 
-    def _bind(self, server: Any) -> None:
+    def _bind(self, server: grpc.aio.Server) -> None:
         """Bind the gRPC port (TLS when configured); `OSError` naming it if taken."""
         address = _address(self.config.host, self.config.port)
         problem = bind_problem(self.config.host, self.config.port)
@@ -240,7 +239,7 @@ class Server:
         if self.config.uds_path:
             self._bind_uds(server, self.config.uds_path)
 
-    def _bind_uds(self, server: Any, path: str) -> None:
+    def _bind_uds(self, server: grpc.aio.Server, path: str) -> None:
         """Listen on the Unix-domain socket ``path`` too (same credentials as the port).
 
         A socket file left by a node that is gone is replaced; one that a

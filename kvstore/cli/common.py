@@ -16,7 +16,7 @@ import json
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Annotated, Any, NoReturn
+from typing import Annotated, NoReturn
 
 import grpc
 import typer
@@ -141,7 +141,7 @@ def fail(message: str, code: int = EXIT_REFUSED) -> NoReturn:
     raise typer.Exit(code)
 
 
-def print_json(doc: Any) -> None:
+def print_json(doc: object) -> None:
     """Print ``doc`` as indented JSON on stdout."""
     sys.stdout.write(json.dumps(doc, indent=2) + "\n")
     sys.stdout.flush()

@@ -33,9 +33,9 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import grpc
 
@@ -93,7 +93,7 @@ class NixlPuller:
         """Holder address -> the agent name loaded for it."""
         self._refused: dict[str, float] = {}
         """Holder address -> monotonic time until which it is not asked."""
-        self._tasks: set[asyncio.Task[None]] = set()
+        self._tasks: set[asyncio.Task[object]] = set()
         self.quarantined = 0
         """Leases kept for transfers that were in flight when their fetch gave up, ever."""
 
@@ -313,7 +313,7 @@ class NixlPuller:
             return 0
         return int(answer.intact)
 
-    def _spawn(self, work: Any) -> None:
+    def _spawn(self, work: Coroutine[object, None, object]) -> None:
         task = asyncio.get_running_loop().create_task(work)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
