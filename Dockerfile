@@ -4,22 +4,36 @@
 #   docker build -t kvstore:hf --build-arg EXTRAS=hf .  # + CPU torch and transformers
 #
 # EXTRAS names the project's extras (torch, hf, vllm, nixl, events; comma-separated).
-# When one of them needs torch, torch comes first from PyTorch's CPU index: a plain
-# `pip install torch` from PyPI resolves the CUDA build and its NVIDIA wheels (several
-# GB). `--build-arg EXTRAS=nixl,events` gives a node NIXL and KV events, without torch.
-FROM python:3.11-slim
+# When one of them needs torch, torch comes first from TORCH_INDEX_URL (PyTorch's CPU
+# index): a plain `pip install torch` from PyPI resolves the CUDA build and its NVIDIA
+# wheels (several GB). `--build-arg EXTRAS=nixl,events` gives a node NIXL and KV
+# events, without torch.
+#
+# BASE_IMAGE is any Debian-like image with Python 3.11+ whose `python` and `pip`
+# are on PATH: python:3.11-slim, or the one scripts/compose_check.sh builds from
+# Debian's packages where no container registry can be reached (docs/deploy.md).
+ARG BASE_IMAGE=python:3.11-slim
+FROM ${BASE_IMAGE}
 ARG EXTRAS=""
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
+ENV PIP_DISABLE_PIP_VERSION_CHECK=1 PYTHONUNBUFFERED=1
 WORKDIR /app
+# Dependencies first, from pyproject.toml alone (empty packages stand in for the
+# code), so a change to the code rebuilds only the last pip layer below. torch
+# alone comes from TORCH_INDEX_URL; its own dependencies (filelock, sympy, ...)
+# come from PyPI with the project's, so that index needs to hold torch only.
 COPY pyproject.toml README.md ./
+RUN mkdir -p kvstore service && touch kvstore/__init__.py service/__init__.py \
+ && case ",$EXTRAS," in \
+      *,torch,*|*,hf,*|*,cuda,*|*,vllm,*|*,dev,*) \
+        pip install --no-cache-dir --no-deps --index-url "$TORCH_INDEX_URL" torch ;; \
+    esac \
+ && pip install --no-cache-dir ".${EXTRAS:+[$EXTRAS]}" \
+ && pip uninstall -y kvstore && rm -rf kvstore service build
 COPY kvstore ./kvstore
 COPY service ./service
 COPY examples ./examples
-RUN case ",$EXTRAS," in \
-      *,torch,*|*,hf,*|*,cuda,*|*,vllm,*|*,dev,*) \
-        pip install --no-cache-dir --index-url "$TORCH_INDEX_URL" torch ;; \
-    esac \
- && pip install --no-cache-dir ".${EXTRAS:+[$EXTRAS]}"
+RUN pip install --no-cache-dir --no-deps . && rm -rf build
 # Nodes and runners run as one unprivileged user, so pool files (mode 0600, or
 # 0660 with KVSTORE_POOL_FILE_GROUP=10001) open in every container; the pool
 # volumes of docker-compose.yml are tmpfs owned by this uid.
