@@ -109,9 +109,20 @@ class Stack:
         return self.workdir / "volumes" / volume
 
 
+_VARIABLE = re.compile(r"\$\{(\w+)(?::-([^}]*))?\}")
+
+
+def with_defaults(text: str) -> str:
+    """Compose's ``${VAR:-default}`` with no variable set: each default (or "")."""
+    return _VARIABLE.sub(lambda m: m.group(2) or "", text)
+
+
 def load_stack(workdir: Path, compose: Path = COMPOSE) -> Stack:
-    """Every service of the compose file, remapped to run on this host."""
-    doc = yaml.safe_load(compose.read_text())
+    """Every service of the compose file, remapped to run on this host.
+
+    ``${VAR:-default}`` reads as its default: the file as run with no overrides.
+    """
+    doc = yaml.safe_load(with_defaults(compose.read_text()))
     services = doc["services"]
     ports = {
         (name, str(p)): free_port()

@@ -19,6 +19,7 @@ from collections.abc import Iterator
 import pytest
 
 from tests.e2e.compose_stack import (
+    COMPOSE,
     Service,
     Stack,
     load_stack,
@@ -82,6 +83,23 @@ def test_ports_a_person_needs_are_published_on_loopback(tmp_path):
         assert all(addr == "127.0.0.1" for addr, _, _ in stack[node].published)
     host_ports = [host for n in NODES for _, host, _ in stack[n].published]
     assert len(host_ports) == len(set(host_ports)), "two nodes cannot share a host port"
+
+
+def test_host_ports_and_images_can_be_overridden_from_the_environment():
+    """A busy port on a shared host, or a locally built image, needs no edit of the file."""
+    text = COMPOSE.read_text()
+    for var in (
+        "KVSTORE_NODE1_PORT:-50051",
+        "KVSTORE_NODE1_METRICS_PORT:-9400",
+        "KVSTORE_NODE2_PORT:-50052",
+        "KVSTORE_NODE2_METRICS_PORT:-9401",
+        "KVSTORE_IMAGE:-kvstore:dev",
+        "KVSTORE_HF_IMAGE:-kvstore:hf",
+        "KVSTORE_REDIS_IMAGE:-redis:7-alpine",
+        "KVSTORE_BASE_IMAGE:-python:3.11-slim",
+        "KVSTORE_TORCH_INDEX_URL:-https://download.pytorch.org/whl/cpu",
+    ):
+        assert "${" + var + "}" in text, var
 
 
 @pytest.fixture(scope="module")
