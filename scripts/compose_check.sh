@@ -135,6 +135,7 @@ compose down -v --remove-orphans >/dev/null 2>&1 || true
 # --- 3. base images -------------------------------------------------------------
 phase "base images"
 have() { "$DOCKER" image inspect "$1" >/dev/null 2>&1; }
+free_port() { python3 -c "import socket; s=socket.socket(); s.bind(('127.0.0.1', 0)); print(s.getsockname()[1])"; }
 pulled() { have "$1" || timeout 300 "$DOCKER" pull -q "$1" >/dev/null 2>&1; }
 
 build_local_base() {  # Debian bookworm + python3 and a venv on PATH, as python:3.11-slim has
@@ -204,7 +205,12 @@ if [ -z "${KVSTORE_TORCH_INDEX_URL:-}" ] \
   fi
   rm -rf "$STATE/torch-index" && mkdir -p "$STATE/torch-index/simple/torch"
   ln -s "$wheel" "$STATE/torch-index/simple/torch/"
-  port=$(python3 -c "import socket; s=socket.socket(); s.bind(('127.0.0.1', 0)); print(s.getsockname()[1])")
+  # A fixed port where it is free: the URL is a build argument, part of the layer
+  # cache's key, so a new port each run would rebuild torch's layer each run.
+  port=${KVSTORE_TORCH_INDEX_PORT:-38651}
+  if ! python3 -c "import socket; socket.socket().bind(('127.0.0.1', $port))" 2>/dev/null; then
+    port=$(free_port)
+  fi
   python3 -m http.server --bind 127.0.0.1 --directory "$STATE/torch-index" "$port" \
     >"$STATE/torch-index.log" 2>&1 &
   WHEEL_SERVER=$!
@@ -225,7 +231,6 @@ phase "build kvstore:hf"
 
 # --- 5. the stack -----------------------------------------------------------------
 phase "stack up"
-free_port() { python3 -c "import socket; s=socket.socket(); s.bind(('127.0.0.1', 0)); print(s.getsockname()[1])"; }
 # Free host ports, so that a node or service already on 50051 or 9400 does not matter.
 KVSTORE_NODE1_PORT=$(free_port) KVSTORE_NODE1_METRICS_PORT=$(free_port)
 KVSTORE_NODE2_PORT=$(free_port) KVSTORE_NODE2_METRICS_PORT=$(free_port)
