@@ -71,6 +71,7 @@ cleanup() {
     fi
   fi
   if [ "$STACK_UP" = 1 ]; then
+    phase "down -v"
     compose down -v --remove-orphans >/dev/null 2>&1 || compose down -v
   fi
   [ -z "$WHEEL_SERVER" ] || kill "$WHEEL_SERVER" 2>/dev/null
@@ -262,28 +263,35 @@ echo "$out" | tail -12
 grep -q '"logits_match": true' <<<"$out"
 
 phase "what a user sees"
-SERVICE=node-1
-curl -fsS "http://127.0.0.1:$KVSTORE_NODE1_METRICS_PORT/metrics" | grep -q '^kvstore_' \
-  || { echo "compose_check: node-1 /metrics has no kvstore_ metric" >&2; exit 1; }
-curl -fsS "http://127.0.0.1:$KVSTORE_NODE1_METRICS_PORT/" | grep -qi '<html' \
-  || { echo "compose_check: node-1's web page is not HTML" >&2; exit 1; }
-SERVICE=node-2
-curl -fsS "http://127.0.0.1:$KVSTORE_NODE2_METRICS_PORT/metrics" | grep -q '^kvstore_' \
-  || { echo "compose_check: node-2 /metrics has no kvstore_ metric" >&2; exit 1; }
+# Whole pages, then grep (`curl | grep -q` fails under pipefail when grep stops early).
+page() { curl -fsS --max-time 10 "http://127.0.0.1:$1/$2"; }
+for node in node-1 node-2; do
+  SERVICE=$node
+  port=$KVSTORE_NODE1_METRICS_PORT
+  [ "$node" = node-1 ] || port=$KVSTORE_NODE2_METRICS_PORT
+  metrics=$(page "$port" metrics)
+  grep -q '^kvstore_' <<<"$metrics" \
+    || { echo "compose_check: $node's /metrics has no kvstore_ metric" >&2; exit 1; }
+  web=$(page "$port" "")
+  grep -qi '<html' <<<"$web" || { echo "compose_check: $node's web page is not HTML" >&2; exit 1; }
+done
 echo "compose_check: /metrics and / answer on both nodes"
-# The CLI: this machine's if the project is installed here, else the image's.
-if command -v kvstore >/dev/null; then
-  cli() { kvstore "$@"; }
-  where=host
-else
-  cli() { compose exec -T node-1 kvstore "$@"; }
-  where=node-1
-fi
-SERVICE=node-1
-cli status -t "127.0.0.1:$KVSTORE_NODE1_PORT" --json >/dev/null
-SERVICE=node-2
-cli status -t "127.0.0.1:$KVSTORE_NODE2_PORT" --json >/dev/null
-echo "compose_check: kvstore status answers on both published ports ($where)"
+# `kvstore status` on each published gRPC port, with this machine's CLI where the
+# project is installed here (as in CI), else with the node image's, inside the node.
+node_of() { python3 -c 'import json, sys; print(json.load(sys.stdin)["node_id"])'; }
+for node in node-1 node-2; do
+  SERVICE=$node
+  port=$KVSTORE_NODE1_PORT
+  [ "$node" = node-1 ] || port=$KVSTORE_NODE2_PORT
+  if command -v kvstore >/dev/null; then
+    status=$(kvstore status -t "127.0.0.1:$port" --json)
+  else
+    status=$(compose exec -T "$node" kvstore status -t 127.0.0.1:50051 --json)
+  fi
+  seen=$(node_of <<<"$status")
+  [ "$seen" = "$node" ] || { echo "compose_check: port $port answers as $seen, not $node" >&2; exit 1; }
+done
+echo "compose_check: kvstore status: node-1 and node-2 answer on their published ports"
 # `kvstore nodes` reads the Redis registry: from inside the stack, where Redis is.
 SERVICE=node-1
 nodes=$(compose exec -T node-1 kvstore nodes --json)
