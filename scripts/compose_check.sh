@@ -81,6 +81,8 @@ cleanup() {
     if kill -0 "$OWN_DOCKERD" 2>/dev/null; then
       echo "compose_check: dockerd $OWN_DOCKERD did not stop" >&2
     else
+      # dockerd leaves its default network namespace bind-mounted in its exec root.
+      ! mountpoint -q "$STATE/exec/netns/default" || umount "$STATE/exec/netns/default"
       echo "compose_check: stopped dockerd $OWN_DOCKERD"
     fi
   fi
@@ -141,13 +143,12 @@ pulled() { have "$1" || timeout 300 "$DOCKER" pull -q "$1" >/dev/null 2>&1; }
 
 build_local_base() {  # Debian bookworm + python3 and a venv on PATH, as python:3.11-slim has
   command -v mmdebstrap >/dev/null || apt_install mmdebstrap
-  local certs="$STATE/host-ca"
-  rm -rf "$certs" && mkdir -p "$certs"
-  # The host's trust store, so that pip inside the image trusts what the host does.
-  cp /etc/ssl/certs/ca-certificates.crt "$certs/host-ca.crt"
+  # The CA certificates added on this host (Debian's place for them), so that pip in
+  # the image trusts what the host trusts: outgoing TLS may be re-signed by a proxy.
+  local certs=/usr/local/share/ca-certificates
   mmdebstrap --quiet --variant=minbase \
     --include=python3,python3-venv,python3-pip,ca-certificates,passwd \
-    --customize-hook="cp '$certs/host-ca.crt' \"\$1/usr/local/share/ca-certificates/host-ca.crt\"" \
+    --customize-hook="cp -r '$certs/.' \"\$1$certs/\"" \
     --customize-hook='chroot "$1" update-ca-certificates >/dev/null' \
     --customize-hook='chroot "$1" python3 -m venv /opt/venv' \
     --customize-hook='printf "[global]\ncert = /etc/ssl/certs/ca-certificates.crt\n" > "$1/etc/pip.conf"' \
