@@ -17,29 +17,31 @@ FROM ${BASE_IMAGE}
 ARG EXTRAS=""
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
 ENV PIP_DISABLE_PIP_VERSION_CHECK=1 PYTHONUNBUFFERED=1
-WORKDIR /app
-# Dependencies first, from pyproject.toml alone (empty packages stand in for the
-# code), so a change to the code rebuilds only the last pip layer below. torch
-# alone comes from TORCH_INDEX_URL; its own dependencies (filelock, sympy, ...)
-# come from PyPI with the project's, so that index needs to hold torch only.
-COPY pyproject.toml README.md ./
-RUN mkdir -p kvstore service && touch kvstore/__init__.py service/__init__.py \
- && case ",$EXTRAS," in \
-      *,torch,*|*,hf,*|*,cuda,*|*,vllm,*|*,dev,*) \
-        pip install --no-cache-dir --no-deps --index-url "$TORCH_INDEX_URL" torch ;; \
-    esac \
- && pip install --no-cache-dir ".${EXTRAS:+[$EXTRAS]}" \
- && pip uninstall -y kvstore && rm -rf kvstore service build
-COPY kvstore ./kvstore
-COPY service ./service
-COPY examples ./examples
-RUN pip install --no-cache-dir --no-deps . && rm -rf build
 # Nodes and runners run as one unprivileged user, so pool files (mode 0600, or
 # 0660 with KVSTORE_POOL_FILE_GROUP=10001) open in every container; the pool
 # volumes of docker-compose.yml are tmpfs owned by this uid.
 RUN groupadd --gid 10001 kvstore \
  && useradd --uid 10001 --gid 10001 --create-home kvstore \
  && mkdir -p /kvstore/pools && chown kvstore:kvstore /kvstore/pools
+WORKDIR /app
+# Dependencies first, from pyproject.toml alone (an empty README and packages
+# stand in for the rest), so a change to the code or README rebuilds only the
+# last pip layer below. torch alone comes from TORCH_INDEX_URL; its own
+# dependencies (filelock, sympy, ...) come from PyPI with the project's, so that
+# index needs to hold torch only.
+COPY pyproject.toml ./
+RUN mkdir -p kvstore service && touch README.md kvstore/__init__.py service/__init__.py \
+ && case ",$EXTRAS," in \
+      *,torch,*|*,hf,*|*,cuda,*|*,vllm,*|*,dev,*) \
+        pip install --no-cache-dir --no-deps --index-url "$TORCH_INDEX_URL" torch ;; \
+    esac \
+ && pip install --no-cache-dir ".${EXTRAS:+[$EXTRAS]}" \
+ && pip uninstall -y kvstore && rm -rf README.md kvstore service build
+COPY README.md ./
+COPY kvstore ./kvstore
+COPY service ./service
+COPY examples ./examples
+RUN pip install --no-cache-dir --no-deps . && rm -rf build
 USER kvstore
 EXPOSE 50051 9400
 CMD ["python", "-m", "service"]
