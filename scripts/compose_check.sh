@@ -181,7 +181,7 @@ else
     echo "compose_check: no registry; building $LOCAL_REDIS (Debian's redis-server)"
     printf '%s\n' "FROM $KVSTORE_BASE_IMAGE" \
       'RUN apt-get update -qq && apt-get install -y -qq --no-install-recommends redis-server >/dev/null && rm -rf /var/lib/apt/lists/*' \
-      | "$DOCKER" build -q -t "$LOCAL_REDIS" - >/dev/null
+      | "$DOCKER" build -q --force-rm -t "$LOCAL_REDIS" - >/dev/null
   fi
   export KVSTORE_REDIS_IMAGE=$LOCAL_REDIS
 fi
@@ -225,10 +225,10 @@ fi
 
 phase "build kvstore:dev"
 export KVSTORE_IMAGE=${KVSTORE_IMAGE:-kvstore:dev} KVSTORE_HF_IMAGE=${KVSTORE_HF_IMAGE:-kvstore:hf}
-"$DOCKER" build -q -t "$KVSTORE_IMAGE" --build-arg BASE_IMAGE="$KVSTORE_BASE_IMAGE" \
+"$DOCKER" build -q --force-rm -t "$KVSTORE_IMAGE" --build-arg BASE_IMAGE="$KVSTORE_BASE_IMAGE" \
   --build-arg EXTRAS= .
 phase "build kvstore:hf"
-"$DOCKER" build -q -t "$KVSTORE_HF_IMAGE" "${HF_BUILD_NET[@]}" \
+"$DOCKER" build -q --force-rm -t "$KVSTORE_HF_IMAGE" "${HF_BUILD_NET[@]}" \
   --build-arg BASE_IMAGE="$KVSTORE_BASE_IMAGE" --build-arg EXTRAS=hf \
   --build-arg TORCH_INDEX_URL="$TORCH_INDEX_URL" .
 [ -z "$WHEEL_SERVER" ] || { kill "$WHEEL_SERVER"; WHEEL_SERVER=""; }
@@ -257,13 +257,13 @@ phase "runner"
 # A runner's container goes with --rm: its output is printed here, the nodes' logs
 # by the failure handler.
 SERVICE="node-1 node-2"
-out=$(compose run --rm --no-deps runner 2>&1) || { echo "$out" >&2; exit 1; }
+out=$(compose run --rm -T --no-deps runner 2>&1) || { echo "$out" >&2; exit 1; }
 echo "$out" | tail -3
 grep -q "synthetic_runner: ok" <<<"$out" || { echo "$out" >&2; exit 1; }
 
 phase "chat-runner"
 SERVICE="node-1"
-out=$(compose run --rm --no-deps chat-runner 2>&1) || { echo "$out" >&2; exit 1; }
+out=$(compose run --rm -T --no-deps chat-runner 2>&1) || { echo "$out" >&2; exit 1; }
 echo "$out" | tail -12
 grep -q '"logits_match": true' <<<"$out" || { echo "$out" >&2; exit 1; }
 
