@@ -18,12 +18,14 @@
 #    index cannot be reached, from a CPU wheel on this machine served on loopback).
 # 5. Brings up redis, node-1 and node-2 on free host ports, runs `runner` (stores
 #    on node-1, served by node-2 through Redis) and `chat-runner` (logits match),
-#    and checks /metrics, the web page, `kvstore status` on both published ports
-#    and `kvstore nodes` (both nodes live); then `down -v`.
+#    and checks /metrics (node-2 fetched blocks from node-1), the web page,
+#    `kvstore status` on both published ports and `kvstore nodes` (both nodes
+#    live); then `down -v`.
 #
 # A failure prints the failing service's logs. Each phase prints its time.
 # Environment: KVSTORE_COMPOSE_STATE (state directory), KVSTORE_TORCH_INDEX_URL,
-# KVSTORE_BASE_IMAGE / KVSTORE_REDIS_IMAGE (skip the registry and local builds).
+# KVSTORE_BASE_IMAGE / KVSTORE_REDIS_IMAGE (skip the registry and local builds),
+# KVSTORE_EXTRAS with KVSTORE_IMAGE (e.g. nixl and kvstore:nixl: the stack with NIXL).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -140,7 +142,15 @@ compose down -v --remove-orphans >/dev/null 2>&1 || true
 phase "base images"
 have() { "$DOCKER" image inspect "$1" >/dev/null 2>&1; }
 free_port() { python3 -c "import socket; s=socket.socket(); s.bind(('127.0.0.1', 0)); print(s.getsockname()[1])"; }
-pulled() { have "$1" || timeout 300 "$DOCKER" pull -q "$1" >/dev/null 2>&1; }
+# Once one pull has failed, the registry is taken as out of reach: no second wait.
+REGISTRY=yes
+pulled() {
+  have "$1" && return 0
+  [ "$REGISTRY" = yes ] || return 1
+  timeout 300 "$DOCKER" pull -q "$1" >/dev/null 2>&1 && return 0
+  REGISTRY=no
+  return 1
+}
 
 build_local_base() {  # Debian bookworm + python3 and a venv on PATH, as python:3.11-slim has
   command -v mmdebstrap >/dev/null || apt_install mmdebstrap
@@ -223,10 +233,10 @@ if [ -z "${KVSTORE_TORCH_INDEX_URL:-}" ] \
   echo "compose_check: torch from $(basename "$wheel") on $TORCH_INDEX_URL"
 fi
 
-phase "build kvstore:dev"
+phase "build kvstore:dev${KVSTORE_EXTRAS:+ ($KVSTORE_EXTRAS)}"
 export KVSTORE_IMAGE=${KVSTORE_IMAGE:-kvstore:dev} KVSTORE_HF_IMAGE=${KVSTORE_HF_IMAGE:-kvstore:hf}
 "$DOCKER" build -q --force-rm -t "$KVSTORE_IMAGE" --build-arg BASE_IMAGE="$KVSTORE_BASE_IMAGE" \
-  --build-arg EXTRAS= .
+  --build-arg EXTRAS="${KVSTORE_EXTRAS:-}" .
 phase "build kvstore:hf"
 "$DOCKER" build -q --force-rm -t "$KVSTORE_HF_IMAGE" "${HF_BUILD_NET[@]}" \
   --build-arg BASE_IMAGE="$KVSTORE_BASE_IMAGE" --build-arg EXTRAS=hf \
@@ -280,6 +290,15 @@ for node in node-1 node-2; do
   web=$(page "$port" "")
   grep -qi '<html' <<<"$web" || { echo "compose_check: $node's web page is not HTML" >&2; exit 1; }
 done
+# The runner's blocks reached node-2 by a peer fetch from node-1 (found through Redis).
+fetched=$(awk '/^kvstore_peer_fetched_blocks(_total)? /{print $2}' <<<"$metrics")
+grep '^kvstore_peer_fetches' <<<"$metrics" | sed 's/^/  node-2 /' || true
+if ! awk -v n="${fetched:-0}" 'BEGIN { exit !(n > 0) }'; then
+  SERVICE="node-1 node-2"
+  echo "compose_check: node-2 fetched no block from a peer (kvstore_peer_fetched_blocks ${fetched:-absent})" >&2
+  exit 1
+fi
+echo "compose_check: node-2 fetched ${fetched%.0} blocks from node-1"
 echo "compose_check: /metrics and / answer on both nodes"
 # `kvstore status` on each published gRPC port, with this machine's CLI where the
 # project is installed here (as in CI), else with the node image's, inside the node.
