@@ -35,6 +35,10 @@ PROJECT=kvstore-compose-check
 LOCAL_BASE=kvstore-base:bookworm
 LOCAL_REDIS=kvstore-base:bookworm-redis
 mkdir -p "$STATE"
+# One check at a time per state directory: a second waits here, so a private
+# dockerd that answers below is a killed run's leftover, never a live run's.
+exec 9>"$STATE/lock"
+flock 9
 
 START=$(date +%s)
 PHASE=""
@@ -56,6 +60,8 @@ phase() {  # phase NAME: ends the running phase (printing its time), starts NAME
 STACK_UP=0
 SERVICE=""  # the services being checked: their logs are printed if the check fails
 OWN_DOCKERD=""
+PRE_IP_FORWARD=""  # what dockerd changes on the host, as it was before it started
+PRE_FORWARD_POLICY=""
 WHEEL_SERVER=""
 cleanup() {
   local rc=$?
@@ -84,8 +90,12 @@ cleanup() {
     if kill -0 "$OWN_DOCKERD" 2>/dev/null; then
       echo "compose_check: dockerd $OWN_DOCKERD did not stop" >&2
     else
-      # dockerd leaves its default network namespace bind-mounted in its exec root.
+      # dockerd leaves its default network namespace bind-mounted in its exec root,
+      # IP forwarding on and the FORWARD chain's policy at DROP: put back what it found.
       ! mountpoint -q "$STATE/exec/netns/default" || umount "$STATE/exec/netns/default"
+      [ -z "$PRE_FORWARD_POLICY" ] || iptables -P FORWARD "$PRE_FORWARD_POLICY"
+      [ -z "$PRE_IP_FORWARD" ] || echo "$PRE_IP_FORWARD" >/proc/sys/net/ipv4/ip_forward
+      [ -z "$PRE_IP_FORWARD" ] || ip link delete docker0 2>/dev/null || true
       echo "compose_check: stopped dockerd $OWN_DOCKERD"
     fi
   fi
@@ -126,6 +136,8 @@ if [ -z "${DOCKER_HOST:-}" ] && ! answers; then
     OWN_DOCKERD=$(cat "$STATE/dockerd.pid")
   else
     rm -f "$STATE/docker.sock" "$STATE/dockerd.pid"
+    PRE_IP_FORWARD=$(cat /proc/sys/net/ipv4/ip_forward)
+    PRE_FORWARD_POLICY=$(iptables -S FORWARD 2>/dev/null | awk '$1 == "-P" { print $3 }')
     dockerd --data-root "$STATE/data" --exec-root "$STATE/exec" \
       --pidfile "$STATE/dockerd.pid" -H "$DOCKER_HOST" >"$STATE/dockerd.log" 2>&1 &
     OWN_DOCKERD=$!
