@@ -37,8 +37,9 @@ LOCAL_REDIS=kvstore-base:bookworm-redis
 mkdir -p "$STATE"
 # One check at a time per state directory: a second waits here, so a private
 # dockerd that answers below is a killed run's leftover, never a live run's.
+# (What this script starts in the background does not inherit the lock.)
 exec 9>"$STATE/lock"
-flock 9
+flock -w 3600 9
 
 START=$(date +%s)
 PHASE=""
@@ -121,7 +122,6 @@ fi
 # Debian's client (/usr/bin/docker) matches Debian's dockerd and builds without
 # buildx; a newer client earlier on PATH (/usr/local/bin) may need buildx to build.
 DOCKER=/usr/bin/docker
-docker() { "$DOCKER" "$@"; }
 compose() { docker-compose -p "$PROJECT" -f "$ROOT/docker-compose.yml" "$@"; }
 "$DOCKER" --version
 docker-compose version --short
@@ -132,14 +132,17 @@ answers() { timeout 10 "$DOCKER" info >/dev/null 2>&1; }
 if [ -z "${DOCKER_HOST:-}" ] && ! answers; then
   export DOCKER_HOST="unix://$STATE/docker.sock"
   if answers; then
-    # A private dockerd left by a run that was killed: adopt it, stop it at exit.
+    # A private dockerd left by a run that was killed: adopt it, stop it at exit,
+    # and put back the host as that run found it.
     OWN_DOCKERD=$(cat "$STATE/dockerd.pid")
+    read -r PRE_IP_FORWARD PRE_FORWARD_POLICY <"$STATE/host-before" || true
   else
     rm -f "$STATE/docker.sock" "$STATE/dockerd.pid"
     PRE_IP_FORWARD=$(cat /proc/sys/net/ipv4/ip_forward)
     PRE_FORWARD_POLICY=$(iptables -S FORWARD 2>/dev/null | awk '$1 == "-P" { print $3 }')
+    echo "$PRE_IP_FORWARD $PRE_FORWARD_POLICY" >"$STATE/host-before"
     dockerd --data-root "$STATE/data" --exec-root "$STATE/exec" \
-      --pidfile "$STATE/dockerd.pid" -H "$DOCKER_HOST" >"$STATE/dockerd.log" 2>&1 &
+      --pidfile "$STATE/dockerd.pid" -H "$DOCKER_HOST" >"$STATE/dockerd.log" 2>&1 9>&- &
     OWN_DOCKERD=$!
     for _ in $(seq 60); do answers && break; sleep 0.5; done
     answers || { tail -20 "$STATE/dockerd.log" >&2; exit 1; }
@@ -238,7 +241,7 @@ if [ -z "${KVSTORE_TORCH_INDEX_URL:-}" ] \
     port=$(free_port)
   fi
   python3 -m http.server --bind 127.0.0.1 --directory "$STATE/torch-index" "$port" \
-    >"$STATE/torch-index.log" 2>&1 &
+    >"$STATE/torch-index.log" 2>&1 9>&- &
   WHEEL_SERVER=$!
   TORCH_INDEX_URL="http://127.0.0.1:$port/simple"
   HF_BUILD_NET=(--network host)
