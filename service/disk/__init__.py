@@ -1,0 +1,12 @@
+"""The disk tier's storage engine: fixed-size slots in one preallocated file.
+
+`DiskTier` is the whole public surface (docs/disk.md for the node's side);
+the on-disk format is `format`, the pure index `index`, the file and its
+aligned buffers `io`.
+"""
+
+from __future__ import annotations
+
+from service.disk.tier import DiskEvent, DiskKey, DiskStats, DiskTier, DiskTierError
+
+__all__ = ["DiskEvent", "DiskKey", "DiskStats", "DiskTier", "DiskTierError"]
