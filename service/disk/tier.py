@@ -159,14 +159,11 @@ class DiskTier:
             tier = cls(file, index, capacity_bytes, queue_blocks, io_threads)
             if reopened:
                 started = time.perf_counter()
-                regions = scan(file, sb, io_threads)
-                found = []
-                for r in regions:
+                for r in scan(file, sb, io_threads):
                     tier._c["discarded_at_open"] += r.discarded
                     if r.header is not None:
-                        index.adopt_region(r.index, r.header)
-                        found.extend(r.found)
-                index.adopt_blocks(found)
+                        index.adopt_region(r.index, r.header, r.found)
+                index.adopted()
                 for offset, region, slot in index.take_invalidations():  # a block found twice
                     file.zero_page(offset, tier._local.zero)
                     index.invalidated(region, slot)

@@ -141,10 +141,9 @@ def test_failed_write_and_failed_read_leave_no_entry() -> None:
 def test_adopt_keeps_the_newest_write_of_a_block() -> None:
     index = DiskIndex(regions=1, region_bytes=REGION)
     size = slot_bytes_for(BLOCK)
-    index.adopt_region(0, RegionHeader(size, 5, 0))
-    index.adopt_blocks(
-        [(9, 0, 3, key(1), BLOCK, 11), (4, 0, 0, key(1), BLOCK, 10), (5, 0, 1, key(2), BLOCK, 1)]
-    )
+    found = [(9, 3, key(1), BLOCK, 11), (4, 0, key(1), BLOCK, 10), (5, 1, key(2), BLOCK, 1)]
+    index.adopt_region(0, RegionHeader(size, 5, 0), found)
+    index.adopted()
     e = index.ready(key(1))
     assert e is not None and e.slot == 3 and e.checksum == 11
     assert [(r, s) for _, r, s in index.take_invalidations()] == [(0, 0)]
