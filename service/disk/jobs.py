@@ -120,8 +120,8 @@ def read_slot(
 
 
 class WriteBuffers:
-    """Page-aligned write buffers by slot size, kept for reuse (a few per size):
-    the queue's bound times the slot size is the most they hold at once."""
+    """Page-aligned write buffers by slot size, kept for reuse (up to ``keep``
+    per size: the queue's bound, the most that are in use at once)."""
 
     def __init__(self, keep: int) -> None:
         self._keep = keep
