@@ -79,3 +79,21 @@ class DiskStats:
     """Writes queued or in flight."""
     queue_blocks: int = 0
     """The queue's bound."""
+
+
+TIER_COUNTERS = (
+    "writes",
+    "write_bytes",
+    "write_drops",
+    "write_present",
+    "write_errors",
+    "enospc",
+    "reads",
+    "read_bytes",
+    "read_failures_checksum",
+    "read_failures_identity",
+    "read_errors",
+    "discarded_at_open",
+    "rebuilt_blocks",
+)
+"""The counters of `DiskStats` the tier keeps itself (the index keeps the rest)."""

@@ -11,7 +11,8 @@ the cap and never grown, so the bytes on disk never exceed it.
   (`run_length`, `read_into`) only once its write completed. A write that
   fails (ENOSPC, EIO) leaves no entry and degrades the tier: one log line, a
   flag and a counter; reads go on.
-- **Reads are checked.** `read_into` reads the header page and the payload
+- **Reads are checked.** `read_into` (`read_many` for a chain) reads the
+  header page and the payload
   (straight into the caller's buffer when it is page-aligned and whole pages,
   else through a bounce buffer) off the loop, then checks that the header
   names the block and the payload has its checksum; a mismatch discards the
@@ -19,11 +20,14 @@ the cap and never grown, so the bytes on disk never exceed it.
 - **Crash safety.** A reused slot's header is zeroed before the new block
   goes in; header and payload checksums catch any torn write; removed
   blocks' headers are zeroed before their slot is free (a restart never
-  brings back what was dropped, barring a crash in between).
+  brings back what was dropped, barring a crash in between). A clean
+  `close` leaves a checkpoint of the index (`service.disk.checkpoint`); the
+  open after a crash scans the slot headers (`service.disk.rebuild`).
 
 Threads: every method but `open` runs on the event loop's thread, which
-alone touches the index; the I/O threads see only the offsets and buffers
-they are given, and report back with ``call_soon_threadsafe``.
+alone touches the index; the I/O threads see only the offsets, buffers and
+expected headers they are given (`service.disk.jobs`), and report back
+through one `Completions` channel.
 """
 
 from __future__ import annotations
@@ -34,6 +38,8 @@ import logging
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
+
+import numpy as np
 
 from service.disk.checkpoint import write_checkpoint
 from service.disk.entry import Entry, Key
@@ -50,28 +56,12 @@ from service.disk.jobs import (
     write_slot,
 )
 from service.disk.rebuild import rebuild_index
-from service.disk.stats import DiskEvent, DiskEventKind, DiskStats
+from service.disk.stats import TIER_COUNTERS, DiskEvent, DiskEventKind, DiskStats
 
 __all__ = ["DiskEvent", "DiskEventKind", "DiskKey", "DiskStats", "DiskTier", "DiskTierError"]
 
 log = logging.getLogger(__name__)
 
-_COUNTERS = (
-    "writes",
-    "write_bytes",
-    "write_drops",
-    "write_present",
-    "write_errors",
-    "enospc",
-    "reads",
-    "read_bytes",
-    "read_failures_checksum",
-    "read_failures_identity",
-    "read_errors",
-    "discarded_at_open",
-    "rebuilt_blocks",
-)
-"""The counters of `DiskStats` the tier keeps itself (the index keeps the rest)."""
 _FAILURE_COUNTER = {
     ReadResult.IDENTITY: "read_failures_identity",
     ReadResult.CHECKSUM: "read_failures_checksum",
@@ -98,8 +88,7 @@ class DiskTier:
         self._pool = ThreadPoolExecutor(io_threads, thread_name_prefix="kvstore-disk")
         self._local = ThreadBuffers()
         self._done: Completions | None = None
-        # As many as the queue holds: a fresh buffer costs a page fault per 4 KiB on
-        # its first copy (300 us a MiB here, more than the copy itself).
+        # As many as the queue holds: a fresh buffer faults a page per 4 KiB on first use.
         self._buffers = WriteBuffers(keep=queue_blocks)
         self._events: list[DiskEvent] = []
         self._queued = 0
@@ -107,7 +96,7 @@ class DiskTier:
         self._idle: asyncio.Event | None = None
         self._closed = False
         self._degraded = False
-        self._c: dict[str, int] = dict.fromkeys(_COUNTERS, 0)
+        self._c: dict[str, int] = dict.fromkeys(TIER_COUNTERS, 0)
         self._rebuild_seconds = 0.0
         self._opened_from = "new"
         self._sb = Superblock(index.region_bytes, 0)
@@ -204,7 +193,8 @@ class DiskTier:
             self._c["write_drops"] += 1
             return False
         buf = self._buffers.take(res.slot_bytes)
-        memoryview(buf)[PAGE : PAGE + view.nbytes] = view
+        # numpy's copy lets go of the GIL (a memoryview's does not): I/O goes on meanwhile.
+        np.copyto(np.frombuffer(buf, np.uint8, view.nbytes, PAGE), np.frombuffer(view, np.uint8))
         self._queued += 1
         self._begin()
         self._pool.submit(self._write_task, done, res, buf, view.nbytes, checksum)
@@ -300,6 +290,8 @@ class DiskTier:
         """
         if len(keys) != len(dests):
             raise ValueError(f"read_many: {len(keys)} keys, {len(dests)} destinations")
+        if self._closed:
+            return [False] * len(keys)
         index = self._index
         entries = [index.begin_read((k.namespace, k.scope, k.block_hash)) for k in keys]
         for e, dest in zip(entries, dests, strict=True):
