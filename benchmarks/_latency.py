@@ -18,7 +18,8 @@ from typing import Any
 
 from benchmarks._stats import summary_us
 from kvstore.client import Client, Hit, Namespace
-from kvstore.client.convert import hit_from_proto
+from kvstore.client.methods import LOOKUP
+from kvstore.client.replies import hit_from_proto
 from kvstore.layout import KVLayout
 from kvstore.types import BlockHash, LeaseId
 from kvstore.v1 import kvstore_pb2 as pb
@@ -167,7 +168,7 @@ async def lookup_tokens_sent(
         pin=True,
         tokens=tokens,
     )
-    resp = await client._rpc.call("Lookup", request, None, idempotent=False)
+    resp = await client._rpc.call(LOOKUP, request, None, idempotent=False)
     return hit_from_proto(ns, resp, generation, LeaseId(lease_id))
 
 

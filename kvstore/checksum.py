@@ -19,11 +19,14 @@ from __future__ import annotations
 import sys
 from array import array
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING
 
 import xxhash
 
 from kvstore.errors import InvalidArgument
+
+if TYPE_CHECKING:  # typeshed's name for "any object with the buffer protocol"
+    from _typeshed import ReadableBuffer
 
 NOT_COMPUTED = 0
 """The checksum of a block whose writer computed none: nothing to check it against."""
@@ -34,12 +37,12 @@ CHECKSUM_BYTES = 8
 _digest = xxhash.xxh3_64_intdigest
 
 
-def block_checksum(data: Any) -> int:
+def block_checksum(data: ReadableBuffer) -> int:
     """The checksum of one block's bytes (any C-contiguous buffer), never 0."""
     return _digest(data) or 1
 
 
-def block_checksums(buffers: Iterable[Any]) -> array[int]:
+def block_checksums(buffers: Iterable[ReadableBuffer]) -> array[int]:
     """The checksums of many blocks, in order, as an ``array('Q')``."""
     digest = _digest
     return array("Q", [digest(b) or 1 for b in buffers])
@@ -73,12 +76,12 @@ def unpack_checksums(packed: bytes, count: int, field: str = "packed_checksums")
     return values
 
 
-def matches(data: Any, expected: int) -> bool:
+def matches(data: ReadableBuffer, expected: int) -> bool:
     """True unless ``expected`` is a computed checksum that ``data`` does not have."""
     return expected == NOT_COMPUTED or block_checksum(data) == expected
 
 
-def mismatches(buffers: Iterable[Any], expected: Iterable[int]) -> list[int]:
+def mismatches(buffers: Iterable[ReadableBuffer], expected: Iterable[int]) -> list[int]:
     """Indices of the blocks whose bytes do not have their expected checksum.
 
     A block expected with `NOT_COMPUTED` is not checked (never listed).

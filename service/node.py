@@ -19,27 +19,29 @@ import kvstore
 from kvstore.block_table import BlockTable
 from kvstore.errors import PermissionDenied, UnknownNamespace
 from kvstore.layout import NamespaceSpec
+from kvstore.ops.plural import plural
 from kvstore.pool.base import BlockPool
 from kvstore.results import ExpiryReport, LookupResult, NamespaceStats
 from kvstore.store import DropReport, Store, StoreLimits, StoreStats
 from kvstore.types import SHARED_SCOPE, BlockHash, LeaseId, NamespaceId, TenantId
 from kvstore.v1 import kvstore_pb2 as pb
-from service.api import convert
-from service.budget import NamespaceMemory
+from service.api import translate
+from service.api.decode import Context
 from service.cluster.agent import RedisAgent
 from service.cluster.lookup import LookupCall, lookup
 from service.cluster.nixl_transport import NixlTransport
 from service.cluster.peer_fetch import PeerFetcher
 from service.config import Config, ConfigError
-from service.events.engine_index import ChainStart, EngineIndex
-from service.events.metrics import EventsCollector
-from service.events.wiring import KvEvents
-from service.ops.event_hub import EventHub
+from service.memory.budget import PoolManager
+from service.memory.policy import NamespaceMemory
 from service.ops.metrics import Metrics
-from service.pools import PoolManager
+from service.ops.watch_hub import WatchHub
 from service.tenancy import auth
 from service.tenancy.callers import Caller, ChainRoots, TenantResolver
 from service.tenancy.tenants import TenantDirectory, TenantsFileError
+from service.vllm_events.engine_index import ChainStart, EngineIndex
+from service.vllm_events.metrics import EventsCollector
+from service.vllm_events.wiring import KvEvents
 
 log = logging.getLogger(__name__)
 
@@ -90,7 +92,7 @@ class Node:
         self.pools = PoolManager(config, epoch)
         self.tenants = TenantResolver(directory=directory, admin_token=config.admin_token)
         self.roots = ChainRoots(config.salt_secret)
-        self.events: EventHub[pb.Event] = EventHub()
+        self.events: WatchHub[pb.Event] = WatchHub()
         self.loop: asyncio.AbstractEventLoop | None = None
         """The loop that drives the store; set by the server when it starts."""
         self.metrics = Metrics(self.snapshot, max_tenant_labels=labels)
@@ -134,11 +136,11 @@ class Node:
         """Unix seconds of a store time."""
         return self.wall() - (self.clock() - t)
 
-    def caller(self, context: object) -> Caller:
+    def caller(self, context: Context) -> Caller:
         """Who is calling (`TenantResolver.caller`): tenant, admin, policy."""
-        return self.tenants.caller(context.invocation_metadata())  # type: ignore[attr-defined]
+        return self.tenants.caller(context.invocation_metadata())
 
-    def tenant(self, context: object) -> TenantId:
+    def tenant(self, context: Context) -> TenantId:
         """The calling tenant, for cache operations (the admin is no tenant)."""
         caller = self.caller(context)
         if caller.admin:
@@ -147,7 +149,7 @@ class Node:
             )
         return caller.tenant
 
-    def require_admin(self, context: object) -> None:
+    def require_admin(self, context: Context) -> None:
         """Raise unless the caller may use the admin verbs (`service.tenancy.auth`)."""
         if not self.tenants.auth_on:
             self.tenant(context)  # a malformed tenant header is still INVALID_ARGUMENT
@@ -190,7 +192,7 @@ class Node:
             if ns is None:
                 continue
             table = self.table(ns.namespace)
-            namespaces.append(convert.namespace_stats(ns, table.spec.layout, table.shared))
+            namespaces.append(translate.namespace_stats(ns, table.spec.layout, table.shared))
         return pb.StatsResponse(
             node_id=self.node_id,
             version=self.version,
@@ -339,12 +341,12 @@ class Node:
         """
         report, freed = await self.memory.drop(namespace, force)
         log.info(
-            "namespace %s dropped%s: %d blocks removed, %d pins dropped, %d writes aborted",
+            "namespace %s dropped%s: %s removed, %s dropped, %s aborted",
             namespace,
             " by force" if force else "",
-            report.removed,
-            report.pins_dropped,
-            report.writes_aborted,
+            plural(report.removed, "block"),
+            plural(report.pins_dropped, "pin"),
+            plural(report.writes_aborted, "write"),
         )
         return report, freed
 
@@ -368,7 +370,7 @@ class Node:
         KV-event publisher (queued)."""
         taken = self.store.take_events()
         for ev in taken:
-            self.events.publish(ev.namespace, convert.event(ev, self.node_id, self.to_unix))
+            self.events.publish(ev.namespace, translate.event(ev, self.node_id, self.to_unix))
             if self.cluster is not None:
                 self.cluster.publish(ev, self.to_unix(ev.at))
         if taken:
@@ -417,10 +419,10 @@ class Node:
         if report.leases:
             self.metrics.lease_expiries.inc(len(report.leases))
             log.info(
-                "expired %d leases: %d pins dropped, %d writes aborted",
-                len(report.leases),
-                report.pins_dropped,
-                report.writes_aborted,
+                "expired %s: %s dropped, %s aborted",
+                plural(len(report.leases), "lease"),
+                plural(report.pins_dropped, "pin"),
+                plural(report.writes_aborted, "write"),
             )
         self.publish_events()
         return report

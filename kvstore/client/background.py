@@ -44,7 +44,7 @@ class Background:
             await asyncio.gather(*self._tasks, return_exceptions=True)
 
 
-async def quietly(what: str, call: Awaitable[Any]) -> None:
+async def quietly(what: str, call: Awaitable[object]) -> None:
     """Await a cleanup call; a failure is logged, since the lease drops what it held anyway."""
     try:
         await call

@@ -12,6 +12,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, TypeAlias
 
 import numpy as np
+import numpy.typing as npt
 
 from kvstore.errors import InvalidArgument
 from kvstore.pool.cuda_caller import caller_streams
@@ -122,7 +123,7 @@ def slot_runs(slots: Sequence[int], positions: Sequence[int], slots_per_arena: i
     return starts
 
 
-def chain_array(blocks: object, block_bytes: int) -> np.ndarray[Any, np.dtype[np.uint8]] | None:
+def chain_array(blocks: object, block_bytes: int) -> npt.NDArray[np.uint8] | None:
     """``blocks`` as rows of bytes when it is one C-contiguous array of whole blocks, else None.
 
     Then a run of adjacent blocks is one slice of it: one copy, not one per block.

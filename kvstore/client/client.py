@@ -35,20 +35,21 @@ from __future__ import annotations
 
 import asyncio
 import functools
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Callable, Sequence
 from types import TracebackType
 from typing import Any
 
+from kvstore.client import methods
 from kvstore.client.background import quietly
 from kvstore.client.blocks import BlockSupplier
-from kvstore.client.convert import hit_from_proto, request_fields
 from kvstore.client.errors import PoolEpochChanged
 from kvstore.client.handles import Hit, Namespace, StoreResult
-from kvstore.client.lease import LeaseKeeper
+from kvstore.client.lease_keeper import LeaseKeeper
 from kvstore.client.query import PrefixQueries
 from kvstore.client.releases import Releases, new_release_id
+from kvstore.client.replies import hit_from_proto, request_fields
 from kvstore.client.retry import RetryPolicy
-from kvstore.client.rpc import Rpc
+from kvstore.client.rpc import ChannelOption, Rpc
 from kvstore.client.session import NodeSession
 from kvstore.client.tls import Pem, TLSOptions
 from kvstore.client.transfer import read_hit, store_chain
@@ -75,7 +76,7 @@ class Client(PrefixQueries):
         retry: RetryPolicy | None = None,
         map_pool: bool = True,
         client_name: str = "",
-        channel_options: Sequence[tuple[str, Any]] = (),
+        channel_options: Sequence[ChannelOption] = (),
         tls: bool | TLSOptions = False,
         tls_root_cert: Pem | None = None,
     ) -> None:
@@ -310,11 +311,11 @@ class Client(PrefixQueries):
         ns: Namespace,
         req: pb.LookupRequest,
         timeout: float | None,
-    ) -> Any:
+    ) -> pb.LookupResponse:
         if not req.pin:
-            return await self._rpc.call("Lookup", req, timeout, idempotent=True)
+            return await self._rpc.call(methods.LOOKUP, req, timeout, idempotent=True)
         carried = self._releases.carry(req)  # the releases queued in its lane ride along
-        call = self._spawn_call(self._rpc.call("Lookup", req, timeout, idempotent=False))
+        call = asyncio.ensure_future(self._rpc.call(methods.LOOKUP, req, timeout, idempotent=False))
         call.add_done_callback(functools.partial(self._releases.settle_carried, req, carried))
         try:
             return await asyncio.shield(call)
@@ -325,11 +326,12 @@ class Client(PrefixQueries):
             )
             raise
 
-    def _spawn_call(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Future[Any]:
-        return asyncio.ensure_future(coro)
-
     async def _release_when_done(
-        self, ns: Namespace, lease_id: LeaseId, release_id: int, call: asyncio.Future[Any]
+        self,
+        ns: Namespace,
+        lease_id: LeaseId,
+        release_id: int,
+        call: asyncio.Future[pb.LookupResponse],
     ) -> None:
         try:
             resp = await call
@@ -342,7 +344,7 @@ class Client(PrefixQueries):
             req = pb.ReleaseRequest(namespace_id=ns.id, lease_id=lease_id, packed_hashes=hashes)
             if release_id:
                 req.release_ids.append(release_id)  # exactly the pins that lookup took
-            await quietly("release", self._rpc.call("Release", req, None, idempotent=False))
+            await quietly("release", self._rpc.call(methods.RELEASE, req, None, idempotent=False))
 
     async def release(
         self,
@@ -419,7 +421,7 @@ class Client(PrefixQueries):
             req = pb.ReleaseRequest(
                 namespace_id=hit.namespace.id, lease_id=hit.lease_id, packed_hashes=hit.hit_hashes
             )
-            resp = await self._rpc.call("Release", req, timeout, idempotent=False)
+            resp = await self._rpc.call(methods.RELEASE, req, timeout, idempotent=False)
             hit.release.settle()
             return int(resp.released)
         count = await self._releases.release(
@@ -479,9 +481,7 @@ class Client(PrefixQueries):
         timeout: float | None = None,
     ) -> pb.StatsResponse:
         """Node-wide statistics (the raw StatsResponse)."""
-        resp: pb.StatsResponse = await self._rpc.call(
-            "Stats", pb.StatsRequest(), timeout, idempotent=True
-        )
+        resp = await self._rpc.call(methods.STATS, pb.StatsRequest(), timeout, idempotent=True)
         self._session.observe_epoch(resp.pool_epoch)
         return resp
 
@@ -493,6 +493,6 @@ class Client(PrefixQueries):
     ) -> bytes:
         """Echo ``payload`` through the node (the baseline round trip)."""
         resp = await self._rpc.call(
-            "Ping", pb.PingRequest(payload=payload), timeout, idempotent=True
+            methods.PING, pb.PingRequest(payload=payload), timeout, idempotent=True
         )
         return bytes(resp.payload)

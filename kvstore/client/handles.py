@@ -38,6 +38,7 @@ from kvstore.types import HASH_BYTES, BlockHash, LeaseId, NamespaceId, SlotId
 
 if TYPE_CHECKING:
     import torch
+    from _typeshed import ReadableBuffer
 
 
 @dataclass(slots=True, eq=False)
@@ -431,7 +432,7 @@ class Hit:
             )
         return verification
 
-    def check_bytes(self, buffers: Sequence[Any] | None = None) -> list[int]:
+    def check_bytes(self, buffers: Sequence[ReadableBuffer] | None = None) -> list[int]:
         """Indices of the hit blocks whose bytes do not have their writer's checksum.
 
         Call it after the copy out of the pool has landed (and before the

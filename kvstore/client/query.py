@@ -10,6 +10,7 @@ from collections.abc import Sequence
 
 from kvstore.api import wire
 from kvstore.api.prefix import PrefixAnswer, PrefixHolder
+from kvstore.client import methods
 from kvstore.client.rpc import Rpc
 from kvstore.v1 import kvstore_pb2 as pb
 
@@ -43,7 +44,7 @@ async def query_prefix(
         request.packed_token_ids = wire.pack_tokens(tokens)
     else:
         request.packed_hashes = wire.pack_hashes(hashes or ())
-    resp = await rpc.call("QueryPrefix", request, timeout, idempotent=True)
+    resp = await rpc.call(methods.QUERY_PREFIX, request, timeout, idempotent=True)
     return PrefixAnswer.from_proto(resp)
 
 

@@ -42,8 +42,8 @@ import asyncio
 import logging
 import secrets
 from dataclasses import dataclass, field
-from typing import Any
 
+from kvstore.client import methods
 from kvstore.client.background import Background
 from kvstore.client.errors import DeadlineExceeded
 from kvstore.client.rpc import Rpc
@@ -171,7 +171,7 @@ class Releases:
         return batch
 
     def settle_carried(
-        self, req: pb.LookupRequest, batch: list[_Waiting], call: asyncio.Future[Any]
+        self, req: pb.LookupRequest, batch: list[_Waiting], call: asyncio.Future[pb.LookupResponse]
     ) -> None:
         """A pinned Lookup ended: answer its releases, or send them again as a Release.
 
@@ -227,7 +227,7 @@ class Releases:
                 req.runs.extend(len(w.packed) // HASH_BYTES for w in batch)
             self.calls += 1
             # Idempotent through its ids: a retry drops nothing a first attempt did.
-            resp = await self._rpc.call("Release", req, None, idempotent=True)
+            resp = await self._rpc.call(methods.RELEASE, req, None, idempotent=True)
             counts = list(resp.run_released) if req.runs else [int(resp.released)]
             if len(counts) != len(batch):
                 # A node that predates ``runs`` released the hashes as one run:

@@ -1,24 +1,33 @@
 """The client's transport: one gRPC channel, its metadata, deadlines and retries.
 
-Every call of the SDK goes through `Rpc.call` (unary and client-streaming)
-or `Rpc.stream` (server-streaming), which add the tenant and token metadata
-and the deadline, send idempotent calls through the `RetryPolicy`, and turn
-gRPC errors into `kvstore` errors. It is the seam tests wrap to slow or
+Every call of the SDK goes through `Rpc.call` (unary), `Rpc.send`
+(client-streaming) or `Rpc.stream` (server-streaming), which add the tenant
+and token metadata and the deadline, send idempotent calls through the
+`RetryPolicy`, and turn gRPC errors into `kvstore` errors. Each takes its RPC
+as a typed constant of `kvstore.client.methods`, so mypy checks the request
+and the reply of every call. `Rpc.call` is the seam tests wrap to slow or
 fail single calls.
 """
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, cast
 
 import grpc
 
 from kvstore.client.errors import error_from_rpc
+from kvstore.client.methods import ClientStream, Rep, Req, ServerStream, Unary
 from kvstore.client.retry import RetryPolicy
 from kvstore.client.tls import TLSOptions
 from kvstore.errors import FailedPrecondition
 from kvstore.v1 import kvstore_pb2_grpc
+
+if TYPE_CHECKING:  # the async stub's class exists in the generated .pyi only
+    from kvstore.v1.kvstore_pb2_grpc import KVStoreAsyncStub
+
+ChannelOption = tuple[str, str | int]
+"""A gRPC channel argument (``("grpc.max_receive_message_length", 1 << 26)``)."""
 
 TENANT_HEADER = "x-kvstore-tenant"
 """Metadata key naming the caller's tenant."""
@@ -35,7 +44,7 @@ class Rpc:
         token: str | None,
         timeout: float,
         retry: RetryPolicy,
-        options: Sequence[tuple[str, Any]],
+        options: Sequence[ChannelOption],
         tls: TLSOptions | None,
     ) -> None:
         """Configure the transport; the channel opens in `connect`."""
@@ -52,7 +61,7 @@ class Rpc:
             metadata.append(("authorization", f"Bearer {token}"))
         self._metadata = tuple(metadata)
         self._channel: grpc.aio.Channel | None = None
-        self._stub: Any = None
+        self._stub: KVStoreAsyncStub | None = None
 
     @property
     def channel(self) -> grpc.aio.Channel | None:
@@ -76,34 +85,38 @@ class Rpc:
             self._channel = None
             self._stub = None
 
-    def _method(self, name: str) -> Any:
+    def _stub_method(self, name: str) -> object:
         if self._stub is None:
             raise FailedPrecondition("the client is not connected; use `async with Client(...)`")
         return getattr(self._stub, name)
 
     async def call(
         self,
-        method: str,
-        request: Any,
+        method: Unary[Req, Rep],
+        request: Req,
         timeout: float | None,
         *,
         idempotent: bool,
-    ) -> Any:
-        """One call of ``method``; idempotent ones are retried by the `RetryPolicy`.
+    ) -> Rep:
+        """One unary call; idempotent ones are retried by the `RetryPolicy`.
 
         Args:
-            method: the RPC's name (``"Lookup"``, ...).
-            request: its request message, or an async iterator of them.
+            method: the RPC (`kvstore.client.methods.LOOKUP`, ...).
+            request: its request message.
             timeout: deadline of the call, retries included (None: the default).
             idempotent: safe to repeat (a pinned Lookup, Reserve, Commit are not).
 
         Raises:
             KVStoreError: the call failed (`error_from_rpc`).
         """
-        stub_method = self._method(method)
+        # The table's name is the stub's attribute of that type: tests/client/
+        # test_methods.py checks every entry against the service descriptor.
+        stub_method = cast(
+            "grpc.aio.UnaryUnaryMultiCallable[Req, Rep]", self._stub_method(method.name)
+        )
         deadline = self.timeout if timeout is None else timeout
 
-        async def attempt(remaining: float | None) -> Any:
+        async def attempt(remaining: float | None) -> Rep:
             return await stub_method(request, timeout=remaining, metadata=self._metadata)
 
         try:
@@ -114,13 +127,34 @@ class Rpc:
         except grpc.RpcError as err:
             raise error_from_rpc(err) from err
 
-    async def stream(self, method: str, request: Any, timeout: float | None) -> AsyncIterator[Any]:
+    async def send(
+        self, method: ClientStream[Req, Rep], requests: AsyncIterator[Req], timeout: float | None
+    ) -> Rep:
+        """One client-streaming call (never retried: the stream is consumed once).
+
+        Raises:
+            KVStoreError: the call failed (`error_from_rpc`).
+        """
+        stub_method = cast(
+            "grpc.aio.StreamUnaryMultiCallable[Req, Rep]", self._stub_method(method.name)
+        )
+        deadline = self.timeout if timeout is None else timeout
+        try:
+            return await stub_method(requests, timeout=deadline, metadata=self._metadata)
+        except grpc.RpcError as err:
+            raise error_from_rpc(err) from err
+
+    async def stream(
+        self, method: ServerStream[Req, Rep], request: Req, timeout: float | None
+    ) -> AsyncIterator[Rep]:
         """The messages of a server-streaming call (never retried: it may be half read).
 
         Raises:
             KVStoreError: the call failed (`error_from_rpc`).
         """
-        stub_method = self._method(method)
+        stub_method = cast(
+            "grpc.aio.UnaryStreamMultiCallable[Req, Rep]", self._stub_method(method.name)
+        )
         deadline = self.timeout if timeout is None else timeout
         try:
             async for item in stub_method(request, timeout=deadline, metadata=self._metadata):

@@ -28,10 +28,11 @@ import time
 from collections.abc import Callable
 
 from kvstore.api.wire import layout_to_proto, scheme_to_proto
+from kvstore.client import methods
 from kvstore.client.background import Background
-from kvstore.client.convert import descriptor_from_proto
 from kvstore.client.handles import Namespace
-from kvstore.client.lease import LeaseGrant, LeaseKeeper
+from kvstore.client.lease_keeper import LeaseGrant, LeaseKeeper
+from kvstore.client.replies import descriptor_from_proto
 from kvstore.client.rpc import Rpc
 from kvstore.errors import KVStoreError, LeaseExpired
 from kvstore.layout import NamespaceSpec
@@ -44,6 +45,10 @@ log = logging.getLogger(__name__)
 LEASE_SAFETY_MARGIN = 1.0
 """Seconds (at most a quarter of the TTL) before its surely-valid-until time at
 which a lease stops being used for copies: room for the copy of one block."""
+
+
+_REGISTERED = ("id", "block_bytes", "capacity", "chain_root", "shared", "verify_loads")
+"""The fields of a `Namespace` that RegisterNamespace answers (refreshed in place)."""
 
 
 class NodeSession:
@@ -74,7 +79,7 @@ class NodeSession:
         With ``end_lease`` False the lease is only no longer renewed (`LeaseKeeper.close`).
 
         Unmapped first: a CUDA node frees the arenas it took out of pools once
-        the leases that mapped them end (`service.held_arenas`).
+        the leases that mapped them end (`service.memory.held`).
         """
         await self.background.drain()
         self.drop_mappings()
@@ -107,7 +112,7 @@ class NodeSession:
         was lost (the caller then retries once), False when the error stands."""
         lost = lease_used and not await self.lease.renew_now()
         try:
-            resp = await self.rpc.call("Stats", pb.StatsRequest(), None, idempotent=True)
+            resp = await self.rpc.call(methods.STATS, pb.StatsRequest(), None, idempotent=True)
         except KVStoreError:
             return lost
         return self.observe_epoch(resp.pool_epoch) or lost
@@ -182,7 +187,7 @@ class NodeSession:
             pool_versions=self.pool_versions(),
         )
         sent = self.clock()
-        resp = await self.rpc.call("OpenLease", req, None, idempotent=False)
+        resp = await self.rpc.call(methods.OPEN_LEASE, req, None, idempotent=False)
         self.observe_epoch(resp.pool_epoch)
         grant = LeaseGrant(LeaseId(resp.lease_id), resp.ttl_seconds or self.lease_ttl or 0.0)
         self._confirmed(grant.lease_id, sent, grant.ttl)
@@ -191,7 +196,7 @@ class NodeSession:
     async def _renew_lease(self, lease_id: LeaseId) -> float:
         sent = self.clock()
         resp = await self.rpc.call(
-            "KeepAlive",
+            methods.KEEP_ALIVE,
             pb.KeepAliveRequest(lease_id=lease_id, pool_versions=self.pool_versions()),
             None,
             idempotent=True,
@@ -205,7 +210,7 @@ class NodeSession:
         """The pool version of each namespace mapped here (sent with the lease).
 
         A CUDA node keeps an arena it took out of a pool until no lease reports
-        an older version of that namespace (`service.held_arenas`).
+        an older version of that namespace (`service.memory.held`).
         """
         versions = []
         for ns in self._namespaces.values():
@@ -226,7 +231,7 @@ class NodeSession:
 
     async def _close_lease(self, lease_id: LeaseId) -> None:
         await self.rpc.call(
-            "CloseLease", pb.CloseLeaseRequest(lease_id=lease_id), 2.0, idempotent=False
+            methods.CLOSE_LEASE, pb.CloseLeaseRequest(lease_id=lease_id), 2.0, idempotent=False
         )
 
     # --- namespaces ---------------------------------------------------------------------
@@ -249,21 +254,22 @@ class NodeSession:
             vllm_seed=spec.vllm_seed,
             capacity_bytes=capacity_bytes,
         )
-        resp = await self.rpc.call("RegisterNamespace", req, timeout, idempotent=True)
+        resp = await self.rpc.call(methods.REGISTER_NAMESPACE, req, timeout, idempotent=True)
+        fresh = Namespace(
+            spec=spec,
+            id=NamespaceId(resp.namespace_id),
+            block_bytes=resp.block_bytes or spec.layout.block_bytes,
+            capacity=resp.capacity_blocks,
+            chain_root=BlockHash(resp.chain_root),
+            shared=resp.shared,
+            verify_loads=resp.verify_local_loads,
+        )
         ns = self._namespaces.get(spec)
-        fields = {
-            "id": NamespaceId(resp.namespace_id),
-            "block_bytes": resp.block_bytes or spec.layout.block_bytes,
-            "capacity": resp.capacity_blocks,
-            "chain_root": BlockHash(resp.chain_root),
-            "shared": resp.shared,
-            "verify_loads": resp.verify_local_loads,
-        }
         if ns is None:
-            ns = self._namespaces[spec] = Namespace(spec=spec, **fields)
+            ns = self._namespaces[spec] = fresh
         else:  # refresh in place: the runner's handle stays valid across restarts
-            for name, value in fields.items():
-                setattr(ns, name, value)
+            for name in _REGISTERED:
+                setattr(ns, name, getattr(fresh, name))
         ns.stale = False
         return ns
 
@@ -278,7 +284,9 @@ class NodeSession:
             return
         if mapping.descriptor.version == version:
             return
-        resp = await self.rpc.call("AttachPool", self._attach_request(ns), timeout, idempotent=True)
+        resp = await self.rpc.call(
+            methods.ATTACH_POOL, self._attach_request(ns), timeout, idempotent=True
+        )
         descriptor = descriptor_from_proto(resp)
         if self.observe_epoch(descriptor.epoch) or ns.mapping is not mapping or mapping.closed:
             return  # restarted, or remapped meanwhile: the epoch rule takes over
@@ -300,7 +308,9 @@ class NodeSession:
             await self.register(ns.spec, 0, timeout)
         if not self.map_pool or (ns.mapping is not None and not ns.mapping.closed):
             return
-        resp = await self.rpc.call("AttachPool", self._attach_request(ns), timeout, idempotent=True)
+        resp = await self.rpc.call(
+            methods.ATTACH_POOL, self._attach_request(ns), timeout, idempotent=True
+        )
         descriptor = descriptor_from_proto(resp)
         if self.observe_epoch(descriptor.epoch):
             await self.register(ns.spec, 0, timeout)

@@ -25,9 +25,9 @@ import contextlib
 import itertools
 from array import array
 from collections.abc import AsyncIterator, Callable
-from typing import Any
 
 from kvstore.checksum import block_checksum, block_checksums, pack_checksums
+from kvstore.client import methods
 from kvstore.client.background import quietly
 from kvstore.client.blocks import (
     BlockSupplier,
@@ -38,9 +38,9 @@ from kvstore.client.blocks import (
     copy_block_to_tensor,
     slot_runs,
 )
-from kvstore.client.convert import Reservation, reservation_from_proto
 from kvstore.client.errors import PoolEpochChanged
 from kvstore.client.handles import Hit, Namespace, StoreResult
+from kvstore.client.replies import ChainFields, Reservation, reservation_from_proto
 from kvstore.client.session import NodeSession
 from kvstore.errors import FailedPrecondition, InvalidArgument, NotFound
 from kvstore.pool import PoolDescriptor
@@ -58,7 +58,7 @@ inside the lease's safety margin, whatever the arena size."""
 async def store_chain(
     session: NodeSession,
     ns: Namespace,
-    fields: Callable[[], dict[str, Any]],
+    fields: Callable[[], ChainFields],
     blocks: BlockSupplier,
     timeout: float | None,
 ) -> StoreResult:
@@ -97,7 +97,7 @@ async def store_chain(
                     packed_checksums=pack_checksums(sums) if sums else b"",
                 )
                 committed = (
-                    await session.rpc.call("Commit", req_c, timeout, idempotent=False)
+                    await session.rpc.call(methods.COMMIT, req_c, timeout, idempotent=False)
                 ).committed
             else:
                 committed = await _stream_in(session, ns, lease_id, res, blocks, timeout)
@@ -105,7 +105,7 @@ async def store_chain(
         if packed:  # empty: nothing reserved, or a reply that could not be read
             abort = pb.AbortRequest(namespace_id=ns.id, lease_id=lease_id, packed_hashes=packed)
             await session.background.cleanup(
-                quietly("abort", session.rpc.call("Abort", abort, None, idempotent=False))
+                quietly("abort", session.rpc.call(methods.ABORT, abort, None, idempotent=False))
             )
         raise
     counts = [0, 0, 0, 0]
@@ -134,11 +134,11 @@ async def _reserve(
     session: NodeSession,
     ns: Namespace,
     lease_id: int,
-    fields: dict[str, Any],
+    fields: ChainFields,
     timeout: float | None,
 ) -> pb.ReserveResponse:
     req = pb.ReserveRequest(namespace_id=ns.id, lease_id=lease_id, **fields)
-    call = asyncio.ensure_future(session.rpc.call("Reserve", req, timeout, idempotent=False))
+    call = asyncio.ensure_future(session.rpc.call(methods.RESERVE, req, timeout, idempotent=False))
     try:
         resp: pb.ReserveResponse = await asyncio.shield(call)
     except asyncio.CancelledError:
@@ -257,12 +257,12 @@ async def _stream_in(
             block = pb.BlockData(hash=digest, data=data, checksum=block_checksum(data))
             yield pb.WriteBlocksRequest(block=block)
 
-    resp = await session.rpc.call("WriteBlocks", requests(), timeout, idempotent=False)
+    resp = await session.rpc.send(methods.WRITE_BLOCKS, requests(), timeout)
     return int(resp.committed)
 
 
 async def _abort_when_done(
-    session: NodeSession, namespace: str, lease_id: int, call: asyncio.Future[Any]
+    session: NodeSession, namespace: str, lease_id: int, call: asyncio.Future[pb.ReserveResponse]
 ) -> None:
     try:
         resp = await call
@@ -271,7 +271,7 @@ async def _abort_when_done(
     packed = _reserved_hashes(resp)
     if packed:
         req = pb.AbortRequest(namespace_id=namespace, lease_id=lease_id, packed_hashes=packed)
-        await quietly("abort", session.rpc.call("Abort", req, None, idempotent=False))
+        await quietly("abort", session.rpc.call(methods.ABORT, req, None, idempotent=False))
 
 
 async def read_hit(
@@ -286,6 +286,6 @@ async def read_hit(
     refs = [pb.BlockRef(hash=b.hash, slot=b.slot, generation=b.generation) for b in hit.blocks]
     req = pb.ReadBlocksRequest(namespace_id=hit.namespace.id, lease_id=lease_id, blocks=refs)
     by_hash: dict[bytes, bytes] = {}
-    async for item in session.rpc.stream("ReadBlocks", req, timeout):
+    async for item in session.rpc.stream(methods.READ_BLOCKS, req, timeout):
         by_hash[item.hash] = item.data
     return [by_hash[b.hash] for b in hit.blocks]

@@ -5,14 +5,14 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
 from itertools import islice
-from typing import Any
 
 from kvstore.errors import FailedPrecondition, UnknownNamespace
 from kvstore.results import NamespaceStats
 from kvstore.types import SHARED_SCOPE, NamespaceId, TenantId
 from kvstore.v1 import kvstore_pb2 as pb
-from service.api import convert, validate
+from service.api import translate, validate
 from service.api.base import ServicerBase
+from service.api.decode import Context
 from service.api.errors import FieldError, guard_stream_out, guard_unary
 from service.tenancy.callers import Caller
 
@@ -63,7 +63,7 @@ class AdminRpcs(ServicerBase):
         return visible
 
     @guard_unary("Stats")
-    async def Stats(self, request: pb.StatsRequest, context: Any) -> pb.StatsResponse:
+    async def Stats(self, request: pb.StatsRequest, context: Context) -> pb.StatsResponse:
         """Node-wide occupancy, leases and per-tenant hit accounting."""
         node = self.node
         caller = node.caller(context)
@@ -71,7 +71,7 @@ class AdminRpcs(ServicerBase):
 
     @guard_unary("ListBlocks")
     async def ListBlocks(
-        self, request: pb.ListBlocksRequest, context: Any
+        self, request: pb.ListBlocksRequest, context: Context
     ) -> pb.ListBlocksResponse:
         """One page of a namespace's resident blocks (offset-based page tokens)."""
         node = self.node
@@ -88,7 +88,7 @@ class AdminRpcs(ServicerBase):
         index = node.engine_index
         return pb.ListBlocksResponse(
             blocks=[
-                convert.block_info(
+                translate.block_info(
                     info,
                     node.to_unix,
                     index.holders(namespace, info.scope, info.hash) if index is not None else (),
@@ -101,7 +101,7 @@ class AdminRpcs(ServicerBase):
 
     @guard_stream_out("WatchEvents")
     async def WatchEvents(
-        self, request: pb.WatchEventsRequest, context: Any
+        self, request: pb.WatchEventsRequest, context: Context
     ) -> AsyncIterator[pb.Event]:
         """Stream this node's cache events until the caller leaves or the node stops.
 
@@ -128,7 +128,7 @@ class AdminRpcs(ServicerBase):
             if watcher.dropped:
                 node.metrics.watch_dropped.inc(watcher.dropped)
 
-    async def _watch_cluster(self, namespace: str, context: Any) -> AsyncIterator[pb.Event]:
+    async def _watch_cluster(self, namespace: str, context: Context) -> AsyncIterator[pb.Event]:
         """Every node's events from the Redis stream, from the moment of subscription."""
         agent = self.node.cluster
         if agent is None:
@@ -141,12 +141,12 @@ class AdminRpcs(ServicerBase):
             yield event
 
     @guard_unary("Ping")
-    async def Ping(self, request: pb.PingRequest, context: Any) -> pb.PingResponse:
+    async def Ping(self, request: pb.PingRequest, context: Context) -> pb.PingResponse:
         """Echo the payload (the benchmarks' baseline)."""
         return pb.PingResponse(payload=request.payload)
 
     @guard_unary("Evict")
-    async def Evict(self, request: pb.EvictRequest, context: Any) -> pb.EvictResponse:
+    async def Evict(self, request: pb.EvictRequest, context: Context) -> pb.EvictResponse:
         """Evict up to ``blocks`` unpinned blocks, least recently used first."""
         node = self.node
         node.require_admin(context)
@@ -158,7 +158,7 @@ class AdminRpcs(ServicerBase):
         return pb.EvictResponse(evicted=evicted)
 
     @guard_unary("Clear")
-    async def Clear(self, request: pb.ClearRequest, context: Any) -> pb.ClearResponse:
+    async def Clear(self, request: pb.ClearRequest, context: Context) -> pb.ClearResponse:
         """Remove every unpinned READY block of a namespace."""
         node = self.node
         node.require_admin(context)
@@ -173,7 +173,7 @@ class AdminRpcs(ServicerBase):
 
     @guard_unary("DropNamespace")
     async def DropNamespace(
-        self, request: pb.DropNamespaceRequest, context: Any
+        self, request: pb.DropNamespaceRequest, context: Context
     ) -> pb.DropNamespaceResponse:
         """Remove a namespace and its pool (FAILED_PRECONDITION while in use, unless force)."""
         node = self.node

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Sequence
-from typing import Any
 
 from kvstore.block_table import BlockTable
 from kvstore.errors import InvalidArgument, KVStoreError
 from kvstore.types import BlockHash, LeaseId, NamespaceId, TenantId
 from kvstore.v1 import kvstore_pb2 as pb
-from service.api import chains, convert, releases, validate
+from service.api import chains, releases, translate, validate
 from service.api.base import ServicerBase
+from service.api.decode import Context
 from service.api.errors import FieldError, guard_unary
 from service.api.offload import off_loop
 from service.cluster.lookup import LookupCall
@@ -27,7 +27,7 @@ class BlockRpcs(ServicerBase):
     """The block operations of the KVStore service."""
 
     @guard_unary("Lookup")
-    async def Lookup(self, request: pb.LookupRequest, context: Any) -> pb.LookupResponse:
+    async def Lookup(self, request: pb.LookupRequest, context: Context) -> pb.LookupResponse:
         """Longest cached prefix of a chain, pinned under the lease when asked.
 
         A carried release (``request.release``) is checked with the rest of the
@@ -78,7 +78,7 @@ class BlockRpcs(ServicerBase):
             )
         )
         pool = node.pool(namespace)
-        reply = convert.lookup_reply(pool, result)  # a few µs: on the loop, no await
+        reply = translate.lookup_reply(pool, result)  # a few µs: on the loop, no await
         if from_tokens:
             reply["packed_chain"] = b"".join(chain)
         return pb.LookupResponse(
@@ -94,7 +94,7 @@ class BlockRpcs(ServicerBase):
         )
 
     @guard_unary("Reserve")
-    async def Reserve(self, request: pb.ReserveRequest, context: Any) -> pb.ReserveResponse:
+    async def Reserve(self, request: pb.ReserveRequest, context: Context) -> pb.ReserveResponse:
         """Slots for the missing blocks of a chain, owned by the lease."""
         node = self.node
         tenant = node.tenant(context)
@@ -109,7 +109,7 @@ class BlockRpcs(ServicerBase):
             node.publish_events()  # a reservation may have evicted blocks
         pool = node.pool(namespace)
         try:
-            reply = await off_loop(len(result.hashes), convert.packed_reserve, pool, result)
+            reply = await off_loop(len(result.hashes), translate.packed_reserve, pool, result)
         except BaseException:
             # Cancelled while the reply was built: give back what was reserved.
             reserved = result.reserved_hashes()
@@ -143,7 +143,7 @@ class BlockRpcs(ServicerBase):
         )
 
     def _named_blocks(
-        self, request: _HashesRequest, context: Any, limit: int
+        self, request: _HashesRequest, context: Context, limit: int
     ) -> tuple[NamespaceId, TenantId, LeaseId, list[BlockHash]]:
         """The namespace, tenant, lease and (at most ``limit``) hashes a request names, checked."""
         tenant = self.node.tenant(context)
@@ -151,7 +151,7 @@ class BlockRpcs(ServicerBase):
         lease_id = validate.lease_id(request.lease_id)
         return namespace, tenant, lease_id, chains.named_hashes(request, limit)
 
-    def _on_hashes(self, request: _HashesRequest, context: Any, verb: _StoreVerb) -> int:
+    def _on_hashes(self, request: _HashesRequest, context: Context, verb: _StoreVerb) -> int:
         """Validate a (namespace, lease, hashes) request and apply ``verb`` to it."""
         node = self.node
         named = self._named_blocks(request, context, node.config.max_chain_blocks)
@@ -160,7 +160,7 @@ class BlockRpcs(ServicerBase):
         return count
 
     @guard_unary("Commit")
-    async def Commit(self, request: pb.CommitRequest, context: Any) -> pb.CommitResponse:
+    async def Commit(self, request: pb.CommitRequest, context: Context) -> pb.CommitResponse:
         """Make written blocks READY."""
         node = self.node
         named = self._named_blocks(request, context, node.config.max_chain_blocks)
@@ -170,13 +170,13 @@ class BlockRpcs(ServicerBase):
         return pb.CommitResponse(committed=node.commit(*named, checksums=checksums))
 
     @guard_unary("Abort")
-    async def Abort(self, request: pb.AbortRequest, context: Any) -> pb.AbortResponse:
+    async def Abort(self, request: pb.AbortRequest, context: Context) -> pb.AbortResponse:
         """Free reserved blocks that will not be written."""
         aborted = self._on_hashes(request, context, self.node.store.abort)
         return pb.AbortResponse(aborted=aborted)
 
     @guard_unary("Release")
-    async def Release(self, request: pb.ReleaseRequest, context: Any) -> pb.ReleaseResponse:
+    async def Release(self, request: pb.ReleaseRequest, context: Context) -> pb.ReleaseResponse:
         """Drop this lease's pins on the named blocks (several hits' at once with ``runs``).
 
         Every bound is checked before any work (`releases.plan`); each run is

@@ -11,8 +11,8 @@ loop keeps serving.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import TypeVar
 
 import numpy as np
 
@@ -20,6 +20,7 @@ from kvstore.api import wire
 from kvstore.errors import InvalidArgument
 from kvstore.hashing import HashScheme, hash_blocks
 from kvstore.types import HASH_BYTES, BlockHash
+from kvstore.v1 import kvstore_pb2 as pb
 from service.api import validate
 from service.api.errors import FieldError
 from service.api.offload import off_loop
@@ -36,6 +37,13 @@ hashing."""
 Tokens = Sequence[int] | np.ndarray
 """A request's tokens: its repeated field (or an array of them)."""
 
+ChainRequest = pb.LookupRequest | pb.ReserveRequest
+"""A request that names a chain by tokens or by hashes."""
+HashesRequest = ChainRequest | pb.CommitRequest | pb.AbortRequest | pb.ReleaseRequest
+"""A request with ``packed_hashes``."""
+
+T = TypeVar("T")
+
 
 def token_array(tokens: Tokens) -> np.ndarray:
     """``tokens`` (a protobuf repeated field, or an array) as a uint32 array.
@@ -47,7 +55,7 @@ def token_array(tokens: Tokens) -> np.ndarray:
     return np.array(tokens, dtype=np.uint32)
 
 
-def request_chain(request: Any, max_blocks: int) -> tuple[Tokens, list[BlockHash]]:
+def request_chain(request: ChainRequest, max_blocks: int) -> tuple[Tokens, list[BlockHash]]:
     """The (tokens, hashes) of a Lookup or Reserve: its ``tokens`` and unpacked ``packed_hashes``.
 
     Raises:
@@ -57,24 +65,23 @@ def request_chain(request: Any, max_blocks: int) -> tuple[Tokens, list[BlockHash
     return request.tokens, packed_hashes(request, max_blocks)
 
 
-def packed_hashes(request: Any, max_blocks: int) -> list[BlockHash]:
+def packed_hashes(request: HashesRequest, max_blocks: int) -> list[BlockHash]:
     """The hashes of a request's ``packed_hashes`` (32 bytes each, at most ``max_blocks``).
 
     Raises:
         FieldError: a length that is not a multiple of 32, over ``max_blocks`` hashes.
     """
-    packed: bytes = request.packed_hashes
+    packed = request.packed_hashes
     count = len(packed) // HASH_BYTES
     if count > max_blocks:
         raise FieldError(
             "packed_hashes",
             f"names {count} blocks, at most {max_blocks} per call (max_chain_blocks)",
         )
-    hashes: list[BlockHash] = _unpack(wire.unpack_hashes, packed, "packed_hashes")
-    return hashes
+    return unpacked(wire.unpack_hashes, packed, "packed_hashes")
 
 
-def named_hashes(request: Any, max_blocks: int) -> list[BlockHash]:
+def named_hashes(request: HashesRequest, max_blocks: int) -> list[BlockHash]:
     """The blocks a Commit, Abort or Release names: its ``packed_hashes``, at least one.
 
     Raises:
@@ -105,7 +112,7 @@ def hashed_from(
     return query_tokens
 
 
-def release_runs(request: Any, max_blocks: int) -> list[int]:
+def release_runs(request: pb.ReleaseRequest, max_blocks: int) -> list[int]:
     """A Release's ``runs``: how many of its hashes each hit released in it has.
 
     Checked before any work and before the hashes are unpacked: at most
@@ -117,7 +124,7 @@ def release_runs(request: Any, max_blocks: int) -> list[int]:
         FieldError: too many runs, an empty run, a run over ``max_blocks``
             (``max_chain_blocks``), or runs that do not add up to the hashes sent.
     """
-    runs: list[int] = list(request.runs[: wire.MAX_RELEASE_RUNS + 1])
+    runs = list(request.runs[: wire.MAX_RELEASE_RUNS + 1])
     if len(runs) > wire.MAX_RELEASE_RUNS:
         raise FieldError(
             "runs",
@@ -138,7 +145,7 @@ def release_runs(request: Any, max_blocks: int) -> list[int]:
     return runs
 
 
-def release_ids(request: Any, runs: int) -> list[int]:
+def release_ids(request: pb.ReleaseRequest, runs: int) -> list[int]:
     """A Release's ``release_ids``: none, or one nonzero id per run (one without runs).
 
     Raises:
@@ -151,13 +158,14 @@ def release_ids(request: Any, runs: int) -> list[int]:
         raise FieldError(
             "release_ids", f"has {sent} ids for {runs} runs; send one per run (one without runs)"
         )
-    ids: list[int] = list(request.release_ids)
+    ids = list(request.release_ids)
     if 0 in ids:
         raise FieldError("release_ids", f"id {ids.index(0)} is 0; a release id is nonzero")
     return ids
 
 
-def _unpack(fn: Any, packed: bytes, field: str) -> Any:
+def unpacked(fn: Callable[[bytes, str], T], packed: bytes, field: str) -> T:
+    """``fn(packed, field)`` (a `kvstore.api.wire` unpacker); its errors are FieldErrors."""
     try:
         return fn(packed, field)
     except InvalidArgument as exc:

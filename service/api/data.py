@@ -10,7 +10,6 @@ touch a slot that has since been handed to someone else.
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Sequence
-from typing import Any
 
 from kvstore import checksum
 from kvstore.results import BlockRef
@@ -18,6 +17,7 @@ from kvstore.types import BlockHash, LeaseId, SlotId
 from kvstore.v1 import kvstore_pb2 as pb
 from service.api import validate
 from service.api.base import ServicerBase
+from service.api.decode import Context
 from service.api.errors import FieldError, guard_stream_in, guard_stream_out
 from service.api.offload import off_loop
 
@@ -35,7 +35,7 @@ class DataRpcs(ServicerBase):
 
     @guard_stream_out("ReadBlocks")
     async def ReadBlocks(
-        self, request: pb.ReadBlocksRequest, context: Any
+        self, request: pb.ReadBlocksRequest, context: Context
     ) -> AsyncIterator[pb.BlockData]:
         """Stream the bytes of blocks pinned under the lease."""
         node = self.node
@@ -59,7 +59,7 @@ class DataRpcs(ServicerBase):
 
     @guard_stream_in("WriteBlocks")
     async def WriteBlocks(
-        self, request_iterator: AsyncIterator[pb.WriteBlocksRequest], context: Any
+        self, request_iterator: AsyncIterator[pb.WriteBlocksRequest], context: Context
     ) -> pb.WriteBlocksResponse:
         """Write reserved blocks' bytes; commit them at the end if the header says so."""
         node = self.node

@@ -17,21 +17,28 @@ parsing it: parsing runs on the event loop, so its size is bounded.
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import TypeAlias
 
 import grpc
-from google.protobuf.message import DecodeError
+from google.protobuf.message import DecodeError, Message
 
 from kvstore import errors as core
 from kvstore.v1 import kvstore_pb2 as pb
 
+Context: TypeAlias = "grpc.aio.ServicerContext[bytes, Message]"
+"""A KVStore handler's servicer context: raw request bytes in (`add_servicer`), messages out."""
+
 SERVICE = pb.DESCRIPTOR.services_by_name["KVStore"]
 """The KVStore service descriptor."""
 
-REQUEST_TYPES: dict[str, Any] = {m.name: getattr(pb, m.input_type.name) for m in SERVICE.methods}
+REQUEST_TYPES: dict[str, type[Message]] = {
+    m.name: getattr(pb, m.input_type.name) for m in SERVICE.methods
+}
 """Request message class of every KVStore method."""
 
-_RESPONSE_TYPES: dict[str, Any] = {m.name: getattr(pb, m.output_type.name) for m in SERVICE.methods}
+_RESPONSE_TYPES: dict[str, type[Message]] = {
+    m.name: getattr(pb, m.output_type.name) for m in SERVICE.methods
+}
 
 
 class MalformedRequest(core.InvalidArgument):
@@ -42,7 +49,7 @@ class RequestTooLarge(core.InvalidArgument):
     """A request is bigger than ``max_request_bytes``."""
 
 
-def decode(method: str, raw: Any, max_bytes: int) -> Any:
+def decode(method: str, raw: object, max_bytes: int) -> Message:
     """The request message of ``method`` parsed from ``raw``.
 
     ``raw`` that is already a message (a test calling the servicer directly)
@@ -52,8 +59,9 @@ def decode(method: str, raw: Any, max_bytes: int) -> Any:
         RequestTooLarge: ``raw`` is over ``max_bytes`` (0 = no bound).
         MalformedRequest: ``raw`` is not a valid message of the request type.
     """
-    if not isinstance(raw, bytes):
+    if isinstance(raw, Message):  # a test calling the servicer directly
         return raw
+    assert isinstance(raw, bytes), f"bug: a {type(raw).__name__} for request bytes"
     cls = REQUEST_TYPES[method]
     if max_bytes and len(raw) > max_bytes:
         raise RequestTooLarge(
@@ -68,15 +76,16 @@ def decode(method: str, raw: Any, max_bytes: int) -> Any:
         ) from None
 
 
-async def decode_stream(method: str, raws: AsyncIterator[Any]) -> AsyncIterator[Any]:
+async def decode_stream(method: str, raws: AsyncIterator[object]) -> AsyncIterator[Message]:
     """`decode` each message of a client stream (bounded by gRPC's max message size)."""
     async for raw in raws:
         yield decode(method, raw, 0)
 
 
-def add_servicer(servicer: Any, server: Any) -> None:
+def add_servicer(servicer: object, server: grpc.aio.Server) -> None:
     """Register every KVStore method of ``servicer`` on ``server``, taking raw request bytes."""
-    handlers = {}
+    # Raw bytes in (decoded inside the guard), messages out.
+    handlers: dict[str, grpc.RpcMethodHandler[bytes, Message]] = {}
     for m in SERVICE.methods:
         serialize = _RESPONSE_TYPES[m.name].SerializeToString
         behaviour = getattr(servicer, m.name)

@@ -23,7 +23,7 @@ import functools
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any, Protocol, TypeVar
+from typing import Protocol, TypeAlias, TypeVar, cast
 
 import grpc
 from google.protobuf import any_pb2
@@ -31,7 +31,7 @@ from google.rpc import code_pb2, error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
 from kvstore import errors as core
-from service.api.decode import decode, decode_stream
+from service.api.decode import Context, decode, decode_stream
 
 log = logging.getLogger(__name__)
 
@@ -92,7 +92,7 @@ def shorten(text: str, limit: int = MAX_ECHO_CHARS) -> str:
     return f"{text[:limit]}... ({len(text) - limit} more characters cut)"
 
 
-def to_status(exc: core.KVStoreError) -> Any:
+def to_status(exc: core.KVStoreError) -> grpc.Status:
     """A `grpc.Status` for ``exc`` carrying rich details where they help."""
     code = status_code_of(exc)
     status = status_pb2.Status(code=code.value[0], message=shorten(str(exc)))
@@ -108,7 +108,8 @@ def to_status(exc: core.KVStoreError) -> Any:
             )
         )
         status.details.append(detail)
-    return rpc_status.to_status(status)
+    answer: grpc.Status = rpc_status.to_status(status)  # grpc_status has no type stubs
+    return answer
 
 
 class RpcObserver(Protocol):
@@ -133,11 +134,15 @@ class Guarded(Protocol):
 S = TypeVar("S", bound=Guarded)
 Req = TypeVar("Req")
 Resp = TypeVar("Resp")
+Handler: TypeAlias = "Callable[[S, Req, Context], Awaitable[Resp]]"
+"""A servicer method with one reply."""
+StreamHandler: TypeAlias = "Callable[[S, Req, Context], AsyncIterator[Resp]]"
+"""A servicer method that streams its replies (an async generator)."""
 
 _INTERNAL = status_pb2.Status(code=code_pb2.INTERNAL, message="internal error; see server log")
 
 
-async def _fail(context: Any, method: str, exc: BaseException) -> grpc.StatusCode:
+async def _fail(context: Context, method: str, exc: BaseException) -> grpc.StatusCode:
     """Abort the call for ``exc``; returns the code sent. Re-raises what must pass."""
     if isinstance(exc, core.KVStoreError):
         status = to_status(exc)
@@ -157,7 +162,7 @@ def _passes(exc: BaseException) -> bool:
     )
 
 
-def _code_of(exc: BaseException, context: Any) -> grpc.StatusCode:
+def _code_of(exc: BaseException, context: Context) -> grpc.StatusCode:
     if isinstance(exc, core.KVStoreError):
         return status_code_of(exc)
     if isinstance(exc, asyncio.CancelledError):
@@ -166,29 +171,27 @@ def _code_of(exc: BaseException, context: Any) -> grpc.StatusCode:
     return code if isinstance(code, grpc.StatusCode) else grpc.StatusCode.INTERNAL
 
 
-def _guard(
-    method: str, *, drain: bool
-) -> Callable[[Callable[[S, Req, Any], Awaitable[Resp]]], Callable[[S, Req, Any], Awaitable[Resp]]]:
-    def wrap(
-        handler: Callable[[S, Req, Any], Awaitable[Resp]],
-    ) -> Callable[[S, Req, Any], Awaitable[Resp]]:
+def _guard(method: str, *, drain: bool) -> Callable[[Handler[S, Req, Resp]], Handler[S, Req, Resp]]:
+    def wrap(handler: Handler[S, Req, Resp]) -> Handler[S, Req, Resp]:
         @functools.wraps(handler)
-        async def guarded(self: S, request: Req, context: Any) -> Resp:
+        async def guarded(self: S, request: Req, context: Context) -> Resp:
             started = time.perf_counter()
             code = grpc.StatusCode.OK
+            # ``request`` is raw bytes (a stream of them for ``drain``): the handler
+            # gets the message of its own type, the one ``method`` names.
+            raws = cast("AsyncIterator[bytes]", request)
             try:
-                message: Any
                 if drain:
-                    message = decode_stream(method, request)  # type: ignore[arg-type]
+                    message = cast(Req, decode_stream(method, raws))
                 else:
-                    message = decode(method, request, self.max_request_bytes)
+                    message = cast(Req, decode(method, request, self.max_request_bytes))
                 return await handler(self, message, context)
             except BaseException as exc:
                 code = _code_of(exc, context)
                 if _passes(exc):
                     raise
                 if drain:
-                    await _drain(request)
+                    await _drain(raws)
                 code = await _fail(context, method, exc)
                 raise  # pragma: no cover - _fail raised
             finally:
@@ -199,29 +202,23 @@ def _guard(
     return wrap
 
 
-def guard_unary(
-    method: str,
-) -> Callable[[Callable[[S, Req, Any], Awaitable[Resp]]], Callable[[S, Req, Any], Awaitable[Resp]]]:
+def guard_unary(method: str) -> Callable[[Handler[S, Req, Resp]], Handler[S, Req, Resp]]:
     """Wrap a unary-response handler: map errors, time it, count its status."""
     return _guard(method, drain=False)
 
 
 def guard_stream_out(
     method: str,
-) -> Callable[
-    [Callable[[S, Req, Any], AsyncIterator[Resp]]], Callable[[S, Req, Any], AsyncIterator[Resp]]
-]:
+) -> Callable[[StreamHandler[S, Req, Resp]], StreamHandler[S, Req, Resp]]:
     """Wrap a server-streaming handler (an async generator) like `guard_unary`."""
 
-    def wrap(
-        handler: Callable[[S, Req, Any], AsyncIterator[Resp]],
-    ) -> Callable[[S, Req, Any], AsyncIterator[Resp]]:
+    def wrap(handler: StreamHandler[S, Req, Resp]) -> StreamHandler[S, Req, Resp]:
         @functools.wraps(handler)
-        async def guarded(self: S, request: Req, context: Any) -> AsyncIterator[Resp]:
+        async def guarded(self: S, request: Req, context: Context) -> AsyncIterator[Resp]:
             started = time.perf_counter()
             code = grpc.StatusCode.OK
             try:
-                message = decode(method, request, self.max_request_bytes)
+                message = cast(Req, decode(method, request, self.max_request_bytes))
                 async for item in handler(self, message, context):
                     yield item
             except BaseException as exc:
@@ -244,7 +241,7 @@ DRAIN_SECONDS = 1.0
 """Longest it waits for them."""
 
 
-async def _drain(requests: Any) -> None:
+async def _drain(requests: AsyncIterator[bytes]) -> None:
     """Read what the client is still sending (bounded), so it has half-closed.
 
     A grpc.aio client whose write fails after the server's status arrived
@@ -261,8 +258,6 @@ async def _drain(requests: Any) -> None:
                     break
 
 
-def guard_stream_in(
-    method: str,
-) -> Callable[[Callable[[S, Req, Any], Awaitable[Resp]]], Callable[[S, Req, Any], Awaitable[Resp]]]:
+def guard_stream_in(method: str) -> Callable[[Handler[S, Req, Resp]], Handler[S, Req, Resp]]:
     """Wrap a client-streaming handler like `guard_unary`, draining the stream on errors."""
     return _guard(method, drain=True)

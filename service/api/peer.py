@@ -21,19 +21,21 @@ NIXL answers FAILED_PRECONDITION, and the peer streams.
 from __future__ import annotations
 
 import hmac
-from collections.abc import AsyncIterator
-from typing import Any
+from collections.abc import AsyncIterator, Iterable
 
 from kvstore.errors import FailedPrecondition, PermissionDenied, StaleSlot
 from kvstore.v1 import kvstore_pb2 as pb
 from service.api import validate
 from service.api.base import ServicerBase
+from service.api.decode import Context
 from service.api.errors import Unauthenticated, guard_stream_out, guard_unary
 from service.cluster.peer_fetch import PEER_TOKEN_HEADER
 from service.tenancy.callers import TENANT_HEADER
 
 
-def check_peer_token(metadata: Any, expected: str, *, auth_on: bool = False) -> None:
+def check_peer_token(
+    metadata: Iterable[tuple[str, str | bytes]] | None, expected: str, *, auth_on: bool = False
+) -> None:
     """Raise unless the call carries the cluster token.
 
     No token configured: allowed with auth off (trust mode), refused with auth
@@ -61,7 +63,7 @@ class PeerRpcs(ServicerBase):
 
     @guard_stream_out("FetchBlocks")
     async def FetchBlocks(
-        self, request: pb.FetchBlocksRequest, context: Any
+        self, request: pb.FetchBlocksRequest, context: Context
     ) -> AsyncIterator[pb.BlockData]:
         """Stream READY blocks of a tenant's chain from ``skip`` on, in order."""
         node = self.node
@@ -86,7 +88,7 @@ class PeerRpcs(ServicerBase):
 
     @guard_unary("OfferBlocks")
     async def OfferBlocks(
-        self, request: pb.OfferBlocksRequest, context: Any
+        self, request: pb.OfferBlocksRequest, context: Context
     ) -> pb.OfferBlocksResponse:
         """Pin a tenant's chain from ``skip`` on and name its blocks' memory for a NIXL READ."""
         node = self.node
@@ -108,7 +110,7 @@ class PeerRpcs(ServicerBase):
         )
 
     @guard_unary("EndOffer")
-    async def EndOffer(self, request: pb.EndOfferRequest, context: Any) -> pb.EndOfferResponse:
+    async def EndOffer(self, request: pb.EndOfferRequest, context: Context) -> pb.EndOfferResponse:
         """Forget an offer; how many of its blocks are still intact (0: unknown offer)."""
         node = self.node
         check_peer_token(

@@ -27,7 +27,6 @@ import asyncio
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
 
 from kvstore.api.prefix import (
     ENGINE_TIER,
@@ -43,7 +42,7 @@ from kvstore.types import BlockHash, NamespaceId, TenantId
 from service.api import chains, validate
 from service.api.errors import FieldError
 from service.cluster.directory import TierHolder
-from service.cluster.link import REDIS_ERRORS
+from service.cluster.redis_link import REDIS_ERRORS
 from service.node import Node
 from service.tenancy.callers import TENANT_HEADER, Caller
 
@@ -55,14 +54,6 @@ _FIELD_NAMES = {
     "packed_tokens": "packed_token_ids",
 }
 """`service.api.chains` names Lookup's fields; the query's are named after Conductor's."""
-
-
-class EngineMatch(Protocol):
-    """What ``node.engine_index.longest`` returns per engine (the engine-event contract)."""
-
-    engine: str
-    medium: str
-    blocks: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -241,10 +232,9 @@ def _from_node(
     hit = node.store.lookup(namespace, tenant, chain, node.now(), peek=True).hit_blocks
     if hit:
         found.append(TierHolder(node.node_id, address, hit))
-    index: Any = getattr(node, "engine_index", None)
+    index = node.engine_index
     if index is not None:
-        matches: Sequence[EngineMatch] = index.longest(namespace, scope, chain)
-        for match in matches:
+        for match in index.longest(namespace, scope, chain):
             if match.blocks > 0:
                 found.append(
                     TierHolder(node.node_id, address, match.blocks, match.engine, match.medium)

@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Sequence
 
 from kvstore.api import wire
-from kvstore.errors import InvalidArgument
 from kvstore.types import HASH_BYTES
 from kvstore.v1 import kvstore_pb2 as pb
 from service.api import chains
 from service.api.base import ServicerBase
+from service.api.decode import Context
 from service.api.errors import FieldError, guard_unary
 from service.api.prefix_query import PrefixQuery, answer
 
@@ -25,8 +25,8 @@ def query_from_proto(request: pb.QueryPrefixRequest, max_blocks: int) -> PrefixQ
     if request.packed_token_ids:
         if len(tokens):
             raise FieldError("packed_token_ids", "send token_ids or packed_token_ids, not both")
-        tokens = _unpack(wire.unpack_tokens, request.packed_token_ids, "packed_token_ids")
-    hashes: list[bytes] | Any = request.block_hashes
+        tokens = chains.unpacked(wire.unpack_tokens, request.packed_token_ids, "packed_token_ids")
+    hashes: Sequence[bytes] = request.block_hashes
     checked = False
     if request.packed_hashes:
         if len(hashes):
@@ -36,7 +36,7 @@ def query_from_proto(request: pb.QueryPrefixRequest, max_blocks: int) -> PrefixQ
             raise FieldError(
                 "packed_hashes", f"names {count} blocks, at most {max_blocks} (max_chain_blocks)"
             )
-        hashes = _unpack(wire.unpack_hashes, request.packed_hashes, "packed_hashes")
+        hashes = chains.unpacked(wire.unpack_hashes, request.packed_hashes, "packed_hashes")
         checked = True
     return PrefixQuery(
         model=request.model,
@@ -49,19 +49,12 @@ def query_from_proto(request: pb.QueryPrefixRequest, max_blocks: int) -> PrefixQ
     )
 
 
-def _unpack(fn: Any, packed: bytes, field: str) -> Any:
-    try:
-        return fn(packed, field)
-    except InvalidArgument as exc:
-        raise FieldError(field, str(exc).removeprefix(f"{field} ")) from None
-
-
 class QueryRpcs(ServicerBase):
     """The routers' RPC of the KVStore service."""
 
     @guard_unary("QueryPrefix")
     async def QueryPrefix(
-        self, request: pb.QueryPrefixRequest, context: Any
+        self, request: pb.QueryPrefixRequest, context: Context
     ) -> pb.QueryPrefixResponse:
         """Who holds the longest prefix of a prompt: nodes, engines, tiers (no hit counted)."""
         node = self.node

@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import secrets
-from typing import Any
 
 from kvstore.errors import KVStoreError
 from kvstore.hashing import HashScheme
@@ -18,10 +17,11 @@ from kvstore.layout import NamespaceSpec
 from kvstore.types import LeaseId
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc
-from service.api import convert, validate
+from service.api import translate, validate
 from service.api.admin import AdminRpcs
 from service.api.blocks import BlockRpcs
 from service.api.data import DataRpcs
+from service.api.decode import Context
 from service.api.errors import FieldError, guard_unary
 from service.api.peer import PeerRpcs
 from service.api.query import QueryRpcs
@@ -45,7 +45,9 @@ class KVStoreServicer(
     # --- leases -----------------------------------------------------------------
 
     @guard_unary("OpenLease")
-    async def OpenLease(self, request: pb.OpenLeaseRequest, context: Any) -> pb.OpenLeaseResponse:
+    async def OpenLease(
+        self, request: pb.OpenLeaseRequest, context: Context
+    ) -> pb.OpenLeaseResponse:
         """Open a lease with the asked TTL (0 = the node's default)."""
         node = self.node
         tenant = node.tenant(context)
@@ -60,7 +62,9 @@ class KVStoreServicer(
         )
 
     @guard_unary("KeepAlive")
-    async def KeepAlive(self, request: pb.KeepAliveRequest, context: Any) -> pb.KeepAliveResponse:
+    async def KeepAlive(
+        self, request: pb.KeepAliveRequest, context: Context
+    ) -> pb.KeepAliveResponse:
         """Extend a live lease by its TTL."""
         node = self.node
         tenant = node.tenant(context)
@@ -71,7 +75,7 @@ class KVStoreServicer(
 
     @guard_unary("CloseLease")
     async def CloseLease(
-        self, request: pb.CloseLeaseRequest, context: Any
+        self, request: pb.CloseLeaseRequest, context: Context
     ) -> pb.CloseLeaseResponse:
         """End a lease now: release its pins and abort its writes."""
         node = self.node
@@ -88,7 +92,7 @@ class KVStoreServicer(
 
     @guard_unary("RegisterNamespace")
     async def RegisterNamespace(
-        self, request: pb.RegisterNamespaceRequest, context: Any
+        self, request: pb.RegisterNamespaceRequest, context: Context
     ) -> pb.RegisterNamespaceResponse:
         """Create a namespace and its pool, or return the existing one (idempotent)."""
         node = self.node
@@ -96,12 +100,12 @@ class KVStoreServicer(
         if not request.model_id:
             raise FieldError("model_id", "is required")
         node.check_model(tenant, request.model_id)
-        scheme = convert.scheme_from_proto(request.scheme)
+        scheme = translate.scheme_from_proto(request.scheme)
         if request.vllm_seed and scheme is not HashScheme.VLLM_SHA256_CBOR:
             raise FieldError("vllm_seed", "is only used by the vllm-sha256-cbor scheme")
         spec = NamespaceSpec(
             model_id=request.model_id,
-            layout=convert.layout_from_proto(request.layout),
+            layout=translate.layout_from_proto(request.layout),
             scheme=scheme,
             vllm_seed=request.vllm_seed,
         )
@@ -113,14 +117,14 @@ class KVStoreServicer(
             block_bytes=table.spec.layout.block_bytes,
             chain_root=node.root(table, tenant),
             shared=table.shared,
-            layout=convert.layout_to_proto(table.spec.layout),
-            scheme=convert.scheme_to_proto(table.spec.scheme),
+            layout=translate.layout_to_proto(table.spec.layout),
+            scheme=translate.scheme_to_proto(table.spec.scheme),
             verify_local_loads=node.config.verify_checksums == "all",
         )
 
     @guard_unary("AttachPool")
     async def AttachPool(
-        self, request: pb.AttachPoolRequest, context: Any
+        self, request: pb.AttachPoolRequest, context: Context
     ) -> pb.AttachPoolResponse:
         """Describe the pool of a namespace so a runner can map it."""
         node = self.node
@@ -134,4 +138,4 @@ class KVStoreServicer(
                 lease = node.store.lease(validate.lease_id(request.lease_id), tenant, node.now())
                 mapped = request.mapped_version or descriptor.version
                 node.pools.held.attached(lease.lease_id, namespace, mapped)
-        return convert.attach_response(descriptor, node.table(namespace).spec.layout)
+        return translate.attach_response(descriptor, node.table(namespace).spec.layout)

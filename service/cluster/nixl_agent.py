@@ -5,7 +5,7 @@ light install without it keeps working. One agent per node process; its name
 is the node id and the pool epoch, unique per server start, so a restarted
 peer is a new agent whose metadata is loaded afresh.
 
-**Registration** follows the pools (`service.pools.ArenaWatcher`): each arena
+**Registration** follows the pools (`service.memory.budget.ArenaWatcher`): each arena
 of a host pool is registered once when it joins its pool and deregistered
 before it leaves (a shrink, a dropped namespace, shutdown), so NIXL never
 holds memory that is given back. Every change raises `metadata_version`;
@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import enum
 import logging
+import os
 import threading
 import time
 from dataclasses import dataclass
@@ -207,6 +208,11 @@ class NixlAgent:
         Raises:
             NixlUnavailable: nixl is not installed or its agent cannot start.
         """
+        # The nixl wheels' UCX "efa" module links the system's libibverbs, which
+        # loads a second libnl-route beside the wheel's own: the two crash the
+        # process at exit (SIGSEGV in rtnl_tc_unregister, after a clean stop).
+        # Left out unless the operator chooses UCX's modules (on EFA hosts).
+        os.environ.setdefault("UCX_MODULES", "^efa")
         try:
             from nixl._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t
         except ImportError as exc:
@@ -226,7 +232,7 @@ class NixlAgent:
             raise NixlUnavailable(f"NIXL has no {BACKEND} backend here")
         return cls(name, agent)
 
-    # --- registration (service.pools.ArenaWatcher) -------------------------------------
+    # --- registration (service.memory.budget.ArenaWatcher) ----------------------------
 
     def added(self, namespace: NamespaceId, pool: ArenaPool, index: int) -> None:
         """Register arena ``index`` of a namespace's pool (host pools only)."""

@@ -33,19 +33,22 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 import grpc
 
 from kvstore.errors import KVStoreError
 from kvstore.types import BlockHash, LeaseId, NamespaceId, SlotId, TenantId
 from kvstore.v1 import kvstore_pb2 as pb
-from service.cluster.directory import Holder
+from service.cluster.directory import PeerHolder
 from service.cluster.fetch_lease import close_fetch_lease, open_fetch_lease, reserve_missing
 from service.cluster.local import LocalNode
 from service.cluster.nixl_agent import MEM_TYPE, NixlAgent, Place, Transfer, XferState
+
+if TYPE_CHECKING:  # the async stub exists in the generated .pyi only
+    from kvstore.v1.kvstore_pb2_grpc import KVStoreAsyncStub
 
 log = logging.getLogger(__name__)
 
@@ -90,15 +93,15 @@ class NixlPuller:
         """Holder address -> the agent name loaded for it."""
         self._refused: dict[str, float] = {}
         """Holder address -> monotonic time until which it is not asked."""
-        self._tasks: set[asyncio.Task[None]] = set()
+        self._tasks: set[asyncio.Task[object]] = set()
         self.quarantined = 0
         """Leases kept for transfers that were in flight when their fetch gave up, ever."""
 
     async def pull(
         self,
-        stub: Any,
+        stub: KVStoreAsyncStub,
         metadata: tuple[tuple[str, str], ...],
-        holder: Holder,
+        holder: PeerHolder,
         namespace: NamespaceId,
         tenant: TenantId,
         target: list[BlockHash],
@@ -145,7 +148,7 @@ class NixlPuller:
     async def _take(
         self,
         offer: pb.OfferBlocksResponse,
-        holder: Holder,
+        holder: PeerHolder,
         namespace: NamespaceId,
         tenant: TenantId,
         target: list[BlockHash],
@@ -238,7 +241,7 @@ class NixlPuller:
     async def _verified(
         self,
         namespace: NamespaceId,
-        holder: Holder,
+        holder: PeerHolder,
         blocks: list[pb.OfferedBlock],
         hashes: list[BlockHash],
         slots: list[SlotId],
@@ -298,7 +301,7 @@ class NixlPuller:
             close_fetch_lease(node, tenant, lease_id)
 
     async def _end_offer(
-        self, stub: Any, metadata: tuple[tuple[str, str], ...], offer_id: int
+        self, stub: KVStoreAsyncStub, metadata: tuple[tuple[str, str], ...], offer_id: int
     ) -> int:
         """End an offer at the holder; how many offered blocks it says are intact (0: error)."""
         try:
@@ -310,7 +313,7 @@ class NixlPuller:
             return 0
         return int(answer.intact)
 
-    def _spawn(self, work: Any) -> None:
+    def _spawn(self, work: Coroutine[object, None, object]) -> None:
         task = asyncio.get_running_loop().create_task(work)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)

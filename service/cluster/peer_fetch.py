@@ -41,19 +41,23 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING
 
 import grpc
 
 from kvstore.errors import KVStoreError
+from kvstore.ops.plural import plural
 from kvstore.types import BlockHash, LeaseId, NamespaceId, TenantId
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc
-from service.cluster.directory import Holder
+from service.cluster.directory import PeerHolder
 from service.cluster.fetch_lease import close_fetch_lease, open_fetch_lease, reserve_missing
 from service.cluster.local import LocalNode
 from service.cluster.nixl_fetch import NixlPuller
 from service.config import Config, read_setting_file
+
+if TYPE_CHECKING:  # the async stub exists in the generated .pyi only
+    from kvstore.v1.kvstore_pb2_grpc import KVStoreAsyncStub
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +67,7 @@ PEER_TOKEN_HEADER = "x-kvstore-peer-token"
 MAX_HOLDERS_TRIED = 2
 """Peers tried, longest prefix first, before a lookup settles for a miss."""
 
-Locate = Callable[[NamespaceId, TenantId, list[BlockHash]], Awaitable[list[Holder]]]
+Locate = Callable[[NamespaceId, TenantId, list[BlockHash]], Awaitable[list[PeerHolder]]]
 """Live peers holding a prefix of a chain in a scope, longest first ([] when unknown)."""
 
 
@@ -167,7 +171,7 @@ class PeerFetcher:
 
     async def _copy(
         self,
-        holder: Holder,
+        holder: PeerHolder,
         namespace: NamespaceId,
         tenant: TenantId,
         target: list[BlockHash],
@@ -194,11 +198,12 @@ class PeerFetcher:
         checksums: list[int] = []
         try:
             try:
+                # A block, or grpc.aio.EOF (typed `object`: isinstance tells them apart).
                 item = await call.read()
-                if item is grpc.aio.EOF:
+                if not isinstance(item, pb.BlockData):
                     return 0  # the peer no longer holds the chain
                 wanted: set[BlockHash] = set()
-                while item is not grpc.aio.EOF:
+                while isinstance(item, pb.BlockData):
                     if len(item.data) != block_bytes:
                         self.failed_fetches += 1
                         log.warning("peer %s sent a %d-byte block", holder.node_id, len(item.data))
@@ -230,10 +235,10 @@ class PeerFetcher:
             except grpc.RpcError as err:
                 self.failed_fetches += 1
                 log.info(
-                    "peer %s failed mid-fetch (%s): keeping %d blocks",
+                    "peer %s failed mid-fetch (%s): keeping %s",
                     holder.node_id,
                     err.code(),
-                    len(written),
+                    plural(len(written), "block"),
                 )
             if written:
                 assert lease_id is not None
@@ -249,7 +254,7 @@ class PeerFetcher:
                 # are aborted. Expired meanwhile: expiry already aborted them.
                 close_fetch_lease(node, tenant, lease_id)
 
-    def _stub(self, address: str) -> Any:
+    def _stub(self, address: str) -> KVStoreAsyncStub:
         channel = self._channels.get(address)
         if channel is None:
             limit = self.node.config.max_message_bytes

@@ -26,8 +26,9 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from typing import Any
+from wsgiref.types import WSGIEnvironment
 
 from kvstore.api.prefix import PrefixAnswer
 from kvstore.errors import InvalidArgument, KVStoreError, NotFound, PermissionDenied
@@ -143,7 +144,7 @@ def answer_json(result: PrefixAnswer) -> dict[str, Any]:
     return {**result.to_json(), "instances": instances}
 
 
-def read_body(environ: dict[str, Any], limit: int) -> bytes:
+def read_body(environ: WSGIEnvironment, limit: int) -> bytes:
     """The request body, at most ``limit`` bytes.
 
     Raises:
@@ -159,7 +160,7 @@ def read_body(environ: dict[str, Any], limit: int) -> bytes:
     return stream.read(length) if stream is not None and length > 0 else b""
 
 
-def handle(node: Node, environ: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+def handle(node: Node, environ: WSGIEnvironment) -> tuple[str, dict[str, Any]]:
     """(HTTP status, JSON document) of one ``POST /query`` (runs in the HTTP thread)."""
     limit = BODY_BYTES_PER_REQUEST_BYTE * node.config.max_request_bytes
     try:
@@ -189,7 +190,7 @@ def handle(node: Node, environ: dict[str, Any]) -> tuple[str, dict[str, Any]]:
         return "503 Service Unavailable", {"error": shorten(str(exc))}
 
 
-def _on_loop(node: Node, make: Callable[[], Any]) -> PrefixAnswer:
+def _on_loop(node: Node, make: Callable[[], Coroutine[object, None, PrefixAnswer]]) -> PrefixAnswer:
     """Await ``make()`` on the node's loop from this (HTTP) thread.
 
     Raises:

@@ -39,6 +39,7 @@ from itertools import islice
 from pathlib import Path
 from typing import Any, TypeVar
 from urllib.parse import parse_qs
+from wsgiref.types import StartResponse, WSGIEnvironment
 
 from kvstore.block import BlockState
 from kvstore.errors import InvalidArgument, KVStoreError
@@ -62,8 +63,6 @@ TREE_MAX_BLOCKS = 20000
 """Most blocks one /api/tree request reads from the store (it runs on the loop)."""
 
 PAGE = Path(__file__).with_name("web") / "index.html"
-
-StartResponse = Callable[[str, list[tuple[str, str]]], Any]
 
 
 class HitRateHistory:
@@ -172,7 +171,7 @@ class WebApp:
             session_seconds=node.config.web_session_seconds,
         )
 
-    def __call__(self, environ: dict[str, Any], start_response: StartResponse) -> Iterable[bytes]:
+    def __call__(self, environ: WSGIEnvironment, start_response: StartResponse) -> Iterable[bytes]:
         path = environ.get("PATH_INFO", "/")
         method = environ.get("REQUEST_METHOD", "GET")
         if path == "/metrics":
@@ -209,7 +208,7 @@ class WebApp:
             log.exception("web request %s failed", path)
             return _json(start_response, "503 Service Unavailable", {"error": repr(exc)})
 
-    def _query(self, environ: dict[str, Any], start: StartResponse, method: str) -> list[bytes]:
+    def _query(self, environ: WSGIEnvironment, start: StartResponse, method: str) -> list[bytes]:
         if method != "POST":
             return _json(start, "405 Method Not Allowed", {"error": "POST a JSON body"})
         try:
@@ -240,7 +239,7 @@ class WebApp:
         )
         return _json(start, status, {"error": error}, [("WWW-Authenticate", "Bearer")])
 
-    def _login(self, environ: dict[str, Any], start: StartResponse, method: str) -> list[bytes]:
+    def _login(self, environ: WSGIEnvironment, start: StartResponse, method: str) -> list[bytes]:
         if method != "POST":
             return _reply(start, "405 Method Not Allowed", b"POST the form\n", "text/plain")
         if not self.access.auth_on:

@@ -39,8 +39,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
 from http.cookies import CookieError, SimpleCookie
-from typing import Any
 from urllib.parse import parse_qs
+from wsgiref.types import WSGIEnvironment
 
 COOKIE = "kvstore_web"
 """Name of the page's session cookie."""
@@ -158,7 +158,7 @@ class WebAccess:
         )
         return f"{expires}.{mac.hexdigest()}"
 
-    def check(self, environ: dict[str, Any]) -> Verdict:
+    def check(self, environ: WSGIEnvironment) -> Verdict:
         """The verdict for a request's credentials (header or cookie)."""
         if not self.auth_on:
             return Verdict.OPEN
@@ -192,11 +192,11 @@ class WebAccess:
             token.encode(), self.admin_token.encode()
         )
 
-    def login_wait(self, environ: dict[str, Any]) -> float:
+    def login_wait(self, environ: WSGIEnvironment) -> float:
         """Seconds the caller's address must wait before a sign-in is checked (0.0: now)."""
         return self.throttle.wait(_address(environ))
 
-    def login(self, environ: dict[str, Any]) -> bool:
+    def login(self, environ: WSGIEnvironment) -> bool:
         """Whether a POST /login body (``token=...``) carries the admin token.
 
         A wrong token counts against the caller's address (`LoginThrottle`).
@@ -226,7 +226,7 @@ class WebAccess:
         return ("Set-Cookie", f"{COOKIE}={self.session(expires)}; {flags}")
 
 
-def _address(environ: dict[str, Any]) -> str:
+def _address(environ: WSGIEnvironment) -> str:
     """The client's address as the web server saw it (a proxy's, behind one)."""
     return str(environ.get("REMOTE_ADDR", ""))
 

@@ -24,6 +24,7 @@ import ipaddress
 from collections.abc import Iterable
 
 from kvstore.errors import PermissionDenied
+from service.api.decode import Context
 from service.api.errors import Unauthenticated
 
 AUTH_HEADER = "authorization"
@@ -95,11 +96,6 @@ def check_admin(
         )
 
 
-def require_admin(context: object, admin_token: str, *, loopback_ok: bool = True) -> None:
+def require_admin(context: Context, admin_token: str, *, loopback_ok: bool = True) -> None:
     """`check_admin` for a grpc.aio servicer context."""
-    check_admin(
-        context.invocation_metadata(),  # type: ignore[attr-defined]
-        context.peer(),  # type: ignore[attr-defined]
-        admin_token,
-        loopback_ok=loopback_ok,
-    )
+    check_admin(context.invocation_metadata(), context.peer(), admin_token, loopback_ok=loopback_ok)

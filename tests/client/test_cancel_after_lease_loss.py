@@ -13,6 +13,7 @@ import asyncio
 import pytest
 
 from kvstore.client import Client
+from kvstore.client.methods import Unary
 from tests.client.blocks import LAYOUT, TOKENS, block
 from tests.waiting import until
 
@@ -27,10 +28,10 @@ async def test_cancelled_pinned_lookup_never_releases_the_next_leases_pins(kv: C
     real_call = kv._rpc.call
     gated = True
 
-    async def call(method: str, request, *args, **kwargs):  # type: ignore[no-untyped-def]
+    async def call(method: Unary, request, *args, **kwargs):  # type: ignore[no-untyped-def]
         nonlocal gated
         resp = await real_call(method, request, *args, **kwargs)
-        if method == "Lookup" and request.pin and gated:
+        if method.name == "Lookup" and request.pin and gated:
             gated = False
             answered.set()
             await gate.wait()  # the answer is slow to reach the runner

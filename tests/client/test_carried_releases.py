@@ -11,6 +11,7 @@ import pytest
 
 from kvstore.client import Client
 from kvstore.client.errors import DeadlineExceeded
+from kvstore.client.methods import Unary
 from tests.client.blocks import stored_chains
 from tests.waiting import until
 
@@ -25,11 +26,11 @@ class Gate:
         self._call = kv._rpc.call
         monkeypatch.setattr(kv._rpc, "call", self.call)
 
-    async def call(self, method: str, request: Any, *args: Any, **kw: Any) -> Any:
-        self.methods.append(method)
-        if method == "Release" and not self.open.is_set():
+    async def call(self, method: Unary, request: Any, *args: Any, **kw: Any) -> Any:
+        self.methods.append(method.name)
+        if method.name == "Release" and not self.open.is_set():
             await self.open.wait()
-        if method == "Lookup":
+        if method.name == "Lookup":
             self.lookups.append(request)
         return await self._call(method, request, *args, **kw)
 
@@ -84,9 +85,9 @@ async def test_a_failed_carrying_lookup_sends_its_releases_again_once(
     first, second, third = await queue_two(kv, gate, hits)
     lost: list[Any] = []
 
-    async def answer_lost(method: str, request: Any, *args: Any, **kw: Any) -> Any:
+    async def answer_lost(method: Unary, request: Any, *args: Any, **kw: Any) -> Any:
         reply = await gate.call(method, request, *args, **kw)
-        if method == "Lookup" and request.HasField("release") and not lost:
+        if method.name == "Lookup" and request.HasField("release") and not lost:
             lost.append(reply)
             raise DeadlineExceeded("Lookup: the answer was lost")
         return reply
@@ -117,8 +118,8 @@ async def test_a_node_that_ignores_the_field_still_gets_the_releases(
     gate = Gate(kv, monkeypatch)
     first, second, third = await queue_two(kv, gate, hits)
 
-    async def old_node(method: str, request: Any, *args: Any, **kw: Any) -> Any:
-        if method == "Lookup" and request.HasField("release"):
+    async def old_node(method: Unary, request: Any, *args: Any, **kw: Any) -> Any:
+        if method.name == "Lookup" and request.HasField("release"):
             stripped = type(request)()
             stripped.CopyFrom(request)
             stripped.ClearField("release")
@@ -147,9 +148,9 @@ async def test_a_release_behind_a_pinned_lookup_waits_for_it_then_goes_alone(
     methods: list[str] = []
     call = kv._rpc.call
 
-    async def held_lookup(method: str, request: Any, *args: Any, **kw: Any) -> Any:
-        methods.append(method)
-        if method == "Lookup" and not gate.is_set():
+    async def held_lookup(method: Unary, request: Any, *args: Any, **kw: Any) -> Any:
+        methods.append(method.name)
+        if method.name == "Lookup" and not gate.is_set():
             await gate.wait()
         return await call(method, request, *args, **kw)
 
@@ -197,9 +198,9 @@ async def test_a_remote_lookup_in_flight_does_not_hold_releases_back(
     methods: list[str] = []
     call = kv._rpc.call
 
-    async def held_lookup(method: str, request: Any, *args: Any, **kw: Any) -> Any:
-        methods.append(method)
-        if method == "Lookup" and not gate.is_set():
+    async def held_lookup(method: Unary, request: Any, *args: Any, **kw: Any) -> Any:
+        methods.append(method.name)
+        if method.name == "Lookup" and not gate.is_set():
             await gate.wait()
         return await call(method, request, *args, **kw)
 
@@ -222,7 +223,7 @@ class _StubRpc:
     def __init__(self) -> None:
         self.gate = asyncio.Event()
 
-    async def call(self, method: str, request: Any, *args: Any, **kw: Any) -> Any:
+    async def call(self, method: Unary, request: Any, *args: Any, **kw: Any) -> Any:
         from kvstore.v1 import kvstore_pb2 as pb
 
         await self.gate.wait()

@@ -11,6 +11,7 @@ import pytest
 
 from kvstore.checksum import block_checksum, unpack_checksums
 from kvstore.client import Client
+from kvstore.client.methods import Unary
 from kvstore.errors import InvalidArgument
 from service.server import Server
 from tests.client.blocks import LAYOUT
@@ -32,14 +33,14 @@ async def test_store_sends_the_checksums_of_the_bytes_written(
     sent: list[Any] = []
     call = kv._rpc.call
 
-    async def record(method: str, request: Any, *args: Any, **kw: Any) -> Any:
-        sent.append((method, request))
+    async def record(method: Unary, request: Any, *args: Any, **kw: Any) -> Any:
+        sent.append((method.name, request))
         return await call(method, request, *args, **kw)
 
     monkeypatch.setattr(kv._rpc, "call", record)
     data = blocks_of(3, 1)
     assert (await kv.store(ns, tokens_of(3, 100), data)).committed == 3
-    commit = next(req for method, req in sent if method == "Commit")
+    commit = next(req for name, req in sent if name == "Commit")
     expected = [block_checksum(row) for row in data]
     assert list(unpack_checksums(commit.packed_checksums, 3)) == expected
 

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from kvstore.client import Client, PoolEpochChanged, SyncClient
+from kvstore.client.methods import Unary
 from kvstore.errors import AlreadyExists, FailedPrecondition, InvalidArgument
 from kvstore.layout import KVLayout
 from kvstore.results import MissReason
@@ -94,8 +95,8 @@ async def test_cancelled_store_aborts(kv: Client) -> None:
 
     real_call = kv._rpc.call
 
-    async def call(method: str, *args: object, **kwargs: object) -> object:
-        if method == "Commit":
+    async def call(method: Unary, *args: object, **kwargs: object) -> object:
+        if method.name == "Commit":
             return await slow_commit()
         return await real_call(method, *args, **kwargs)  # type: ignore[arg-type]
 

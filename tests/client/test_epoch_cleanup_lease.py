@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 
 from kvstore.client import Client
+from kvstore.client.methods import Unary
 from tests.client.blocks import LAYOUT, TOKENS, block
 from tests.waiting import until
 
@@ -26,10 +27,10 @@ async def test_epoch_change_cleanup_never_releases_the_next_leases_pins(kv: Clie
     live_hits = []
     first = True
 
-    async def call(method: str, request, *args, **kwargs):  # type: ignore[no-untyped-def]
+    async def call(method: Unary, request, *args, **kwargs):  # type: ignore[no-untyped-def]
         nonlocal first
         resp = await real_call(method, request, *args, **kwargs)
-        if method == "Lookup" and request.pin and first:
+        if method.name == "Lookup" and request.pin and first:
             first = False
             # Before the answer reaches the runner, its lease lapses on the
             # node and the client replaces it; a live hit pins the blocks again.

@@ -20,7 +20,8 @@ import types
 import pytest
 
 from kvstore.client import Client, SyncClient
-from kvstore.client.convert import Reservation, reservation_from_proto
+from kvstore.client.methods import Unary
+from kvstore.client.replies import Reservation, reservation_from_proto
 from kvstore.client.transfer import _copy_in
 from kvstore.errors import FailedPrecondition, LeaseExpired
 from kvstore.v1 import kvstore_pb2 as pb
@@ -94,9 +95,9 @@ async def test_a_lease_whose_keeper_fell_behind_is_renewed_before_the_copy(kv: C
     renewals = 0
     real_call = kv._rpc.call
 
-    async def call(method: str, request, *args, **kwargs):  # type: ignore[no-untyped-def]
+    async def call(method: Unary, request, *args, **kwargs):  # type: ignore[no-untyped-def]
         nonlocal renewals
-        renewals += method == "KeepAlive"
+        renewals += method.name == "KeepAlive"
         return await real_call(method, request, *args, **kwargs)
 
     kv._rpc.call = call  # type: ignore[method-assign]

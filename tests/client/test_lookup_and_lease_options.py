@@ -19,7 +19,7 @@ async def test_allow_remote_lookup_fetches_the_rest_from_a_peer(kv: Client, kv_s
     real = kv._rpc.call
 
     async def call(method, request, *args, **kwargs):  # type: ignore[no-untyped-def]
-        if method == "Lookup":
+        if method.name == "Lookup":
             sent.append(request)
         return await real(method, request, *args, **kwargs)
 
@@ -60,7 +60,7 @@ async def test_default_client_takes_the_nodes_lease_ttl_and_keeps_it_alive(serve
             async def call(method, request, *args, **kwargs):  # type: ignore[no-untyped-def]
                 nonlocal renewals
                 resp = await real(method, request, *args, **kwargs)
-                renewals += method == "KeepAlive"
+                renewals += method.name == "KeepAlive"
                 return resp
 
             kv._rpc.call = call  # type: ignore[method-assign]

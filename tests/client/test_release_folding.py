@@ -9,6 +9,7 @@ import pytest
 
 from kvstore.client import Client
 from kvstore.client.errors import DeadlineExceeded
+from kvstore.client.methods import Unary
 from kvstore.errors import FailedPrecondition
 from tests.client.blocks import LAYOUT, stored_chains
 
@@ -68,9 +69,9 @@ def lose_first_release_answer(kv: Client, monkeypatch: pytest.MonkeyPatch) -> li
     call = kv._rpc.call
     lost: list[object] = []
 
-    async def answer_lost(method: str, request: object, *args: object, **kw: object) -> object:
+    async def answer_lost(method: Unary, request: object, *args: object, **kw: object) -> object:
         reply = await call(method, request, *args, **kw)
-        if method == "Release" and not lost:
+        if method.name == "Release" and not lost:
             lost.append(reply)
             raise DeadlineExceeded("Release: the answer was lost")
         return reply

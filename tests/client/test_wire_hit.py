@@ -14,7 +14,8 @@ from hypothesis import strategies as st
 
 from kvstore.api import wire
 from kvstore.client import Client
-from kvstore.client.convert import chain_fields, hit_from_proto
+from kvstore.client.methods import LOOKUP, Unary
+from kvstore.client.replies import chain_fields, hit_from_proto
 from kvstore.errors import InvalidArgument
 from kvstore.results import MissReason
 from kvstore.types import BlockHash, LeaseId
@@ -36,7 +37,7 @@ async def test_lookup_is_packed_and_its_hit_lazy(kv: Client, monkeypatch) -> Non
     sent: list[Any] = []
     call = kv._rpc.call
 
-    async def spy(method: str, request: Any, *args: Any, **kwargs: Any) -> Any:
+    async def spy(method: Unary, request: Any, *args: Any, **kwargs: Any) -> Any:
         sent.append(request)
         return await call(method, request, *args, **kwargs)
 
@@ -56,7 +57,7 @@ async def test_lookup_is_packed_and_its_hit_lazy(kv: Client, monkeypatch) -> Non
 
     # The node's reply, read block by block, is what the hit's locations say.
     raw = await call(
-        "Lookup", pb.LookupRequest(namespace_id=ns.id, tokens=TOKENS), None, idempotent=True
+        LOOKUP, pb.LookupRequest(namespace_id=ns.id, tokens=TOKENS), None, idempotent=True
     )
     assert [(b.hash, b.slot, b.generation, b.arena, b.offset) for b in blocks_of(raw)] == [
         (b.hash, b.slot, b.generation, b.arena, b.offset) for b in hit.blocks

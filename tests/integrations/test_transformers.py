@@ -292,7 +292,7 @@ def test_on_a_cuda_pool_pins_are_released_only_after_the_copies(tmp_path, model)
         real = kv.client._rpc.call
 
         async def call(method, request, *args, **kwargs):  # type: ignore[no-untyped-def]
-            rt.calls.append(f"rpc:{method}")
+            rt.calls.append(f"rpc:{method.name}")
             return await real(method, request, *args, **kwargs)
 
         kv.client._rpc.call = call  # type: ignore[method-assign]

@@ -55,8 +55,8 @@ def log_rpcs(client: Client, log: list[str], methods=("Commit", "Release")) -> N
     real = client._rpc.call
 
     async def call(method, request, *args, **kwargs):  # type: ignore[no-untyped-def]
-        if method in methods:
-            log.append(f"rpc:{method}")
+        if method.name in methods:
+            log.append(f"rpc:{method.name}")
         return await real(method, request, *args, **kwargs)
 
     client._rpc.call = call  # type: ignore[method-assign]

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import NotRequired, TypedDict
 
 from kvstore import checksum
 from kvstore.api import wire
@@ -65,7 +65,31 @@ layout_to_proto = wire.layout_to_proto
 scheme_to_proto = wire.scheme_to_proto
 
 
-def lookup_reply(pool: BlockPool, result: LookupResult) -> dict[str, Any]:
+class LookupHits(TypedDict):
+    """The fields of a LookupResponse that place its hits (`lookup_reply`)."""
+
+    hit_hashes: bytes
+    slots_per_arena: int
+    block_bytes: int
+    packed_slots: bytes
+    packed_generations: bytes
+    packed_checksums: bytes
+    packed_chain: NotRequired[bytes]
+    """The chain the node hashed (a Lookup by tokens); set by the caller."""
+
+
+class ReservedSlots(TypedDict):
+    """The fields of a ReserveResponse that place its reservations (`packed_reserve`)."""
+
+    hashes: bytes
+    statuses: list[pb.ReserveStatus.ValueType]
+    slots: Sequence[int]
+    generations: Sequence[int]
+    slots_per_arena: int
+    block_bytes: int
+
+
+def lookup_reply(pool: BlockPool, result: LookupResult) -> LookupHits:
     """The reply fields of a Lookup's hits (``hit_hashes``, ``packed_slots``, ...).
 
     One bytes field per value, straight from the core's arrays: ~5 µs for 512
@@ -85,7 +109,7 @@ def lookup_reply(pool: BlockPool, result: LookupResult) -> dict[str, Any]:
     }
 
 
-def packed_reserve(pool: BlockPool, result: ReserveResult) -> dict[str, Any]:
+def packed_reserve(pool: BlockPool, result: ReserveResult) -> ReservedSlots:
     """The packed reply fields of a Reserve: hashes, statuses, slots, generations.
 
     Entries without a slot (IN_FLIGHT, NO_ROOM) carry slot and generation 0.

@@ -1,6 +1,6 @@
 """Protobuf messages ↔ kvstore value objects, for the client side.
 
-The service has its own translation (``service/api/convert.py``); the client
+The service has its own translation (``service/api/translate.py``); the client
 keeps its own so that the SDK depends on nothing in ``service``.
 """
 
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Literal, TypedDict, overload
 
 from kvstore.api import wire
 from kvstore.api.wire import pack_hashes, unpack_hashes
@@ -45,9 +45,23 @@ def descriptor_from_proto(msg: pb.AttachPoolResponse) -> PoolDescriptor:
     )
 
 
+class ChainFields(TypedDict, total=False):
+    """The fields that name a chain in a Lookup or a Reserve (one wire form of it)."""
+
+    tokens: list[int]
+    packed_hashes: bytes
+    extras: list[bytes]
+
+
+class LookupChainFields(ChainFields, total=False):
+    """A Lookup's chain fields: a chain hashed here says how many tokens it was."""
+
+    query_tokens: int
+
+
 def chain_fields(
     tokens: Tokens | None, hashes: Sequence[bytes] | None, extras: Sequence[Extra] | None
-) -> dict[str, Any]:
+) -> ChainFields:
     """The chain fields of a Lookup or Reserve request (docs/api.md, "Wire forms").
 
     ``packed_hashes`` (one bytes field), or ``tokens`` with their ``extras``
@@ -59,7 +73,7 @@ def chain_fields(
     """
     if (tokens is None) == (hashes is None):
         raise InvalidArgument("give exactly one of tokens or hashes")
-    fields: dict[str, Any] = {}
+    fields = ChainFields()
     if tokens is not None:
         # Checked and made uint32 as the node will read them (ids in [0, 2**32)).
         fields["tokens"] = wire.unpack_tokens(wire.pack_tokens(tokens)).tolist()
@@ -68,10 +82,28 @@ def chain_fields(
     if extras is not None:
         if not all(e is None or isinstance(e, bytes) for e in extras):
             raise InvalidArgument("extras sent to the node must be bytes (or None)")
-        fields["extras"] = [e or b"" for e in extras]
+        fields["extras"] = [e if isinstance(e, bytes) else b"" for e in extras]
     return fields
 
 
+@overload
+def request_fields(
+    ns: Namespace,
+    tokens: Tokens | None,
+    hashes: Sequence[bytes] | None,
+    extras: Sequence[Extra] | None,
+    *,
+    query_tokens: Literal[True],
+) -> LookupChainFields: ...
+@overload
+def request_fields(
+    ns: Namespace,
+    tokens: Tokens | None,
+    hashes: Sequence[bytes] | None,
+    extras: Sequence[Extra] | None,
+    *,
+    query_tokens: Literal[False],
+) -> ChainFields: ...
 def request_fields(
     ns: Namespace,
     tokens: Tokens | None,
@@ -79,7 +111,7 @@ def request_fields(
     extras: Sequence[Extra] | None,
     *,
     query_tokens: bool,
-) -> dict[str, Any]:
+) -> ChainFields | LookupChainFields:
     """The chain fields a Lookup (``query_tokens``) or a Reserve sends.
 
     A prompt is hashed in this process (under the namespace's ``chain_root``,
@@ -97,7 +129,7 @@ def request_fields(
     if tokens is not None and hashes is None and extras is None and ns.chain_root:
         chain = ns.hash(tokens)
         if chain:
-            fields: dict[str, Any] = {"packed_hashes": b"".join(chain)}
+            fields = LookupChainFields(packed_hashes=b"".join(chain))
             if query_tokens:
                 fields["query_tokens"] = len(tokens)
             return fields
