@@ -36,6 +36,7 @@ import json
 import mmap
 import os
 import shutil
+import statistics
 import subprocess
 import tempfile
 import time
@@ -196,15 +197,21 @@ async def run(
         block = kib << 10
         blocks = (total_mib << 20) // block
         # Best of ``repeat``, the tier and fio taking turns: the disk and the CPUs here
-        # are shared, and a run of either can land on a busy moment.
-        tier: dict[str, float] = {"write": 0.0, "read": 0.0, "read_chains": 0.0}
+        # are shared, and a run of either can land on a busy moment. Each turn's own
+        # ratio too (tier over the fio run right after it): their median is less
+        # moved by the disk's speed drifting between turns.
+        baseline = {"write": "write", "read": "read", "read_chains": "read"}
+        tier: dict[str, float] = dict.fromkeys(baseline, 0.0)
         fio: dict[str, float] | None = None
+        paired: dict[str, list[float]] = {k: [] for k in baseline}
         for _ in range(repeat):
             got = await _tier_rw(os.path.join(folder, "tier.bench"), block, blocks, threads, source)
             tier = {k: max(tier[k], got[k]) for k in tier}
             base = _fio(folder, block, blocks * block, threads)
             if base is not None:
                 fio = {k: max(fio[k] if fio else 0.0, base[k]) for k in base}
+                for k in baseline:
+                    paired[k].append(got[k] / base[baseline[k]])
         row: dict[str, Any] = {
             "block_bytes": block,
             "blocks": blocks,
@@ -212,8 +219,10 @@ async def run(
             "fio_gbps": fio,
         }
         if fio:
-            baseline = {"write": "write", "read": "read", "read_chains": "read"}
             row["ratio"] = {k: round(tier[k] / fio[baseline[k]], 2) for k in tier}
+            row["ratio_median_of_turns"] = {
+                k: round(statistics.median(v), 2) for k, v in paired.items()
+            }
         sizes.append(row)
     rebuilds = [
         await _rebuild(os.path.join(folder, "rebuild.bench"), n, 16 << 10, threads) for n in rebuild
