@@ -115,8 +115,8 @@ class DiskTier:
     ) -> DiskTier:
         """Create and preallocate, or reopen, the tier file at ``path``.
 
-        The index is rebuilt from the slot headers (torn or corrupt ones are
-        discarded and counted). Blocking: call it off the loop
+        The index comes from a clean stop's checkpoint, else from the slot
+        headers (torn or corrupt ones discarded and counted). Blocking: call it off the loop
         (``asyncio.to_thread``) or before the loop starts.
 
         Args:
@@ -125,7 +125,7 @@ class DiskTier:
             queue_blocks: bound of the write-behind queue (blocks).
             io_threads: reads and writes in flight at once.
             direct: O_DIRECT (page cache bypassed); False only for file
-                systems without it (tmpfs), when chosen explicitly.
+                systems without it (ramfs; tmpfs has it since Linux 6.6).
             region_bytes: the unit a slot size is given space in (tests use
                 small ones); a reopened file keeps its own.
             wrap: the I/O seam: given the opened file, returns the one the
