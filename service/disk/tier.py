@@ -1,0 +1,485 @@
+"""DiskTier: the disk tier's storage engine (issue #33), as the node sees it.
+
+One preallocated file of fixed-size slots (layout: `service.disk.format`;
+space and eviction: `service.disk.index`). The file is sized once to fit
+the cap and never grown, so the bytes on disk never exceed it.
+
+- **Writes are behind and bounded.** `offer` copies the block into a
+  page-aligned buffer, reserves a slot and hands the write to one of
+  ``io_threads`` threads; a full queue, a degraded tier or no slot to be
+  had is a refusal, counted, never a wait. The block becomes visible
+  (`run_length`, `read_into`) only once its write completed. A write that
+  fails (ENOSPC, EIO) leaves no entry and degrades the tier: one log line, a
+  flag and a counter; reads go on.
+- **Reads are checked.** `read_into` (`read_many` for a chain) reads the
+  header page and the payload
+  (straight into the caller's buffer when it is page-aligned and whole pages,
+  else through a bounce buffer) off the loop, then checks that the header
+  names the block and the payload has its checksum; a mismatch discards the
+  slot and is a miss, counted.
+- **Crash safety.** A reused slot's header is zeroed before the new block
+  goes in; header and payload checksums catch any torn write; removed
+  blocks' headers are zeroed before their slot is free (a restart never
+  brings back what was dropped, barring a crash in between). A clean
+  `close` leaves a checkpoint of the index (`service.disk.checkpoint`); the
+  open after a crash scans the slot headers (`service.disk.rebuild`).
+
+Threads: every method but `open` runs on the event loop's thread, which
+alone touches the index; the I/O threads see only the offsets, buffers and
+expected headers they are given (`service.disk.jobs`), and report back
+through one `Completions` channel.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import logging
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+
+from service.disk.checkpoint import write_checkpoint
+from service.disk.entry import Entry, Key
+from service.disk.format import PAGE, DiskKey, SlotHeader, Superblock
+from service.disk.index import DiskIndex, Reservation
+from service.disk.io import DiskTierError, TierFile, open_tier_file
+from service.disk.jobs import (
+    Completions,
+    ReadBatch,
+    ReadResult,
+    ThreadBuffers,
+    WriteBuffers,
+    read_slot,
+    write_slot,
+)
+from service.disk.rebuild import rebuild_index
+from service.disk.stats import TIER_COUNTERS, DiskEvent, DiskEventKind, DiskStats
+
+__all__ = ["DiskEvent", "DiskEventKind", "DiskKey", "DiskStats", "DiskTier", "DiskTierError"]
+
+log = logging.getLogger(__name__)
+
+_FAILURE_COUNTER = {
+    ReadResult.IDENTITY: "read_failures_identity",
+    ReadResult.CHECKSUM: "read_failures_checksum",
+    ReadResult.ERROR: "read_errors",
+}
+
+
+class DiskTier:
+    """One preallocated file of fixed-size slots: write-behind, verified reads."""
+
+    def __init__(
+        self,
+        file: TierFile,
+        index: DiskIndex,
+        capacity_bytes: int,
+        queue_blocks: int,
+        io_threads: int,
+    ) -> None:
+        self._file = file
+        self._index = index
+        self._capacity = capacity_bytes
+        self._queue_blocks = queue_blocks
+        self._io_threads = io_threads
+        self._pool = ThreadPoolExecutor(io_threads, thread_name_prefix="kvstore-disk")
+        self._local = ThreadBuffers()
+        self._done: Completions | None = None
+        # As many as the queue holds: a fresh buffer faults a page per 4 KiB on first use.
+        self._buffers = WriteBuffers(keep=queue_blocks)
+        self._events: list[DiskEvent] = []
+        self._queued = 0
+        self._in_flight = 0  # writes + invalidations
+        self._idle: asyncio.Event | None = None
+        self._closed = False
+        self._degraded = False
+        self._c: dict[str, int] = dict.fromkeys(TIER_COUNTERS, 0)
+        self._rebuild_seconds = 0.0
+        self._opened_from = "new"
+        self._sb = Superblock(index.region_bytes, 0)
+
+    @classmethod
+    def open(
+        cls,
+        path: str,
+        capacity_bytes: int,
+        *,
+        queue_blocks: int = 256,
+        io_threads: int = 4,
+        direct: bool = True,
+        region_bytes: int = 64 << 20,
+        wrap: Callable[[TierFile], TierFile] | None = None,
+    ) -> DiskTier:
+        """Create and preallocate, or reopen, the tier file at ``path``.
+
+        The index comes from a clean stop's checkpoint, else from the slot
+        headers (torn or corrupt ones discarded and counted). Blocking: call it off the loop
+        (``asyncio.to_thread``) or before the loop starts.
+
+        Args:
+            path: the tier file (its folder must exist).
+            capacity_bytes: the cap: the file is preallocated once to at most this.
+            queue_blocks: bound of the write-behind queue (blocks).
+            io_threads: reads and writes in flight at once.
+            direct: O_DIRECT (page cache bypassed); False only for file
+                systems without it (ramfs; tmpfs has it since Linux 6.6).
+            region_bytes: the unit a slot size is given space in (tests use
+                small ones); a reopened file keeps its own.
+            wrap: the I/O seam: given the opened file, returns the one the
+                tier uses (tests fail its writes with ENOSPC or EIO).
+
+        Raises:
+            DiskTierError: missing folder, unwritable, no O_DIRECT on that file
+                system, capacity too small or more than the free space; one line.
+        """
+        if queue_blocks < 1 or io_threads < 1:
+            raise ValueError("queue_blocks and io_threads must be at least 1")
+        file, sb, reopened = open_tier_file(path, capacity_bytes, direct, region_bytes)
+        if wrap is not None:
+            file = wrap(file)
+        try:
+            index = DiskIndex(sb.regions, sb.region_bytes)
+            tier = cls(file, index, capacity_bytes, queue_blocks, io_threads)
+            tier._sb = sb
+            if reopened:
+                tier._rebuild(path, sb)
+            return tier
+        except BaseException:
+            file.close()
+            raise
+
+    def _rebuild(self, path: str, sb: Superblock) -> None:
+        """The index from the checkpoint of a clean stop, else from the slot headers."""
+        done = rebuild_index(self._file, sb, self._index, self._io_threads, self._local.zero)
+        self._sb = done.superblock
+        self._opened_from = done.source
+        self._rebuild_seconds = done.seconds
+        self._c["discarded_at_open"] = done.discarded
+        self._c["rebuilt_blocks"] = self._index.ready_blocks
+        log.info(
+            "disk tier %s: %d blocks from the %s in %.2f s, %d headers discarded",
+            path,
+            self._index.ready_blocks,
+            done.source,
+            done.seconds,
+            done.discarded,
+        )
+
+    # -- writes --------------------------------------------------------------
+
+    def offer(self, key: DiskKey, data: bytes | memoryview, checksum: int) -> bool:
+        """Queue a block to be written behind; never blocks on I/O.
+
+        ``data`` is copied before this returns. ``checksum`` is the block's
+        xxh3-64 (`kvstore.checksum`), 0 when not computed (the tier computes it).
+        Returns False (and counts it) when the queue is full, the tier is
+        degraded, no slot can be had, or the block is already on disk or queued.
+        Must be called on the event loop's thread (a running loop).
+        """
+        done = self._completions()
+        k: Key = (key.namespace, key.scope, key.block_hash)
+        if k in self._index:
+            self._c["write_present"] += 1
+            return False
+        if self._closed or self._degraded or self._queued >= self._queue_blocks:
+            self._c["write_drops"] += 1
+            return False
+        view = memoryview(data).cast("B")
+        res = self._index.reserve(k, view.nbytes, checksum)
+        if res is None:
+            self._c["write_drops"] += 1
+            return False
+        buf = self._buffers.take(res.slot_bytes)
+        # numpy's copy lets go of the GIL (a memoryview's does not): I/O goes on meanwhile.
+        np.copyto(np.frombuffer(buf, np.uint8, view.nbytes, PAGE), np.frombuffer(view, np.uint8))
+        self._queued += 1
+        self._begin()
+        self._pool.submit(self._write_task, done, res, buf, view.nbytes, checksum)
+        self._collect()
+        return True
+
+    def _write_task(
+        self, done: Completions, res: Reservation, buf: Any, length: int, checksum: int
+    ) -> None:
+        """On an I/O thread (skipped once the tier is closing)."""
+        result: int | None = None
+        exc: BaseException | None = None
+        if not self._closed:
+            try:
+                result = write_slot(self._file, self._local, res, buf, length, checksum)
+            except BaseException as e:  # reported on the loop, never lost in a future
+                exc = e
+        done.post(self._write_done, res, buf, length, result, exc)
+
+    def _write_done(
+        self,
+        res: Reservation,
+        buf: Any,
+        length: int,
+        checksum: int | None,
+        exc: BaseException | None,
+    ) -> None:
+        self._queued -= 1
+        self._buffers.give_back(res.slot_bytes, buf)
+        e = res.entry
+        if checksum is None:
+            self._index.write_failed(e)
+            if exc is not None:
+                self._write_error(exc)
+        else:
+            e.checksum = checksum
+            if self._index.committed(e):
+                self._c["writes"] += 1
+                self._c["write_bytes"] += length
+                self._events.append(DiskEvent(DiskEventKind.STORED, DiskKey(*e.key)))
+        self._collect()
+        self._end()
+
+    def _write_error(self, exc: BaseException) -> None:
+        self._c["write_errors"] += 1
+        if not isinstance(exc, OSError):
+            log.error("disk tier: bug in a write", exc_info=exc)
+        is_enospc = isinstance(exc, OSError) and exc.errno == errno.ENOSPC
+        self._c["enospc"] += is_enospc
+        if not self._degraded:
+            self._degraded = True
+            log.error(
+                "disk tier degraded: a write failed (%s); it takes no more blocks, "
+                "the memory tier goes on",
+                exc,
+            )
+
+    # -- reads ---------------------------------------------------------------
+
+    def run_length(self, namespace: bytes, scope: int, hashes: Sequence[int]) -> int:
+        """How many leading hashes of the chain are on disk (index only, no I/O)."""
+        return self._index.run_length(namespace, scope, hashes)
+
+    def length_of(self, key: DiskKey) -> int | None:
+        """The payload length of a block on disk, or None when it is not there."""
+        e = self._index.ready((key.namespace, key.scope, key.block_hash))
+        return None if e is None else e.length
+
+    async def read_into(self, key: DiskKey, dest: memoryview) -> bool:
+        """Read a block into ``dest`` (its length must be the block's) off the loop.
+
+        The header's identity and the payload's checksum are verified after
+        the read; a mismatch discards the slot, counts it and returns False,
+        as does a block that is not on disk. Page-aligned ``dest`` of a
+        4 KiB-multiple length is read into directly, else through a bounce
+        buffer. On success the block becomes the most recently used.
+        Cancelled, it still waits for its read to land (never a late write
+        into ``dest``).
+
+        Raises:
+            ValueError: ``dest`` is not the block's length or not writable.
+        """
+        return (await self.read_many([key], [dest]))[0]
+
+    async def read_many(self, keys: Sequence[DiskKey], dests: Sequence[memoryview]) -> list[bool]:
+        """`read_into` for many blocks at once (a chain's promotion): all are
+        handed to the I/O threads together, and the loop wakes once when the
+        last has landed. Returns, per block, whether ``dests[i]`` holds it.
+
+        Raises:
+            ValueError: a destination is not its block's length or not writable
+                (nothing is read).
+        """
+        if len(keys) != len(dests):
+            raise ValueError(f"read_many: {len(keys)} keys, {len(dests)} destinations")
+        if self._closed:
+            return [False] * len(keys)
+        index = self._index
+        entries = [index.begin_read((k.namespace, k.scope, k.block_hash)) for k in keys]
+        for e, dest in zip(entries, dests, strict=True):
+            if e is not None and (dest.nbytes != e.length or dest.readonly):
+                for held in entries:
+                    if held is not None:
+                        index.end_read(held, touch=False, discard=False)
+                raise ValueError(
+                    f"read_into needs a writable buffer of {e.length} bytes, not {dest.nbytes}"
+                )
+        done = self._completions()
+        loop = asyncio.get_running_loop()
+        batch = ReadBatch(
+            [None] * len(keys), sum(e is not None for e in entries), loop.create_future()
+        )
+        try:
+            for i, e in enumerate(entries):
+                if e is not None:
+                    r = index.region(e.region)
+                    want = SlotHeader(r.slot_bytes, r.epoch, *e.key, e.length, e.checksum, e.seq)
+                    self._pool.submit(
+                        self._read_task, done, batch, i, want, index.offset_of(e), dests[i]
+                    )
+            if batch.left:
+                try:
+                    await asyncio.shield(batch.done)
+                except asyncio.CancelledError:
+                    await batch.done  # the threads may still be writing into dests
+                    raise
+        finally:
+            # Not landed (cancelled before its submit): released as it was.
+            for e, result in zip(entries, batch.results, strict=True):
+                if e is not None:
+                    index.end_read(
+                        e,
+                        touch=result is ReadResult.OK,
+                        discard=result not in (None, ReadResult.OK),
+                    )
+            self._collect()
+        return [self._count_read(e, r) for e, r in zip(entries, batch.results, strict=True)]
+
+    def _read_task(
+        self,
+        done: Completions,
+        batch: ReadBatch,
+        i: int,
+        want: SlotHeader,
+        offset: int,
+        dest: memoryview,
+    ) -> None:
+        """On an I/O thread: one block of a batch; the last one wakes the loop."""
+        try:
+            result = read_slot(self._file, self._local, want, offset, dest)
+        except OSError as exc:
+            log.warning("disk tier: reading block %#x failed (%s)", want.block_hash, exc)
+            result = ReadResult.ERROR
+        except BaseException:
+            log.exception("disk tier: bug in a read")
+            result = ReadResult.ERROR
+        batch.results[i] = result
+        with batch.lock:
+            batch.left -= 1
+            last = batch.left == 0
+        if last:
+            done.post(batch.finish)
+
+    def _count_read(self, e: Entry | None, result: ReadResult | None) -> bool:
+        if e is None or result is None:
+            return False
+        if result is ReadResult.OK:
+            self._c["reads"] += 1
+            self._c["read_bytes"] += e.length
+            return True
+        self._c[_FAILURE_COUNTER[result]] += 1
+        log.warning("disk tier: block %s discarded (%s)", DiskKey(*e.key), _FAILURE_COUNTER[result])
+        return False
+
+    # -- removal, events, figures ----------------------------------------------
+
+    def drop_namespace(self, namespace: bytes) -> int:
+        """Forget every block of a namespace (their headers are invalidated
+        behind); returns how many."""
+        self._completions()
+        n = self._index.drop_namespace(namespace)
+        self._collect()
+        return n
+
+    def take_events(self) -> list[DiskEvent]:
+        """The blocks stored and removed since the last call, in order."""
+        out, self._events = self._events, []
+        return out
+
+    def stats(self) -> DiskStats:
+        """A snapshot of the counters and occupancy."""
+        index = self._index
+        return DiskStats(
+            capacity_bytes=self._capacity,
+            file_bytes=self._file.size,
+            used_bytes=index.used_bytes,
+            blocks=index.ready_blocks,
+            blocks_by_namespace=index.per_namespace(),
+            evictions=index.evictions,
+            rebuild_seconds=self._rebuild_seconds,
+            opened_from=self._opened_from,
+            degraded=self._degraded,
+            queue_depth=self._queued,
+            queue_blocks=self._queue_blocks,
+            **self._c,
+        )
+
+    def _completions(self) -> Completions:
+        """The channel from the I/O threads to the running loop (bound on first use)."""
+        if self._done is None:
+            self._done = Completions(asyncio.get_running_loop())
+        return self._done
+
+    def _collect(self) -> None:
+        """Side effects the index left: removal events, header pages to zero."""
+        for k in self._index.take_removed():
+            self._events.append(DiskEvent(DiskEventKind.REMOVED, DiskKey(*k)))
+        jobs = self._index.take_invalidations()
+        if not jobs or self._done is None:
+            return
+        self._begin()
+        self._pool.submit(self._invalidate_task, self._done, jobs)
+
+    def _invalidate_task(self, done: Completions, jobs: list[tuple[int, int, int]]) -> None:
+        """On an I/O thread: zero the header pages of slots in limbo."""
+        exc: BaseException | None = None
+        try:
+            if self._closed:
+                raise OSError(errno.ECANCELED, "the tier is closing")
+            for offset, _, _ in jobs:
+                self._file.zero_page(offset, self._local.zero)
+        except BaseException as e:
+            exc = e
+        done.post(self._invalidated, jobs, exc)
+
+    def _invalidated(self, jobs: list[tuple[int, int, int]], exc: BaseException | None) -> None:
+        if exc is None:
+            for _, region, slot in jobs:
+                self._index.invalidated(region, slot)
+        elif not (isinstance(exc, OSError) and exc.errno == errno.ECANCELED):
+            self._write_error(exc)  # those slots stay in limbo: never reused
+        self._end()
+
+    def _begin(self) -> None:
+        self._in_flight += 1
+        if self._idle is not None:
+            self._idle.clear()
+
+    def _end(self) -> None:
+        self._in_flight -= 1
+        if self._in_flight == 0 and self._idle is not None:
+            self._idle.set()
+
+    # -- stop ----------------------------------------------------------------
+
+    async def flush(self, timeout: float) -> bool:  # noqa: ASYNC109 (a bool, not a raise)
+        """Wait until the queued writes have completed; False if ``timeout`` ran out."""
+        if self._in_flight == 0:
+            return True
+        if self._idle is None:
+            self._idle = asyncio.Event()
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout)
+        except TimeoutError:
+            return False
+        return True
+
+    async def close(self, *, checkpoint: bool = True) -> None:
+        """Stop: queued writes not yet started are dropped (call `flush` first
+        for a clean stop), the ones in flight complete, the index is saved as
+        a checkpoint (unless the tier is degraded, or ``checkpoint`` is False:
+        the next open then scans the headers, as after a crash), the file is
+        closed."""
+        if self._closed:
+            return
+        self._closed = True
+        await asyncio.to_thread(self._pool.shutdown, wait=True)  # queued writes skip their I/O
+        await asyncio.sleep(0)  # the done callbacks of the last jobs
+        try:
+            if checkpoint and not self._degraded:
+                snap = self._index.snapshot()  # on the loop: the index is the loop's
+                await asyncio.to_thread(write_checkpoint, self._file, self._sb, snap)
+        except OSError as exc:
+            log.warning(
+                "disk tier: no checkpoint written (%s): the next start scans the headers", exc
+            )
+        finally:
+            self._file.close()
