@@ -298,6 +298,8 @@ class Server:
                 os.unlink(self.uds_path)
             self.uds_path = ""
         self.node.metrics.stop_http()
+        if self.node.disk is not None:  # before the pools close: queued copies read them
+            await self.node.disk.stop(self.config.disk_flush_seconds)
         await self.node.memory.stop()  # growth ahead of need: no arena is built after this
         self.node.pools.close()
         log.info("node %s stopped", self.node.node_id)
