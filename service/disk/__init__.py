@@ -7,6 +7,9 @@ aligned buffers `io`.
 
 from __future__ import annotations
 
-from service.disk.tier import DiskEvent, DiskKey, DiskStats, DiskTier, DiskTierError
+from service.disk.format import DiskKey
+from service.disk.io import DiskTierError
+from service.disk.stats import DiskEvent, DiskEventKind, DiskStats
+from service.disk.tier import DiskTier
 
-__all__ = ["DiskEvent", "DiskKey", "DiskStats", "DiskTier", "DiskTierError"]
+__all__ = ["DiskEvent", "DiskEventKind", "DiskKey", "DiskStats", "DiskTier", "DiskTierError"]

@@ -1,0 +1,208 @@
+"""The disk tier's on-disk format: the one module that packs and parses its bytes.
+
+The file (preallocated once, never grown past the cap)::
+
+    [0, 1 MiB)                      superblock page (the rest of the MiB unused,
+                                    so regions start 1 MiB-aligned)
+    [1 MiB + i * R, ... + R)        region i (R = region_bytes, 64 MiB by default)
+
+A region belongs to one slot size while it holds blocks::
+
+    [0, 4 KiB)                      region header: slot size, region epoch
+    [4 KiB + j * S, ... + S)        slot j (S = slot size = 4 KiB header page +
+                                    the payload rounded up to 4 KiB)
+
+A slot is its header page followed by the payload, written by one ``pwrite``.
+Every header ends with an xxh3-64 of its own bytes (a torn or flipped header
+is never believed); a slot header also carries the payload's xxh3-64
+(`kvstore.checksum`), checked when the block is read back. A slot header
+counts only under a region header with the same slot size and epoch: a
+region given to another slot size gets a new epoch, which turns every
+header left in it stale with one page written. All integers little-endian.
+"""
+
+from __future__ import annotations
+
+import mmap
+import struct
+from dataclasses import dataclass
+
+import xxhash
+
+PAGE = 4096
+"""O_DIRECT alignment and the unit of slots: every offset and length is a multiple."""
+
+DATA_START = 1 << 20
+"""Where region 0 starts: the superblock's page plus padding to 1 MiB."""
+
+VERSION = 1
+
+FILE_MAGIC = b"KVSTDSK\x01"
+REGION_MAGIC = b"KVSTRGN\x01"
+SLOT_MAGIC = b"KVSTSLT\x01"
+
+_SUPER = struct.Struct("<8sIIQQ")  # magic, version, pad, region_bytes, regions
+_REGION = struct.Struct("<8sIIQQ")  # magic, version, slot_bytes, epoch, region index
+_SLOT = struct.Struct("<8sIIQ16sQQQQQ")
+# magic, version, slot_bytes, epoch, namespace, scope, block_hash, length, checksum, seq
+_TAIL = struct.Struct("<Q")  # xxh3-64 of the header's bytes before it
+
+Page = bytes | memoryview | mmap.mmap
+"""A header page as read: any buffer."""
+
+U64 = (1 << 64) - 1
+NAMESPACE_BYTES = 16
+
+
+@dataclass(frozen=True, slots=True)
+class DiskKey:
+    """A block's identity on disk: what a slot header names."""
+
+    namespace: bytes
+    """16-byte stable digest of the namespace's identity (name + layout), the caller's."""
+    scope: int
+    """The tenant scope the block belongs to (u64): same hash, other scope = other block."""
+    block_hash: int
+    """The chained prefix hash (u64)."""
+
+    def __post_init__(self) -> None:
+        if len(self.namespace) != NAMESPACE_BYTES:
+            raise ValueError(
+                f"DiskKey.namespace is {len(self.namespace)} bytes, not {NAMESPACE_BYTES}"
+            )
+        if not (0 <= self.scope <= U64 and 0 <= self.block_hash <= U64):
+            raise ValueError("DiskKey.scope and block_hash are unsigned 64-bit integers")
+
+
+def round_up(n: int, unit: int = PAGE) -> int:
+    """``n`` rounded up to a multiple of ``unit``."""
+    return -(-n // unit) * unit
+
+
+def slot_bytes_for(length: int) -> int:
+    """The slot size of a block of ``length`` payload bytes: header page + payload pages."""
+    return PAGE + round_up(max(length, 1))
+
+
+def _seal(body: bytes) -> bytes:
+    page = bytearray(PAGE)
+    page[: len(body)] = body
+    page[len(body) : len(body) + _TAIL.size] = _TAIL.pack(xxhash.xxh3_64_intdigest(body))
+    return bytes(page)
+
+
+def _unseal(page: Page, layout: struct.Struct, magic: bytes) -> tuple[object, ...] | None:
+    """The header's fields, or None when the magic or the header's own checksum is wrong."""
+    if bytes(page[:8]) != magic:
+        return None
+    body = page[: layout.size]
+    (stored,) = _TAIL.unpack_from(page, layout.size)
+    if xxhash.xxh3_64_intdigest(body) != stored:
+        return None
+    return layout.unpack_from(page)
+
+
+@dataclass(frozen=True, slots=True)
+class Superblock:
+    """The file's first page: the region size the file was cut with, and how many."""
+
+    region_bytes: int
+    regions: int
+
+    def pack(self) -> bytes:
+        return _seal(_SUPER.pack(FILE_MAGIC, VERSION, 0, self.region_bytes, self.regions))
+
+    @classmethod
+    def parse(cls, page: Page) -> Superblock | None:
+        fields = _unseal(page, _SUPER, FILE_MAGIC)
+        if fields is None or fields[1] != VERSION:
+            return None
+        _, _, _, region_bytes, regions = fields
+        assert isinstance(region_bytes, int) and isinstance(regions, int)
+        return cls(region_bytes, regions)
+
+
+@dataclass(frozen=True, slots=True)
+class RegionHeader:
+    """A region's first page: the slot size its slots have while this epoch lasts."""
+
+    slot_bytes: int
+    epoch: int
+    index: int
+
+    def pack(self) -> bytes:
+        return _seal(_REGION.pack(REGION_MAGIC, VERSION, self.slot_bytes, self.epoch, self.index))
+
+    @classmethod
+    def parse(cls, page: Page) -> RegionHeader | None:
+        fields = _unseal(page, _REGION, REGION_MAGIC)
+        if fields is None or fields[1] != VERSION:
+            return None
+        _, _, slot_bytes, epoch, index = fields
+        assert isinstance(slot_bytes, int) and isinstance(epoch, int) and isinstance(index, int)
+        return cls(slot_bytes, epoch, index)
+
+
+@dataclass(frozen=True, slots=True)
+class SlotHeader:
+    """A slot's first page: which block the payload after it is, and its checksum."""
+
+    slot_bytes: int
+    epoch: int
+    namespace: bytes
+    scope: int
+    block_hash: int
+    length: int
+    checksum: int
+    seq: int
+    """Write sequence number: the LRU order the rebuild restores."""
+
+    def pack(self) -> bytes:
+        return _seal(
+            _SLOT.pack(
+                SLOT_MAGIC,
+                VERSION,
+                self.slot_bytes,
+                self.epoch,
+                self.namespace,
+                self.scope,
+                self.block_hash,
+                self.length,
+                self.checksum,
+                self.seq,
+            )
+        )
+
+    @classmethod
+    def parse(cls, page: Page) -> SlotHeader | None:
+        fields = _unseal(page, _SLOT, SLOT_MAGIC)
+        if fields is None or fields[1] != VERSION:
+            return None
+        _, _, slot_bytes, epoch, namespace, scope, block_hash, length, checksum, seq = fields
+        return cls(slot_bytes, epoch, namespace, scope, block_hash, length, checksum, seq)  # type: ignore[arg-type]
+
+
+def is_blank(page: Page) -> bool:
+    """True for a page whose magic is zero (never written, or invalidated)."""
+    return bytes(page[:8]) == bytes(8)
+
+
+def data_bytes(capacity_bytes: int, region_bytes: int) -> tuple[int, int]:
+    """(regions, file bytes) of a file that fits in ``capacity_bytes``."""
+    regions = max(0, (capacity_bytes - DATA_START) // region_bytes)
+    return regions, DATA_START + regions * region_bytes
+
+
+def region_offset(region: int, region_bytes: int) -> int:
+    """The file offset of region ``region``'s header page."""
+    return DATA_START + region * region_bytes
+
+
+def slots_per_region(region_bytes: int, slot_bytes: int) -> int:
+    """How many slots of ``slot_bytes`` a region holds after its header page."""
+    return (region_bytes - PAGE) // slot_bytes
+
+
+def slot_offset(region: int, slot: int, region_bytes: int, slot_bytes: int) -> int:
+    """The file offset of a slot's header page."""
+    return DATA_START + region * region_bytes + PAGE + slot * slot_bytes
