@@ -33,7 +33,7 @@ from service.cluster.peer_fetch import PeerFetcher
 from service.config import Config, ConfigError
 from service.disk.node_tier import NodeDisk
 from service.disk.promote import DiskPromoter
-from service.disk.wiring import start_disk
+from service.disk.wiring import disk_stats, start_disk
 from service.events.engine_index import ChainStart, EngineIndex
 from service.events.metrics import EventsCollector
 from service.events.wiring import KvEvents
@@ -213,6 +213,7 @@ class Node:
             namespaces=namespaces,
             capacity_bytes=self.pools.capacity_bytes,
             allocated_bytes=self.pools.allocated_bytes,
+            disk=disk_stats(self.disk, self.promoter) if self.disk and self.promoter else None,
         )
 
     # --- cluster ----------------------------------------------------------------

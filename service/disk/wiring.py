@@ -7,6 +7,7 @@ from typing import TypeVar
 
 from prometheus_client import CollectorRegistry
 
+from kvstore.v1 import kvstore_pb2 as pb
 from service.cluster.local import LocalNode
 from service.disk.node_metrics import DiskCollector, DiskFigures
 from service.disk.node_tier import NodeDisk
@@ -32,3 +33,17 @@ def start_disk(
 
     registry.register(DiskCollector(lambda: on_loop(figures)))
     return promoter
+
+
+def disk_stats(disk: NodeDisk, promoter: DiskPromoter) -> pb.DiskTierStats:
+    """The tier's figures in a StatsResponse; call on the loop."""
+    stats = disk.stats()
+    return pb.DiskTierStats(
+        capacity_bytes=stats.capacity_bytes,
+        used_bytes=stats.used_bytes,
+        blocks=stats.blocks,
+        promoted_blocks=promoter.promoted_blocks,
+        written_blocks=stats.writes,
+        dropped_writes=stats.write_drops + sum(disk.skipped.values()),
+        degraded=stats.degraded,
+    )

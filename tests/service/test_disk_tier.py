@@ -15,7 +15,9 @@ import grpc
 import numpy as np
 import pytest
 
+from kvstore.cli.reads import disk_line
 from kvstore.client import Client
+from kvstore.ops.summary import status_json
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc
 from service.config import Config
@@ -92,6 +94,9 @@ async def test_blocks_come_back_from_disk_for_their_tenant_only(disk_config: Con
         assert metric(server, "kvstore_disk_hits_total") == BLOCKS
         assert metric(server, "kvstore_disk_blocks") == BLOCKS
         assert metric(server, "kvstore_disk_writes_total") == 0  # promoted: not written back
+        disk = status_json(await a.stats())["disk"]
+        assert disk["blocks"] == BLOCKS and disk["promoted_blocks"] == BLOCKS
+        assert "4 blocks" in disk_line(disk)
 
 
 async def test_corrupted_bytes_on_disk_are_a_miss(disk_config: Config) -> None:
