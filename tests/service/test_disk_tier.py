@@ -7,6 +7,7 @@ empty, so every hit is a block promoted from disk.
 
 from __future__ import annotations
 
+import asyncio
 import re
 from dataclasses import replace
 from pathlib import Path
@@ -21,6 +22,7 @@ from kvstore.ops.summary import status_json
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc
 from service.config import Config
+from service.disk import DiskKey
 from service.server import Server
 from tests.client.blocks import LAYOUT
 from tests.conftest import started
@@ -177,3 +179,39 @@ def test_a_cuda_pool_goes_to_disk_and_comes_back(disk_config: Config) -> None:
             assert hit.hit_blocks == BLOCKS
             assert kv.read_blocks(hit) == blocks
             kv.release(hit)
+
+
+async def test_a_lookup_cancelled_mid_promotion_leaks_nothing(disk_config: Config) -> None:
+    blocks = random_blocks(6)
+    await store_and_stop(disk_config, blocks)
+    async with (
+        started(disk_config, ManualClock()) as server,
+        Client(server.address, tenant="a") as kv,
+    ):
+        ns = await kv.register_namespace("disk-model", LAYOUT)
+        disk = server.node.disk
+        assert disk is not None
+        reading, go_on = asyncio.Event(), asyncio.Event()
+        real_read = disk.tier.read_into
+
+        async def held_read(key: DiskKey, dest: memoryview) -> bool:
+            reading.set()
+            await go_on.wait()
+            return await real_read(key, dest)
+
+        disk.tier.read_into = held_read  # type: ignore[method-assign]
+        lookup = asyncio.create_task(kv.lookup(ns, TOKENS, pin=True, timeout=5))
+        await asyncio.wait_for(reading.wait(), 5)
+        lookup.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await lookup
+        go_on.set()  # the reads land after the caller left: the promotion still commits
+        promoter = server.node.promoter
+        assert promoter is not None
+        await until(lambda: promoter.promoted_blocks == BLOCKS, what="the promotion to finish")
+        stats = await kv.stats()
+        assert (stats.pinned, stats.writing) == (0, 0)  # no pin, no slot, no lease left
+        assert stats.leases == 1  # the client's own
+        hit = await kv.lookup(ns, TOKENS, pin=True)
+        assert hit.hit_blocks == BLOCKS and await kv.read_blocks(hit) == blocks
+        await kv.release(hit)
