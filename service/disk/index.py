@@ -31,6 +31,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
+from operator import attrgetter
 
 from service.disk.format import (
     RegionHeader,
@@ -42,6 +43,9 @@ from service.disk.format import (
 
 Key = tuple[bytes, int, int]
 """(namespace, scope, block_hash): `DiskKey` as a tuple, cheaper to hash in loops."""
+
+Found = tuple[int, int, Key, int, int]
+"""A valid slot header found at open: (seq, slot, key, length, checksum)."""
 
 
 class EntryState(Enum):
@@ -324,8 +328,12 @@ class DiskIndex:
 
     # -- rebuild -------------------------------------------------------------
 
-    def adopt_region(self, index: int, header: RegionHeader) -> None:
-        """At open: a region found on disk given to ``header.slot_bytes``."""
+    def adopt_region(self, index: int, header: RegionHeader, found: Sequence[Found]) -> None:
+        """At open: a region found on disk, given to ``header.slot_bytes``, and
+        the valid slot headers in it. Call `adopted` after the last region.
+
+        A block found twice keeps its newest write (the older slot is zeroed behind).
+        """
         r = self._regions[index]
         self._free_regions.remove(index)
         cls = self._classes.setdefault(header.slot_bytes, _SizeClass())
@@ -333,26 +341,28 @@ class DiskIndex:
         r.slots = slots_per_region(self.region_bytes, header.slot_bytes)
         cls.regions.add(index)
         self.next_epoch = max(self.next_epoch, header.epoch + 1)
-
-    def adopt_blocks(self, found: list[tuple[int, int, int, Key, int, int]]) -> None:
-        """At open: (seq, region, slot, key, length, checksum) of valid slot headers.
-
-        A key found twice keeps its newest write (the older slot is zeroed behind).
-        Regions that hold nothing are handed back.
-        """
-        found.sort()
-        for seq, region, slot, key, length, checksum in found:
-            r = self._regions[region]
-            old = self._entries.get(key)
-            if old is not None:
-                self._forget(old)
-            e = Entry(key, region, slot, length, checksum, seq, EntryState.READY)
+        entries = self._entries
+        next_seq = self.next_seq
+        for seq, slot, key, length, checksum in found:
+            e = Entry(key, index, slot, length, checksum, seq, EntryState.READY)
             r.entries[slot] = e
-            self._entries[key] = e
-            self._link(e, r)
+            old = entries.get(key)
+            if old is not None:
+                if old.seq > seq:
+                    self._to_limbo(e)
+                    continue
+                self._to_limbo(old)
+            entries[key] = e
+            if seq >= next_seq:
+                next_seq = seq + 1
+        self.next_seq = next_seq
+
+    def adopted(self) -> None:
+        """At open, after the last `adopt_region`: the LRU in write order, the
+        counts, the free slots; regions that hold nothing are handed back."""
+        for e in sorted(self._entries.values(), key=attrgetter("seq")):
+            self._link(e, self._regions[e.region])
             self._count(e, +1)
-            self.next_seq = max(self.next_seq, seq + 1)
-        self._removed.clear()  # nothing left the disk: it was never announced
         for r in self._regions:
             if not r.slot_bytes:
                 continue

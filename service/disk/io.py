@@ -157,8 +157,9 @@ def _prepare(
             f"set it to at least {DATA_START + region_bytes} bytes"
         )
     if file_bytes > size:
-        free = os.statvfs(path).f_bavail * os.statvfs(path).f_frsize
-        if file_bytes - size > free:
+        vfs = os.statvfs(path)
+        free = vfs.f_bavail * vfs.f_frsize
+        if vfs.f_blocks and file_bytes - size > free:  # ramfs counts no blocks: unknown
             raise DiskTierError(
                 f"disk_capacity_bytes {capacity_bytes} is more than the {free} bytes free "
                 f"at disk_path {path}; "

@@ -16,6 +16,7 @@ header; see `RUN_BYTES`.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -29,14 +30,11 @@ from service.disk.format import (
     slot_offset,
     slots_per_region,
 )
-from service.disk.index import Key
+from service.disk.index import Found
 from service.disk.io import TierFile, aligned
 
 RUN_BYTES = 1 << 20
 """Slots of at most ``RUN_BYTES / 16`` are read in runs of up to this many bytes."""
-
-Found = tuple[int, int, int, Key, int, int]
-"""(seq, region, slot, key, length, checksum) of a valid slot header."""
 
 
 @dataclass(slots=True)
@@ -85,11 +83,13 @@ def _scan_region(file: TierFile, sb: Superblock, index: int) -> RegionScan:
                 out.discarded += 1
                 continue
             key = (slot.namespace, slot.scope, slot.block_hash)
-            out.found.append((slot.seq, index, first + j, key, slot.length, slot.checksum))
+            out.found.append((slot.seq, first + j, key, slot.length, slot.checksum))
     return out
 
 
-def scan(file: TierFile, sb: Superblock, threads: int) -> list[RegionScan]:
-    """Every region's header and valid slot headers, ``threads`` regions at once."""
+def scan(file: TierFile, sb: Superblock, threads: int) -> Iterator[RegionScan]:
+    """Every region's header and valid slot headers, ``threads`` regions read at
+    once; yielded in region order as they are read, so the caller's work on one
+    overlaps the reads of the next."""
     with ThreadPoolExecutor(max(1, threads), thread_name_prefix="kvstore-disk-scan") as pool:
-        return list(pool.map(lambda i: _scan_region(file, sb, i), range(sb.regions)))
+        yield from pool.map(lambda i: _scan_region(file, sb, i), range(sb.regions))

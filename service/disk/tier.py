@@ -33,7 +33,7 @@ import errno
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -125,6 +125,7 @@ class DiskTier:
         io_threads: int = 4,
         direct: bool = True,
         region_bytes: int = 64 << 20,
+        wrap: Callable[[TierFile], TierFile] | None = None,
     ) -> DiskTier:
         """Create and preallocate, or reopen, the tier file at ``path``.
 
@@ -141,6 +142,8 @@ class DiskTier:
                 systems without it (tmpfs), when chosen explicitly.
             region_bytes: the unit a slot size is given space in (tests use
                 small ones); a reopened file keeps its own.
+            wrap: the I/O seam: given the opened file, returns the one the
+                tier uses (tests fail its writes with ENOSPC or EIO).
 
         Raises:
             DiskTierError: missing folder, unwritable, no O_DIRECT on that file
@@ -149,19 +152,18 @@ class DiskTier:
         if queue_blocks < 1 or io_threads < 1:
             raise ValueError("queue_blocks and io_threads must be at least 1")
         file, sb, reopened = open_tier_file(path, capacity_bytes, direct, region_bytes)
+        if wrap is not None:
+            file = wrap(file)
         try:
             index = DiskIndex(sb.regions, sb.region_bytes)
             tier = cls(file, index, capacity_bytes, queue_blocks, io_threads)
             if reopened:
                 started = time.perf_counter()
-                regions = scan(file, sb, io_threads)
-                found = []
-                for r in regions:
+                for r in scan(file, sb, io_threads):
                     tier._c["discarded_at_open"] += r.discarded
                     if r.header is not None:
-                        index.adopt_region(r.index, r.header)
-                        found.extend(r.found)
-                index.adopt_blocks(found)
+                        index.adopt_region(r.index, r.header, r.found)
+                index.adopted()
                 for offset, region, slot in index.take_invalidations():  # a block found twice
                     file.zero_page(offset, tier._local.zero)
                     index.invalidated(region, slot)
