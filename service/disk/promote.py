@@ -160,6 +160,9 @@ class DiskPromoter:
         except KVStoreError as exc:  # e.g. the namespace was dropped meanwhile
             log.info("promotion from disk in %s gave up: %s", namespace, exc)
             return 0
+        except (OSError, ValueError) as exc:  # the disk's failure is a miss, never the lookup's
+            log.warning("promotion from disk in %s failed: %s", namespace, exc)
+            return 0
         finally:
             if lease_id is not None:
                 close_fetch_lease(node, tenant, lease_id)  # aborts what was not committed
@@ -167,8 +170,8 @@ class DiskPromoter:
     async def _read(self, pool: BlockPool, key: DiskKey, slot: SlotId) -> int | Miss:
         """Read one block into its slot: its checksum as it landed, or why it is a miss."""
         tier = self.disk.tier
-        if tier.length_of(key) is None:
-            return Miss.ABSENT  # evicted since the index answered
+        if tier.length_of(key) != pool.descriptor.block_bytes:
+            return Miss.ABSENT  # evicted since the index answered (or, a bug, another length)
         if pool.descriptor.kind == "cuda":
             staging = bytearray(pool.descriptor.block_bytes)
             if not await tier.read_into(key, memoryview(staging)):
