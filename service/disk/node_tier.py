@@ -29,7 +29,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
-import contextlib
 import functools
 import hashlib
 import logging
@@ -96,6 +95,8 @@ class NodeDisk:
         """The node whose pools the blocks are copied out of (`attach`)."""
         self.promoting: set[DiskKey] = set()
         """Blocks being committed by a promotion from disk: not offered back."""
+        self.promotions: set[asyncio.Task[int]] = set()
+        """Promotions from disk under way (`service.disk.promote`): ended before the tier."""
         self.skipped: Counter[str] = Counter({reason: 0 for reason in SKIP_REASONS})
         """Committed blocks not offered, per reason (`SKIP_REASONS`)."""
         self.offered = 0
@@ -282,6 +283,10 @@ class NodeDisk:
         self._stopped = True
         loop = asyncio.get_running_loop()
         deadline = loop.time() + flush_seconds
+        for promotion in list(self.promotions):  # a cancelled read waits for its thread
+            promotion.cancel()
+        if self.promotions:
+            await asyncio.wait(set(self.promotions), timeout=flush_seconds)
         if self._draining is not None:
             self._draining.cancel()
             self._draining = None
@@ -301,7 +306,7 @@ class NodeDisk:
         await self.tier.close()
         if self._thread is not None:
             self._thread.shutdown(wait=False, cancel_futures=True)
-        for task in list(self._copies):
-            task.cancel()
-            with contextlib.suppress(BaseException):
-                await task
+        copies = list(self._copies)
+        for copy in copies:
+            copy.cancel()
+        await asyncio.gather(*copies, return_exceptions=True)

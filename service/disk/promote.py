@@ -83,7 +83,6 @@ class DiskPromoter:
             registry=registry,
             buckets=PROMOTION_BUCKETS,
         )
-        self._running: set[asyncio.Task[int]] = set()
 
     async def promote(
         self, namespace: NamespaceId, tenant: TenantId, chain: Sequence[BlockHash], have: int
@@ -94,7 +93,7 @@ class DiskPromoter:
         leaves the promotion to finish in the background.
         """
         node = self.node
-        if have >= len(chain) or len(self._running) >= MAX_PROMOTIONS:
+        if have >= len(chain) or len(self.disk.promotions) >= MAX_PROMOTIONS:
             return 0
         table = node.table(namespace)
         scope = table.scope_of(tenant)
@@ -105,8 +104,8 @@ class DiskPromoter:
         task = asyncio.ensure_future(
             self._promote(namespace, tenant, list(chain[: have + on_disk]))
         )
-        self._running.add(task)
-        task.add_done_callback(self._running.discard)
+        self.disk.promotions.add(task)
+        task.add_done_callback(self.disk.promotions.discard)
         try:
             return await asyncio.wait_for(asyncio.shield(task), node.config.disk_promote_timeout)
         except TimeoutError:
