@@ -19,6 +19,7 @@ import pytest
 from kvstore.cli.reads import disk_line
 from kvstore.client import Client, SyncClient
 from kvstore.ops.summary import status_json
+from kvstore.types import BlockHash, LeaseId, TenantId
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc
 from service.config import Config
@@ -215,3 +216,29 @@ async def test_a_lookup_cancelled_mid_promotion_leaks_nothing(disk_config: Confi
         hit = await kv.lookup(ns, TOKENS, pin=True)
         assert hit.hit_blocks == BLOCKS and await kv.read_blocks(hit) == blocks
         await kv.release(hit)
+
+
+async def test_write_behind_skips_what_it_cannot_copy_safely(disk_config: Config) -> None:
+    config = replace(disk_config, disk_queue_blocks=2)
+    async with (
+        started(config, ManualClock()) as server,
+        Client(server.address, tenant="a") as kv,
+    ):
+        ns = await kv.register_namespace("disk-model", LAYOUT)
+        node, disk = server.node, server.node.disk
+        assert disk is not None
+        # Blocks committed and cleared in one step of the loop: their slots are
+        # free (stamps moved) before the copies run, so nothing is written.
+        chain = [BlockHash(bytes([i]) * 32) for i in range(2)]
+        lease = LeaseId(12345)
+        node.store.open_lease(lease, TenantId("a"), 60.0, node.now())
+        node.store.reserve(ns.id, TenantId("a"), lease, chain, node.now())
+        assert node.commit(ns.id, TenantId("a"), lease, chain) == 2
+        node.store.clear(ns.id, node.now())
+        node.publish_events()
+        await until(lambda: disk.skipped["moved"] == 2, what="the copies to see the slots moved")
+        # A commit of more blocks than disk_queue_blocks: the rest is skipped, counted.
+        assert (await kv.store(ns, TOKENS, random_blocks(8))).committed == BLOCKS
+        await until(lambda: disk.stats().blocks == 2, what="two blocks on disk")
+        assert metric(server, "kvstore_disk_write_drops_total", reason="backlog") == BLOCKS - 2
+        assert metric(server, "kvstore_disk_write_drops_total", reason="moved") == 2
