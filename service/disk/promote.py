@@ -132,12 +132,18 @@ class DiskPromoter:
             now = node.now()
             slots = [node.store.writing_slot(namespace, tenant, lease_id, h, now) for h in todo]
             pool = node.pool(namespace)
+            # Every read ends before anything below can free a slot (return_exceptions:
+            # one failing read must not leave the others running into aborted slots).
             sums = await asyncio.gather(
-                *(self._read(pool, key, slot) for key, slot in zip(keys, slots, strict=True))
+                *(self._read(pool, key, slot) for key, slot in zip(keys, slots, strict=True)),
+                return_exceptions=True,
             )
             good: list[BlockHash] = []
             checksums: list[int] = []
             for block_hash, checksum in zip(todo, sums, strict=True):
+                if isinstance(checksum, BaseException):
+                    log.warning("disk read of %s failed: %r", block_hash.hex()[:16], checksum)
+                    break
                 if isinstance(checksum, Miss):
                     if checksum is Miss.CORRUPT:
                         self.checksum_failures += 1
@@ -175,12 +181,23 @@ class DiskPromoter:
             staging = bytearray(pool.descriptor.block_bytes)
             if not await tier.read_into(key, memoryview(staging)):
                 return _why(tier, key)
-            await asyncio.to_thread(pool.write, slot, staging)
+            loop = asyncio.get_running_loop()
+            await _landed(loop.run_in_executor(None, pool.write, slot, staging))
             return await asyncio.to_thread(block_checksum, staging)
         dest = pool.view(slot)
         if not await tier.read_into(key, dest):
             return _why(tier, key)
         return await asyncio.to_thread(block_checksum, dest)
+
+
+async def _landed(job: asyncio.Future[None]) -> None:
+    """Await a worker thread's write into a slot to its end, cancelled or not: the slot
+    must not be freed (the lease closed) while the write may still land in it."""
+    try:
+        await asyncio.shield(job)
+    except asyncio.CancelledError:
+        await asyncio.wait({job})
+        raise
 
 
 def _why(tier: DiskTier, key: DiskKey) -> Miss:
