@@ -18,7 +18,7 @@ from typing import Any
 
 from benchmarks._stats import summary_us
 from kvstore.client import Client, Hit, Namespace
-from kvstore.client.convert import hit_from_proto
+from kvstore.client.replies import hit_from_proto
 from kvstore.layout import KVLayout
 from kvstore.types import BlockHash, LeaseId
 from kvstore.v1 import kvstore_pb2 as pb

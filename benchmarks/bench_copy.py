@@ -22,8 +22,8 @@ from typing import Any
 import numpy as np
 
 from kvstore.cli.microbench import best_of
-from kvstore.client.convert import reservation_from_proto
 from kvstore.client.handles import BlockLocation, Hit
+from kvstore.client.replies import reservation_from_proto
 from kvstore.client.transfer import _copy_in
 from kvstore.layout import KVLayout
 from kvstore.pool import HostMapping, HostPool, host_pages

@@ -3,7 +3,7 @@
 - **publish**: the loop-side cost of one STORED event of N blocks handed to
   `KvEventPublisher.publish` (conversion and a queue put; msgpack and ZMQ run
   on the sender thread), against the baseline of what `Node.publish_events`
-  already did per event: the ``WatchEvents`` conversion (`convert.event`).
+  already did per event: the ``WatchEvents`` conversion (`translate.event`).
 - **ingest**: one BlockStored of N blocks re-keyed by `EngineIndex.ingest`
   (decode included), against the baseline of hashing the same tokens alone
   (`kvstore.hashing.hash_blocks`, what a Lookup with tokens costs).
@@ -27,11 +27,11 @@ from benchmarks._stats import median_call_us
 from kvstore.events import CacheEvent, EventKind
 from kvstore.hashing import HashScheme, hash_blocks
 from kvstore.types import BlockHash, NamespaceId, TenantId
-from service.api import convert
+from service.api import translate
 from service.config.engines import EngineSource
-from service.events.engine_index import ChainStart, EngineIndex
-from service.events.publisher import KvEventPublisher
-from service.events.wire import decode_batch
+from service.vllm_events.engine_index import ChainStart, EngineIndex
+from service.vllm_events.publisher import KvEventPublisher
+from service.vllm_events.wire import decode_batch
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> None:
     finally:
         publisher.close()
     report["publish_baseline_watch_convert_us"] = median_call_us(
-        lambda: convert.event(event, "node", lambda t: t), args.iterations
+        lambda: translate.event(event, "node", lambda t: t), args.iterations
     )
 
     tokens = list(range(1, n * size + 1))

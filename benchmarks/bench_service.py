@@ -49,7 +49,7 @@ from benchmarks._server import ServerProcess
 from benchmarks._stats import best_and_median, gbps
 from kvstore.client import Client, Namespace
 from kvstore.client.blocks import copy_block
-from kvstore.client.convert import reservation_from_proto
+from kvstore.client.replies import reservation_from_proto
 from kvstore.layout import KVLayout
 from kvstore.types import BlockHash
 from kvstore.v1 import kvstore_pb2 as pb

@@ -23,13 +23,13 @@ from typing import Any
 import numpy as np
 
 from benchmarks._stats import median_call_us
-from kvstore.client.convert import chain_fields, hit_from_proto
 from kvstore.client.handles import Namespace
+from kvstore.client.replies import chain_fields, hit_from_proto
 from kvstore.layout import KVLayout, NamespaceSpec
 from kvstore.results import BlockRef, LookupResult, MissReason
 from kvstore.types import BlockHash, LeaseId, NamespaceId, SlotId
 from kvstore.v1 import kvstore_pb2 as pb
-from service.api import chains, convert
+from service.api import chains, translate
 
 MAX_BLOCKS = 16384
 
@@ -76,7 +76,7 @@ def _lookup(mode: str, hashes: list[bytes], tokens: list[int], refs: Any) -> Cal
         sent_tokens, _ = chains.request_chain(request, MAX_BLOCKS)
         if mode == "tokens":
             chains.token_array(sent_tokens)
-        reply_fields = convert.lookup_reply(pool, result)
+        reply_fields = translate.lookup_reply(pool, result)
         if mode == "tokens":
             reply_fields["packed_chain"] = b"".join(hashes)
         reply = pb.LookupResponse(**reply_fields).SerializeToString()

@@ -8,7 +8,7 @@ and the model integrations need extras (pyproject.toml):
 * ``cuda``: CUDA pools (cupy, and torch for their tensors);
 * ``hf``: ``kvstore.integrations.transformers`` and ``examples/chat_runner.py``;
 * ``vllm``: the vLLM connector;
-* ``events``: vLLM KV events, published and ingested (pyzmq, msgpack; `service.events`).
+* ``events``: vLLM KV events, published and ingested (pyzmq, msgpack; `service.vllm_events`).
 """
 
 from __future__ import annotations

@@ -24,8 +24,7 @@ from kvstore.results import ExpiryReport, LookupResult, NamespaceStats
 from kvstore.store import DropReport, Store, StoreLimits, StoreStats
 from kvstore.types import SHARED_SCOPE, BlockHash, LeaseId, NamespaceId, TenantId
 from kvstore.v1 import kvstore_pb2 as pb
-from service.api import convert
-from service.budget import NamespaceMemory
+from service.api import translate
 from service.cluster.agent import RedisAgent
 from service.cluster.lookup import LookupCall, lookup
 from service.cluster.nixl_transport import NixlTransport
@@ -34,15 +33,16 @@ from service.config import Config, ConfigError
 from service.disk.node_tier import NodeDisk
 from service.disk.promote import DiskPromoter
 from service.disk.wiring import disk_stats, start_disk
-from service.events.engine_index import ChainStart, EngineIndex
-from service.events.metrics import EventsCollector
-from service.events.wiring import KvEvents
-from service.ops.event_hub import EventHub
+from service.memory.budget import PoolManager
+from service.memory.policy import NamespaceMemory
 from service.ops.metrics import Metrics
-from service.pools import PoolManager
+from service.ops.watch_hub import WatchHub
 from service.tenancy import auth
 from service.tenancy.callers import Caller, ChainRoots, TenantResolver
 from service.tenancy.tenants import TenantDirectory, TenantsFileError
+from service.vllm_events.engine_index import ChainStart, EngineIndex
+from service.vllm_events.metrics import EventsCollector
+from service.vllm_events.wiring import KvEvents
 
 log = logging.getLogger(__name__)
 
@@ -93,7 +93,7 @@ class Node:
         self.pools = PoolManager(config, epoch)
         self.tenants = TenantResolver(directory=directory, admin_token=config.admin_token)
         self.roots = ChainRoots(config.salt_secret)
-        self.events: EventHub[pb.Event] = EventHub()
+        self.events: WatchHub[pb.Event] = WatchHub()
         self.loop: asyncio.AbstractEventLoop | None = None
         """The loop that drives the store; set by the server when it starts."""
         self.metrics = Metrics(self.snapshot, max_tenant_labels=labels)
@@ -199,7 +199,7 @@ class Node:
             if ns is None:
                 continue
             table = self.table(ns.namespace)
-            namespaces.append(convert.namespace_stats(ns, table.spec.layout, table.shared))
+            namespaces.append(translate.namespace_stats(ns, table.spec.layout, table.shared))
         return pb.StatsResponse(
             node_id=self.node_id,
             version=self.version,
@@ -384,7 +384,7 @@ class Node:
         if self.disk is not None:
             self.disk.stored(taken)  # write-through: queued here, copied in later loop steps
         for ev in taken:
-            self.events.publish(ev.namespace, convert.event(ev, self.node_id, self.to_unix))
+            self.events.publish(ev.namespace, translate.event(ev, self.node_id, self.to_unix))
             if self.cluster is not None:
                 self.cluster.publish(ev, self.to_unix(ev.at))
         if taken:

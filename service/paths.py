@@ -32,7 +32,7 @@ import stat
 
 from kvstore.pool import host_pages
 from service.config import Config
-from service.pools import pool_group_id
+from service.memory.budget import pool_group_id
 
 log = logging.getLogger(__name__)
 

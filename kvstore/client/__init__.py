@@ -19,7 +19,7 @@ from kvstore.client.errors import (
     error_from_status,
 )
 from kvstore.client.handles import BlockLocation, Hit, Namespace, StoreResult, Verification
-from kvstore.client.lease import LeaseGrant, LeaseKeeper
+from kvstore.client.lease_keeper import LeaseGrant, LeaseKeeper
 from kvstore.client.query import PrefixAnswer, PrefixHolder
 from kvstore.client.retry import Backoff, RetryPolicy
 from kvstore.client.sharded import ShardedClient, ShardedNamespace, shard_of

@@ -41,12 +41,12 @@ from typing import Any
 
 from kvstore.client.background import quietly
 from kvstore.client.blocks import BlockSupplier
-from kvstore.client.convert import hit_from_proto, request_fields
 from kvstore.client.errors import PoolEpochChanged
 from kvstore.client.handles import Hit, Namespace, StoreResult
-from kvstore.client.lease import LeaseKeeper
+from kvstore.client.lease_keeper import LeaseKeeper
 from kvstore.client.query import PrefixQueries
 from kvstore.client.releases import Releases, new_release_id
+from kvstore.client.replies import hit_from_proto, request_fields
 from kvstore.client.retry import RetryPolicy
 from kvstore.client.rpc import Rpc
 from kvstore.client.session import NodeSession

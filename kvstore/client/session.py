@@ -29,9 +29,9 @@ from collections.abc import Callable
 
 from kvstore.api.wire import layout_to_proto, scheme_to_proto
 from kvstore.client.background import Background
-from kvstore.client.convert import descriptor_from_proto
 from kvstore.client.handles import Namespace
-from kvstore.client.lease import LeaseGrant, LeaseKeeper
+from kvstore.client.lease_keeper import LeaseGrant, LeaseKeeper
+from kvstore.client.replies import descriptor_from_proto
 from kvstore.client.rpc import Rpc
 from kvstore.errors import KVStoreError, LeaseExpired
 from kvstore.layout import NamespaceSpec
@@ -74,7 +74,7 @@ class NodeSession:
         With ``end_lease`` False the lease is only no longer renewed (`LeaseKeeper.close`).
 
         Unmapped first: a CUDA node frees the arenas it took out of pools once
-        the leases that mapped them end (`service.held_arenas`).
+        the leases that mapped them end (`service.memory.held`).
         """
         await self.background.drain()
         self.drop_mappings()
@@ -205,7 +205,7 @@ class NodeSession:
         """The pool version of each namespace mapped here (sent with the lease).
 
         A CUDA node keeps an arena it took out of a pool until no lease reports
-        an older version of that namespace (`service.held_arenas`).
+        an older version of that namespace (`service.memory.held`).
         """
         versions = []
         for ns in self._namespaces.values():

@@ -38,9 +38,9 @@ from kvstore.client.blocks import (
     copy_block_to_tensor,
     slot_runs,
 )
-from kvstore.client.convert import Reservation, reservation_from_proto
 from kvstore.client.errors import PoolEpochChanged
 from kvstore.client.handles import Hit, Namespace, StoreResult
+from kvstore.client.replies import Reservation, reservation_from_proto
 from kvstore.client.session import NodeSession
 from kvstore.errors import FailedPrecondition, InvalidArgument, NotFound
 from kvstore.pool import PoolDescriptor

@@ -138,6 +138,21 @@ class PoolDescriptor:
         return sum(a.size_bytes for a in self.arenas)
 
 
+def plan_arenas(block_bytes: int, capacity: int, arena_bytes: int) -> tuple[int, list[int]]:
+    """A new pool's ``slots_per_arena`` and the slots of each of its arenas.
+
+    Raises:
+        InvalidArgument: a non-positive size.
+    """
+    if block_bytes <= 0 or capacity <= 0 or arena_bytes <= 0:
+        raise InvalidArgument(
+            f"block_bytes, capacity and arena_bytes must be positive, got "
+            f"{block_bytes}, {capacity}, {arena_bytes}"
+        )
+    per_arena = max(1, arena_bytes // block_bytes)
+    return per_arena, [min(per_arena, capacity - first) for first in range(0, capacity, per_arena)]
+
+
 class StampWriter(Protocol):
     """The node's stamp table of a pool (`kvstore.pool.stamps.StampTable`)."""
 

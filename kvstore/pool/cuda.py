@@ -41,7 +41,7 @@ from dataclasses import dataclass
 
 from kvstore.checksum import block_checksum
 from kvstore.errors import InvalidArgument, LimitExceeded
-from kvstore.pool.base import ArenaSpec, BlockPool, PoolDescriptor, PoolUnavailable
+from kvstore.pool.base import ArenaSpec, BlockPool, PoolDescriptor, PoolUnavailable, plan_arenas
 from kvstore.pool.cuda_runtime import (
     ERROR_MEMORY_ALLOCATION,
     IPC_HANDLE_BYTES,
@@ -204,19 +204,10 @@ class CudaPool(BlockPool):
             LimitExceeded: the GPU has no room for the pool.
             PoolUnavailable: no cupy, no GPU, or not that GPU.
         """
-        if block_bytes <= 0 or capacity <= 0 or arena_bytes <= 0:
-            raise InvalidArgument(
-                f"block_bytes, capacity and arena_bytes must be positive, got "
-                f"{block_bytes}, {capacity}, {arena_bytes}"
-            )
+        slots_per_arena, arena_slots = plan_arenas(block_bytes, capacity, arena_bytes)
         runtime = runtime or default_runtime()
         gpu = find_device(runtime, device)
-        slots_per_arena = max(1, arena_bytes // block_bytes)
-        n_arenas = -(-capacity // slots_per_arena)
-        sizes = [
-            ipc_size(min(slots_per_arena, capacity - i * slots_per_arena) * block_bytes)
-            for i in range(n_arenas)
-        ]
+        sizes = [ipc_size(slots * block_bytes) for slots in arena_slots]
         pointers: list[int] = []
         specs: list[ArenaSpec] = []
         stamps: list[StampFile] = []
@@ -246,8 +237,9 @@ class CudaPool(BlockPool):
                         number = first_index + index
                         name = arena_file_name(prefix, os.getpid(), epoch, namespace, number)
                         stamp_path = os.path.join(stamp_directory, stamp_file_name(name))
-                        slots = min(slots_per_arena, capacity - index * slots_per_arena)
-                        stamps.append(StampFile.create(stamp_path, slots, mode=mode, group=group))
+                        stamps.append(
+                            StampFile.create(stamp_path, arena_slots[index], mode=mode, group=group)
+                        )
                     specs.append(
                         ArenaSpec(index, size, cuda_ipc_handle=handle, stamp_path=stamp_path)
                     )

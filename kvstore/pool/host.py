@@ -45,7 +45,14 @@ import stat
 
 from kvstore.errors import InvalidArgument
 from kvstore.pool import host_pages as pages
-from kvstore.pool.base import ArenaSpec, BlockPool, PoolDescriptor, PoolMapping, PoolUnavailable
+from kvstore.pool.base import (
+    ArenaSpec,
+    BlockPool,
+    PoolDescriptor,
+    PoolMapping,
+    PoolUnavailable,
+    plan_arenas,
+)
 from kvstore.pool.host_access import open_shared
 from kvstore.pool.stamps import StampFile, StampReader, StampTable, stamp_file_name
 from kvstore.types import NamespaceId, SlotId
@@ -146,25 +153,18 @@ class HostPool(BlockPool):
         """
         if mode & 0o007:
             raise InvalidArgument(f"pool files must not be world accessible, got mode {mode:o}")
-        if block_bytes <= 0 or capacity <= 0 or arena_bytes <= 0:
-            raise InvalidArgument(
-                f"block_bytes, capacity and arena_bytes must be positive, got "
-                f"{block_bytes}, {capacity}, {arena_bytes}"
-            )
+        slots_per_arena, arena_slots = plan_arenas(block_bytes, capacity, arena_bytes)
         if not prefix or "/" in prefix or "\0" in prefix:
             raise InvalidArgument(f"pool file prefix {prefix!r} must be a plain file name part")
         if not 0 <= epoch < 1 << 64:
             raise InvalidArgument(f"epoch must fit in 64 bits, got {epoch}")
         huge = pages.wanted(huge_pages, directory)
-        slots_per_arena = max(1, arena_bytes // block_bytes)
-        n_arenas = -(-capacity // slots_per_arena)
         pid = os.getpid()
         arenas: list[_Arena] = []
         specs: list[ArenaSpec] = []
         stamps: list[StampFile] = []
         try:
-            for index in range(n_arenas):
-                slots = min(slots_per_arena, capacity - index * slots_per_arena)
+            for index, slots in enumerate(arena_slots):
                 size = slots * block_bytes
                 name = arena_file_name(prefix, pid, epoch, namespace, first_index + index)
                 path = os.path.join(directory, name)

@@ -6,10 +6,10 @@
   (node-to-node FetchBlocks) and `query` (QueryPrefix for routers, over the
   transport-free `prefix_query` that ``POST /query`` shares), all on
   `base.ServicerBase`.
-- `convert`: proto <-> domain types; `validate`: request fields -> domain
+- `translate`: proto <-> domain types; `validate`: request fields -> domain
   values or `FieldError`; `errors`: the one table from typed errors to
   status codes, and the guards that apply it.
 
 Nothing is imported here, so importing one module never pulls in the rest
-(`service.node` uses `convert` and `validate`, the servicers use the node).
+(`service.node` uses `translate` and `validate`, the servicers use the node).
 """

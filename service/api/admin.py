@@ -11,7 +11,7 @@ from kvstore.errors import FailedPrecondition, UnknownNamespace
 from kvstore.results import NamespaceStats
 from kvstore.types import SHARED_SCOPE, NamespaceId, TenantId
 from kvstore.v1 import kvstore_pb2 as pb
-from service.api import convert, validate
+from service.api import translate, validate
 from service.api.base import ServicerBase
 from service.api.errors import FieldError, guard_stream_out, guard_unary
 from service.tenancy.callers import Caller
@@ -88,7 +88,7 @@ class AdminRpcs(ServicerBase):
         index = node.engine_index
         return pb.ListBlocksResponse(
             blocks=[
-                convert.block_info(
+                translate.block_info(
                     info,
                     node.to_unix,
                     index.holders(namespace, info.scope, info.hash) if index is not None else (),

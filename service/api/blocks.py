@@ -10,7 +10,7 @@ from kvstore.block_table import BlockTable
 from kvstore.errors import InvalidArgument, KVStoreError
 from kvstore.types import BlockHash, LeaseId, NamespaceId, TenantId
 from kvstore.v1 import kvstore_pb2 as pb
-from service.api import chains, convert, releases, validate
+from service.api import chains, releases, translate, validate
 from service.api.base import ServicerBase
 from service.api.errors import FieldError, guard_unary
 from service.api.offload import off_loop
@@ -78,7 +78,7 @@ class BlockRpcs(ServicerBase):
             )
         )
         pool = node.pool(namespace)
-        reply = convert.lookup_reply(pool, result)  # a few µs: on the loop, no await
+        reply = translate.lookup_reply(pool, result)  # a few µs: on the loop, no await
         if from_tokens:
             reply["packed_chain"] = b"".join(chain)
         return pb.LookupResponse(
@@ -109,7 +109,7 @@ class BlockRpcs(ServicerBase):
             node.publish_events()  # a reservation may have evicted blocks
         pool = node.pool(namespace)
         try:
-            reply = await off_loop(len(result.hashes), convert.packed_reserve, pool, result)
+            reply = await off_loop(len(result.hashes), translate.packed_reserve, pool, result)
         except BaseException:
             # Cancelled while the reply was built: give back what was reserved.
             reserved = result.reserved_hashes()

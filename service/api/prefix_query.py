@@ -43,7 +43,7 @@ from kvstore.types import BlockHash, NamespaceId, TenantId
 from service.api import chains, validate
 from service.api.errors import FieldError
 from service.cluster.directory import TierHolder
-from service.cluster.link import REDIS_ERRORS
+from service.cluster.redis_link import REDIS_ERRORS
 from service.node import Node
 from service.tenancy.callers import TENANT_HEADER, Caller
 

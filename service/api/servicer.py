@@ -18,7 +18,7 @@ from kvstore.layout import NamespaceSpec
 from kvstore.types import LeaseId
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc
-from service.api import convert, validate
+from service.api import translate, validate
 from service.api.admin import AdminRpcs
 from service.api.blocks import BlockRpcs
 from service.api.data import DataRpcs
@@ -96,12 +96,12 @@ class KVStoreServicer(
         if not request.model_id:
             raise FieldError("model_id", "is required")
         node.check_model(tenant, request.model_id)
-        scheme = convert.scheme_from_proto(request.scheme)
+        scheme = translate.scheme_from_proto(request.scheme)
         if request.vllm_seed and scheme is not HashScheme.VLLM_SHA256_CBOR:
             raise FieldError("vllm_seed", "is only used by the vllm-sha256-cbor scheme")
         spec = NamespaceSpec(
             model_id=request.model_id,
-            layout=convert.layout_from_proto(request.layout),
+            layout=translate.layout_from_proto(request.layout),
             scheme=scheme,
             vllm_seed=request.vllm_seed,
         )
@@ -113,8 +113,8 @@ class KVStoreServicer(
             block_bytes=table.spec.layout.block_bytes,
             chain_root=node.root(table, tenant),
             shared=table.shared,
-            layout=convert.layout_to_proto(table.spec.layout),
-            scheme=convert.scheme_to_proto(table.spec.scheme),
+            layout=translate.layout_to_proto(table.spec.layout),
+            scheme=translate.scheme_to_proto(table.spec.scheme),
             verify_local_loads=node.config.verify_checksums == "all",
         )
 
@@ -134,4 +134,4 @@ class KVStoreServicer(
                 lease = node.store.lease(validate.lease_id(request.lease_id), tenant, node.now())
                 mapped = request.mapped_version or descriptor.version
                 node.pools.held.attached(lease.lease_id, namespace, mapped)
-        return convert.attach_response(descriptor, node.table(namespace).spec.layout)
+        return translate.attach_response(descriptor, node.table(namespace).spec.layout)

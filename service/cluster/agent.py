@@ -37,12 +37,12 @@ from kvstore.block import BlockState
 from kvstore.events import CacheEvent, EventKind
 from kvstore.types import BlockHash, NamespaceId, TenantId
 from kvstore.v1 import kvstore_pb2 as pb
-from service.cluster import events, link
-from service.cluster.directory import Change, Directory, DirectoryQueue, Holder
+from service.cluster import event_stream, redis_link
+from service.cluster.directory import Change, Directory, DirectoryQueue, PeerHolder
 from service.cluster.engine_sets import EngineEntry, EngineHoldings, EngineSetQueue, EngineSets
 from service.cluster.keys import Keys, member
-from service.cluster.link import REDIS_ERRORS, backoff_seconds, reconnect_backoff
 from service.cluster.local import LocalNode
+from service.cluster.redis_link import REDIS_ERRORS, backoff_seconds, reconnect_backoff
 from service.cluster.registry import NodeInfo, Registry
 
 log = logging.getLogger(__name__)
@@ -84,7 +84,7 @@ class RedisAgent:
         self.engines: EngineHoldings | None = getattr(node, "engine_index", None)
         """The node's engine index, mirrored like the directory (docs/events.md)."""
         self.backoff = backoff or reconnect_backoff()
-        self._connect = connect or (lambda: link.connect(config))
+        self._connect = connect or (lambda: redis_link.connect(config))
         self._events: deque[dict[str, bytes]] = deque()
         self._events_limit = config.directory_queue_blocks
         self._events_shed = 0  # dropped from the head since start (see _flush)
@@ -116,7 +116,7 @@ class RedisAgent:
             self._events.popleft()
             self._events_shed += 1
             self.events_dropped += 1
-        self._events.append(events.fields_of(ev, self.node.node_id, at_unix))
+        self._events.append(event_stream.fields_of(ev, self.node.node_id, at_unix))
         self._wake.set()
 
     # --- life cycle -------------------------------------------------------------
@@ -155,7 +155,7 @@ class RedisAgent:
         finally:
             with contextlib.suppress(TimeoutError, *REDIS_ERRORS):
                 async with asyncio.timeout(grace):
-                    await link.close(self.client)
+                    await redis_link.close(self.client)
             self.client = None
 
     async def wait_synced(self) -> None:
@@ -327,7 +327,7 @@ class RedisAgent:
         self.engine_sets.write_changes(pipe, engine_changes)
         maxlen = self.node.config.event_stream_maxlen
         for i in range(count):
-            events.append(pipe, self.keys.events, self._events[i], maxlen)
+            event_stream.append(pipe, self.keys.events, self._events[i], maxlen)
         shed = self._events_shed
         await pipe.execute()
         # Entries shed from the head while we awaited were among those sent.
@@ -338,7 +338,7 @@ class RedisAgent:
 
     async def locate(
         self, namespace: NamespaceId, scope: TenantId, chain: list[BlockHash]
-    ) -> list[Holder]:
+    ) -> list[PeerHolder]:
         """Live peers holding a prefix of ``chain``, longest first; [] while Redis is away."""
         if not self.connected or self.client is None:
             return []
@@ -361,13 +361,13 @@ class RedisAgent:
         """
         try:
             async with asyncio.timeout(self.node.config.redis_timeout):
-                start = await events.last_id(self.client, self.keys.events)
+                start = await event_stream.last_id(self.client, self.keys.events)
         except REDIS_ERRORS:
             start = b"$"
         # A blocking read must return before the socket timeout counts Redis as down.
         timeout_ms = int(self.node.config.redis_timeout * 500)
-        block_ms = max(10, min(events.READ_BLOCK_MS, timeout_ms))
-        return events.watch(
+        block_ms = max(10, min(event_stream.READ_BLOCK_MS, timeout_ms))
+        return event_stream.watch(
             self.client,
             self.keys.events,
             namespace,

@@ -26,11 +26,11 @@ from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from enum import Enum
-from typing import Any
+from typing import Any, Generic, Protocol, TypeVar
 
 from kvstore.types import BlockHash, NamespaceId, TenantId
 from service.cluster.keys import Keys, member
-from service.cluster.link import LuaScript
+from service.cluster.redis_link import LuaScript
 
 _HELD = """
 -- held(key): how many leading chain members (ARGV[3..]) the set at key holds,
@@ -151,7 +151,7 @@ return #dead
 
 
 @dataclass(frozen=True, slots=True)
-class Holder:
+class PeerHolder:
     """A live node that holds a prefix of a chain."""
 
     node_id: str
@@ -194,20 +194,30 @@ class QueuedChange:
     members: tuple[bytes, ...]
 
 
-class DirectoryQueue:
-    """Bounded buffer of directory changes awaiting a flush (bookkeeping only, no I/O).
+class _HasMembers(Protocol):
+    @property
+    def members(self) -> tuple[bytes, ...]: ...
 
-    Bounded in blocks, not changes: one STORED event may carry a thousand
-    blocks. Past the bound everything queued is dropped and `needs_resync`
-    is set: a full resync rewrites the node's whole entry from the store,
-    which is what the dropped changes would have converged to.
+
+C = TypeVar("C", bound=_HasMembers)
+
+
+class ChangeQueue(Generic[C]):
+    """Bounded buffer of set changes awaiting a flush (bookkeeping only, no I/O).
+
+    Bounded in members (blocks), not changes: one STORED event may carry a
+    thousand blocks. Past the bound everything queued is dropped and
+    `needs_resync` is set: a full resync rewrites the node's entries from
+    their source, which is what the dropped changes would have converged to.
+    The node's directory (`DirectoryQueue`) and its engines' sets
+    (`service.cluster.engine_sets.EngineSetQueue`) queue this way.
     """
 
     def __init__(self, limit_blocks: int) -> None:
         self.limit = limit_blocks
-        self._changes: deque[QueuedChange] = deque()
+        self._changes: deque[C] = deque()
         self.blocks = 0
-        """Blocks in the queue."""
+        """Blocks (set members) in the queue."""
         self.needs_resync = True
         """Set at start and after any loss; the agent resyncs before flushing."""
         self.dropped = 0
@@ -216,26 +226,20 @@ class DirectoryQueue:
     def __len__(self) -> int:
         return len(self._changes)
 
-    def put(
-        self, change: Change, namespace: NamespaceId, scope: TenantId, hashes: Iterable[BlockHash]
-    ) -> None:
-        """Queue one change; on overflow drop everything and ask for a resync."""
-        if self.needs_resync:
-            return  # the resync snapshot will include it
-        members = tuple(member(h, scope) for h in hashes)
-        if not members:
-            return
-        if self.blocks + len(members) > self.limit:
-            self.dropped += self.blocks + len(members)
+    def append(self, item: C) -> bool:
+        """Queue one change; on overflow drop everything, ask for a resync, return False."""
+        if self.blocks + len(item.members) > self.limit:
+            self.dropped += self.blocks + len(item.members)
             self.clear()
             self.needs_resync = True
-            return
-        self._changes.append(QueuedChange(change, namespace, members))
-        self.blocks += len(members)
+            return False
+        self._changes.append(item)
+        self.blocks += len(item.members)
+        return True
 
-    def take(self, max_blocks: int) -> list[QueuedChange]:
+    def take(self, max_blocks: int) -> list[C]:
         """Up to about ``max_blocks`` blocks of changes, oldest first (at least one change)."""
-        taken: list[QueuedChange] = []
+        taken: list[C] = []
         count = 0
         while self._changes and (not taken or count + len(self._changes[0].members) <= max_blocks):
             item = self._changes.popleft()
@@ -248,6 +252,20 @@ class DirectoryQueue:
         """Forget every queued change (a resync snapshot replaces them)."""
         self._changes.clear()
         self.blocks = 0
+
+
+class DirectoryQueue(ChangeQueue[QueuedChange]):
+    """The node's directory changes awaiting a flush (see `ChangeQueue`)."""
+
+    def put(
+        self, change: Change, namespace: NamespaceId, scope: TenantId, hashes: Iterable[BlockHash]
+    ) -> None:
+        """Queue one change; on overflow drop everything and ask for a resync."""
+        if self.needs_resync:
+            return  # the resync snapshot will include it
+        members = tuple(member(h, scope) for h in hashes)
+        if members:
+            self.append(QueuedChange(change, namespace, members))
 
 
 class Directory:
@@ -309,7 +327,7 @@ class Directory:
         chain: Sequence[BlockHash],
         *,
         skip_self: bool = True,
-    ) -> list[Holder]:
+    ) -> list[PeerHolder]:
         """Live nodes holding a prefix of ``chain`` (longest first), in one round trip."""
         if not chain:
             return []
@@ -322,7 +340,7 @@ class Directory:
         reply = await LOCATE(client, keys, args)
         flat = reply[1]
         holders = [
-            Holder(_text(flat[i]), _text(flat[i + 1]), int(flat[i + 2]))
+            PeerHolder(_text(flat[i]), _text(flat[i + 1]), int(flat[i + 2]))
             for i in range(0, len(flat), 3)
         ]
         holders.sort(key=lambda h: (-h.blocks, h.node_id))

@@ -1,6 +1,6 @@
 """Engine holdings on Redis: which blocks the serving engines of each node hold.
 
-A node that ingests its engines' vLLM KV events (`service.events`) mirrors
+A node that ingests its engines' vLLM KV events (`service.vllm_events`) mirrors
 its engine index here, per namespace and engine (keys in
 `service.cluster.keys`):
 
@@ -23,13 +23,12 @@ name a node that ``{P:ns}:alive`` no longer lists as live, which readers check.
 from __future__ import annotations
 
 import json
-from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 from kvstore.types import NamespaceId
-from service.cluster.directory import Change
+from service.cluster.directory import Change, ChangeQueue
 from service.cluster.keys import Keys, engine_field
 
 
@@ -67,25 +66,13 @@ class EngineHoldings(Protocol):
         """The (namespace, engine, medium) of every non-empty set, for the heartbeat."""
 
 
-class EngineSetQueue:
-    """Bounded buffer of engine-set changes awaiting a flush (bookkeeping only, no I/O).
-
-    Bounded in members; past the bound everything queued is dropped and
-    `needs_resync` set (the resync rewrites what they would have converged to).
-    """
+class EngineSetQueue(ChangeQueue[EngineChange]):
+    """The engines' set changes awaiting a flush (see `ChangeQueue`)."""
 
     def __init__(self, limit_members: int, wake: Callable[[], None] | None = None) -> None:
         """``wake``: called on every put (the agent's flush wakes up)."""
-        self.limit = limit_members
+        super().__init__(limit_members)
         self._wake = wake
-        self._changes: deque[EngineChange] = deque()
-        self.members = 0
-        """Members in the queue."""
-        self.needs_resync = True
-        """Set at start and after any loss; the agent resyncs before flushing."""
-
-    def __len__(self) -> int:
-        return len(self._changes)
 
     def put(
         self,
@@ -98,30 +85,9 @@ class EngineSetQueue:
         """Queue one change; on overflow drop everything and ask for a resync."""
         if self.needs_resync or not members:
             return
-        if self.members + len(members) > self.limit:
-            self.clear()
-            self.needs_resync = True
-            return
-        self._changes.append(EngineChange(change, namespace, engine, medium, tuple(members)))
-        self.members += len(members)
-        if self._wake is not None:
+        queued = self.append(EngineChange(change, namespace, engine, medium, tuple(members)))
+        if queued and self._wake is not None:
             self._wake()
-
-    def take(self, max_members: int) -> list[EngineChange]:
-        """Up to about ``max_members`` members of changes, oldest first (at least one)."""
-        taken: list[EngineChange] = []
-        count = 0
-        while self._changes and (not taken or count + len(self._changes[0].members) <= max_members):
-            item = self._changes.popleft()
-            taken.append(item)
-            count += len(item.members)
-        self.members -= count
-        return taken
-
-    def clear(self) -> None:
-        """Forget every queued change."""
-        self._changes.clear()
-        self.members = 0
 
 
 class EngineSets:

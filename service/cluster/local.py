@@ -15,7 +15,7 @@ from kvstore.pool.base import BlockPool
 from kvstore.store import Store
 from kvstore.types import BlockHash, NamespaceId, TenantId
 from service.config import Config
-from service.pools import PoolManager
+from service.memory.budget import PoolManager
 
 
 class LocalNode(Protocol):

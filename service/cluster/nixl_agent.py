@@ -5,7 +5,7 @@ light install without it keeps working. One agent per node process; its name
 is the node id and the pool epoch, unique per server start, so a restarted
 peer is a new agent whose metadata is loaded afresh.
 
-**Registration** follows the pools (`service.pools.ArenaWatcher`): each arena
+**Registration** follows the pools (`service.memory.budget.ArenaWatcher`): each arena
 of a host pool is registered once when it joins its pool and deregistered
 before it leaves (a shrink, a dropped namespace, shutdown), so NIXL never
 holds memory that is given back. Every change raises `metadata_version`;
@@ -226,7 +226,7 @@ class NixlAgent:
             raise NixlUnavailable(f"NIXL has no {BACKEND} backend here")
         return cls(name, agent)
 
-    # --- registration (service.pools.ArenaWatcher) -------------------------------------
+    # --- registration (service.memory.budget.ArenaWatcher) ----------------------------
 
     def added(self, namespace: NamespaceId, pool: ArenaPool, index: int) -> None:
         """Register arena ``index`` of a namespace's pool (host pools only)."""

@@ -42,7 +42,7 @@ import grpc
 from kvstore.errors import KVStoreError
 from kvstore.types import BlockHash, LeaseId, NamespaceId, SlotId, TenantId
 from kvstore.v1 import kvstore_pb2 as pb
-from service.cluster.directory import Holder
+from service.cluster.directory import PeerHolder
 from service.cluster.fetch_lease import close_fetch_lease, open_fetch_lease, reserve_missing
 from service.cluster.local import LocalNode
 from service.cluster.nixl_agent import MEM_TYPE, NixlAgent, Place, Transfer, XferState
@@ -98,7 +98,7 @@ class NixlPuller:
         self,
         stub: Any,
         metadata: tuple[tuple[str, str], ...],
-        holder: Holder,
+        holder: PeerHolder,
         namespace: NamespaceId,
         tenant: TenantId,
         target: list[BlockHash],
@@ -145,7 +145,7 @@ class NixlPuller:
     async def _take(
         self,
         offer: pb.OfferBlocksResponse,
-        holder: Holder,
+        holder: PeerHolder,
         namespace: NamespaceId,
         tenant: TenantId,
         target: list[BlockHash],
@@ -238,7 +238,7 @@ class NixlPuller:
     async def _verified(
         self,
         namespace: NamespaceId,
-        holder: Holder,
+        holder: PeerHolder,
         blocks: list[pb.OfferedBlock],
         hashes: list[BlockHash],
         slots: list[SlotId],

@@ -49,7 +49,7 @@ from kvstore.errors import KVStoreError
 from kvstore.types import BlockHash, LeaseId, NamespaceId, TenantId
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc
-from service.cluster.directory import Holder
+from service.cluster.directory import PeerHolder
 from service.cluster.fetch_lease import close_fetch_lease, open_fetch_lease, reserve_missing
 from service.cluster.local import LocalNode
 from service.cluster.nixl_fetch import NixlPuller
@@ -63,7 +63,7 @@ PEER_TOKEN_HEADER = "x-kvstore-peer-token"
 MAX_HOLDERS_TRIED = 2
 """Peers tried, longest prefix first, before a lookup settles for a miss."""
 
-Locate = Callable[[NamespaceId, TenantId, list[BlockHash]], Awaitable[list[Holder]]]
+Locate = Callable[[NamespaceId, TenantId, list[BlockHash]], Awaitable[list[PeerHolder]]]
 """Live peers holding a prefix of a chain in a scope, longest first ([] when unknown)."""
 
 
@@ -167,7 +167,7 @@ class PeerFetcher:
 
     async def _copy(
         self,
-        holder: Holder,
+        holder: PeerHolder,
         namespace: NamespaceId,
         tenant: TenantId,
         target: list[BlockHash],

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from service.cluster.keys import Keys
-from service.cluster.link import LuaScript
+from service.cluster.redis_link import LuaScript
 
 _NOW = """
 local t = redis.call('TIME')

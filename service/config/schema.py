@@ -292,15 +292,7 @@ def _parse_field(name: str, value: object, source: str) -> object:
 
 
 def _read_file(path: str) -> dict[str, object]:
-    file = Path(path)
-    try:
-        raw = file.read_bytes()
-    except OSError as exc:
-        raise ConfigError(f"cannot read config file {path}: {exc.strerror}") from None
-    try:
-        doc = json.loads(raw) if file.suffix == ".json" else tomllib.loads(raw.decode())
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"config file {path} is not valid TOML or JSON: {exc}") from None
+    doc = read_document(path, "config file", ConfigError)
     if not isinstance(doc, dict):
         raise ConfigError(f"config file {path} must hold a table of settings")
     unknown = sorted(set(doc) - set(_PARSERS))
@@ -430,6 +422,26 @@ def field_docs() -> dict[str, str]:
             docs[last] = node.value.value.strip()
             last = None
     return docs
+
+
+def read_document(path: str, what: str, error: type[Exception]) -> object:
+    """The document of a TOML file, or of a JSON one (a ``.json`` name).
+
+    Args:
+        path: the file.
+        what: what the file is, for the messages ("config file", ...).
+        error: the exception raised when it cannot be read or parsed.
+    """
+    file = Path(path)
+    try:
+        raw = file.read_bytes()
+    except OSError as exc:
+        raise error(f"cannot read {what} {path}: {exc.strerror}") from None
+    try:
+        doc: object = json.loads(raw) if file.suffix == ".json" else tomllib.loads(raw.decode())
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise error(f"{what} {path} is not valid TOML or JSON: {exc}") from None
+    return doc
 
 
 def read_setting_file(name: str, path: str) -> bytes:

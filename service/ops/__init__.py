@@ -2,5 +2,5 @@
 
 - `metrics`: the Prometheus registry, collectors and the HTTP endpoint.
 - `web`: the status page (``web/index.html``) and its JSON endpoints.
-- `event_hub`: fans the node's cache events out to ``WatchEvents`` callers.
+- `watch_hub`: fans the node's cache events out to ``WatchEvents`` callers.
 """

@@ -18,13 +18,11 @@ token); the file need not hold any token in plain text.
 from __future__ import annotations
 
 import hashlib
-import json
 import re
-import tomllib
 from dataclasses import dataclass
-from pathlib import Path
 
 from kvstore.types import TenantId
+from service.config.schema import read_document
 
 ANY_NAMESPACE = "*"
 """Entry of ``namespaces`` that allows every model id."""
@@ -93,18 +91,7 @@ class TenantDirectory:
     @classmethod
     def load(cls, path: str) -> TenantDirectory:
         """Read and check a tenants file (see the module docstring)."""
-        file = Path(path)
-        try:
-            raw = file.read_bytes()
-        except OSError as exc:
-            raise TenantsFileError(f"cannot read tenants file {path}: {exc.strerror}") from None
-        try:
-            doc = json.loads(raw) if file.suffix == ".json" else tomllib.loads(raw.decode())
-        except (ValueError, UnicodeDecodeError) as exc:
-            raise TenantsFileError(
-                f"tenants file {path} is not valid TOML or JSON: {exc}"
-            ) from None
-        return cls.parse(doc, path)
+        return cls.parse(read_document(path, "tenants file", TenantsFileError), path)
 
     @classmethod
     def parse(cls, doc: object, source: str = "tenants file") -> TenantDirectory:

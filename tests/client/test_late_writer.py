@@ -20,7 +20,7 @@ import types
 import pytest
 
 from kvstore.client import Client, SyncClient
-from kvstore.client.convert import Reservation, reservation_from_proto
+from kvstore.client.replies import Reservation, reservation_from_proto
 from kvstore.client.transfer import _copy_in
 from kvstore.errors import FailedPrecondition, LeaseExpired
 from kvstore.v1 import kvstore_pb2 as pb

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from kvstore.api import wire
 from kvstore.client import Client
-from kvstore.client.convert import chain_fields, hit_from_proto
+from kvstore.client.replies import chain_fields, hit_from_proto
 from kvstore.errors import InvalidArgument
 from kvstore.results import MissReason
 from kvstore.types import BlockHash, LeaseId

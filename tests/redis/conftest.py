@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator, Iterator
 import pytest
 import redis.asyncio as aioredis
 
-from service.cluster import link
+from service.cluster import redis_link
 from tests.redis.nodes import ClusterNodes, NodeFactory
 from tests.redis.server import REDIS_SERVER, RedisClusterServers
 
@@ -50,4 +50,4 @@ async def rc(redis_cluster) -> AsyncIterator[aioredis.RedisCluster]:
     try:
         yield client
     finally:
-        await link.close(client)  # RedisCluster.aclose alone may leak (see link.close)
+        await redis_link.close(client)  # RedisCluster.aclose alone may leak (see redis_link.close)

@@ -11,7 +11,7 @@ import pytest
 from kvstore.types import NamespaceId, SlotId
 from service.cluster.nixl_agent import NixlAgent, Place, coalesce
 from service.config import Config
-from service.pools import PoolManager
+from service.memory.budget import PoolManager
 
 pytest.importorskip("nixl._api", reason="needs the nixl package (pip install kvstore[nixl])")
 

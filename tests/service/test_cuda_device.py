@@ -17,7 +17,7 @@ from kvstore.layout import KVLayout
 from kvstore.pool import CudaMapping, CudaPool, HostPool, set_default_runtime
 from kvstore.types import NamespaceId
 from service.config import ConfigError, load_config
-from service.pools import PoolManager
+from service.memory.budget import PoolManager
 from service.server import Server
 from tests.kvstore.pool.fake_cuda import FakeCudaRuntime
 

@@ -1,4 +1,4 @@
-"""A CUDA node never frees an arena a runner still has open (`service.held_arenas`).
+"""A CUDA node never frees an arena a runner still has open (`service.memory.held`).
 
 CUDA leaves ``cudaFree`` of an exported allocation that another process still
 has open through ``cudaIpcOpenMemHandle`` undefined; the fake runtime makes it

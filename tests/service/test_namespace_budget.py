@@ -1,4 +1,4 @@
-"""Namespaces share the node's memory budget arena by arena (service/budget.py).
+"""Namespaces share the node's memory budget arena by arena (service/memory/policy.py).
 
 A pool starts with one arena, grows before a Reserve that lacks free slots,
 gives its last arena back when another namespace needs memory, and a dropped

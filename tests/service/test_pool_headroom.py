@@ -1,4 +1,6 @@
-"""Pools keep free memory ready ahead of their stores (``pool_headroom_bytes``, service/budget.py).
+"""Pools keep free memory ready ahead of their stores (``pool_headroom_bytes``).
+
+The policy is in service/memory/policy.py.
 
 RegisterNamespace builds the headroom with the first arena; a commit that
 leaves less starts building the next arena in the background, never on a
@@ -208,7 +210,7 @@ async def test_a_full_tmpfs_while_building_headroom_is_logged_not_fatal(
         return real(*args)
 
     pools.build_arena = build  # type: ignore[method-assign]
-    with caplog.at_level(logging.WARNING, logger="service.budget"):
+    with caplog.at_level(logging.WARNING, logger="service.memory.policy"):
         reg = await node.register("m")
     assert reg.capacity_blocks == ARENA_BLOCKS  # registered, without its headroom
     assert "cannot add an arena" in caplog.text and "full" in caplog.text

@@ -19,7 +19,7 @@ from kvstore.types import NamespaceId
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc
 from service.config import Config, ConfigError, load_config
-from service.pools import PoolManager
+from service.memory.budget import PoolManager
 from service.server import Server
 from tests.inproc import LAYOUT
 

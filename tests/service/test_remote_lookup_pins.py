@@ -19,7 +19,7 @@ import pytest
 
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc
-from service.cluster.directory import Holder
+from service.cluster.directory import PeerHolder
 from service.cluster.peer_fetch import PeerFetcher
 from service.server import Server
 from tests.inproc import BLOCK_BYTES, BLOCK_SIZE, LAYOUT, tenant
@@ -155,8 +155,8 @@ async def fake_peer():
 def use_peer(server: Server, address: str, blocks: int) -> PeerFetcher:
     """Give the node a real fetcher whose directory names ``address`` as the holder."""
 
-    async def locate(namespace, scope, chain) -> list[Holder]:
-        return [Holder("peer", address, blocks)]
+    async def locate(namespace, scope, chain) -> list[PeerHolder]:
+        return [PeerHolder("peer", address, blocks)]
 
     fetcher = PeerFetcher(server.node, locate)
     server.node.peers = fetcher

@@ -15,7 +15,7 @@ import logging
 from typing import Any
 
 from kvstore.hashing import Extra, cbor_encode
-from kvstore.integrations.vllm.link import NodeLink
+from kvstore.integrations.vllm.node_link import NodeLink
 from kvstore.types import BlockHash
 
 log = logging.getLogger(__name__)

@@ -27,9 +27,9 @@ from kvstore.integrations.vllm.identity import (
     namespace_model_id,
     rank_model_ids,
 )
-from kvstore.integrations.vllm.link import NodeLink
 from kvstore.integrations.vllm.logs import follow_vllm_logging
 from kvstore.integrations.vllm.metadata import KVStoreConnectorMetadata
+from kvstore.integrations.vllm.node_link import NodeLink
 from kvstore.integrations.vllm.scheduler import SchedulerSide
 from kvstore.integrations.vllm.shutdown import on_stop
 from kvstore.integrations.vllm.stats import KVStoreConnectorStats, KVStorePromMetrics

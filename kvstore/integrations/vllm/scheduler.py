@@ -36,13 +36,13 @@ from typing import Any
 from kvstore.client import Hit, Namespace, SyncClient
 from kvstore.errors import KVStoreError
 from kvstore.integrations.vllm.chains import ExtraKeysFn, RequestChains
-from kvstore.integrations.vllm.link import NodeLink
 from kvstore.integrations.vllm.metadata import (
     KVStoreConnectorMetadata,
     KVStoreWorkerReport,
     SaveSpec,
     plan_loads,
 )
+from kvstore.integrations.vllm.node_link import NodeLink
 from kvstore.integrations.vllm.request_life import Phase, TrackedRequest
 from kvstore.types import BlockHash
 

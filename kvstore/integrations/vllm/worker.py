@@ -48,13 +48,13 @@ import torch
 from kvstore.checksum import mismatches
 from kvstore.client.blocks import slot_runs
 from kvstore.errors import KVStoreError
-from kvstore.integrations.vllm.link import NodeLink
 from kvstore.integrations.vllm.metadata import (
     KVStoreConnectorMetadata,
     KVStoreWorkerReport,
     LoadSpec,
     SaveSpec,
 )
+from kvstore.integrations.vllm.node_link import NodeLink
 from kvstore.integrations.vllm.paged import (
     BlockOrder,
     PagedLayer,

@@ -13,7 +13,7 @@ import numpy as np
 
 from kvstore.client import SyncClient
 from kvstore.integrations.vllm.config import ConnectorConfig
-from kvstore.integrations.vllm.link import NodeLink
+from kvstore.integrations.vllm.node_link import NodeLink
 from kvstore.integrations.vllm.scheduler import SchedulerSide
 from tests.client.blocks import LAYOUT
 from tests.waiting import wait_until

@@ -41,7 +41,7 @@ from kvstore.types import LeaseId, NamespaceId, SlotId
 from kvstore.v1 import kvstore_pb2 as pb
 from service.api.errors import ResourceExhausted
 from service.config import Config, ConfigError
-from service.held_arenas import HeldArenas
+from service.memory.held import HeldArenas
 
 log = logging.getLogger(__name__)
 
@@ -111,7 +111,7 @@ class PoolManager:
         self._building = 0
         """Bytes of arenas being built (promised, not yet adopted)."""
         self.held = HeldArenas()
-        """CUDA arenas out of their pools that runners may still map (`service.held_arenas`)."""
+        """CUDA arenas out of their pools that runners may still map (`service.memory.held`)."""
         self.watcher: ArenaWatcher | None = None
         """Told of every arena added and removed (`watch`)."""
         self.cuda_runtime: CudaRuntime | None = None

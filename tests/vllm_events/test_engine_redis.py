@@ -17,11 +17,11 @@ import redis.asyncio as aioredis
 from service.cluster.keys import Keys, member
 from service.config.engines import EngineSource
 from service.server import Server
-from tests.events.fake_engine import FakeEngine, batch, removed, stored
-from tests.events.ingest import join
 from tests.redis.nodes import node_config
 from tests.redis.rpc import MODEL, Rpc, prompt
 from tests.redis.server import RedisServer
+from tests.vllm_events.fake_engine import FakeEngine, batch, removed, stored
+from tests.vllm_events.ingest import join
 from tests.waiting import until
 
 

@@ -8,9 +8,9 @@ import hashlib
 from kvstore.v1 import kvstore_pb2 as pb
 from service.ops.web import HitRateHistory, WebApp
 from tests.cli.conftest import kvstore
-from tests.events.fake_engine import FakeEngine, batch, stored
-from tests.events.ingest import join, start_node
 from tests.redis.rpc import Rpc, prompt
+from tests.vllm_events.fake_engine import FakeEngine, batch, stored
+from tests.vllm_events.ingest import join, start_node
 from tests.waiting import until
 
 

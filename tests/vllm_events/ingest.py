@@ -9,8 +9,8 @@ from dataclasses import replace
 
 from service.config.engines import EngineSource
 from service.server import Server
-from tests.events.fake_engine import FakeEngine, batch
 from tests.redis.rpc import MODEL
+from tests.vllm_events.fake_engine import FakeEngine, batch
 from tests.waiting import until
 
 

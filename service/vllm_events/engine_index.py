@@ -40,7 +40,7 @@ from service.cluster.directory import Change
 from service.cluster.engine_sets import EngineEntry, EngineSetQueue
 from service.cluster.keys import member
 from service.config.engines import EngineSource
-from service.events.wire import Batch, Cleared, EngineHash, Removed, Stored
+from service.vllm_events.wire import Batch, Cleared, EngineHash, Removed, Stored
 
 log = logging.getLogger(__name__)
 

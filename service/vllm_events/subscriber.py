@@ -18,7 +18,7 @@ Sequence numbers (8 bytes, big-endian) increase by one per batch:
 
 Malformed messages are counted (``malformed``), logged once, and skipped;
 nothing an engine sends can stop the task. pyzmq comes with the ``events``
-extra and is imported only here and in `service.events.publisher`.
+extra and is imported only here and in `service.vllm_events.publisher`.
 """
 
 from __future__ import annotations
@@ -32,8 +32,8 @@ from typing import Any
 from kvstore.extras import MissingExtra
 from service.config import ConfigError
 from service.config.engines import EngineSource
-from service.events.engine_index import EngineIndex
-from service.events.wire import END_SEQ, WireError, decode_batch, seq_bytes
+from service.vllm_events.engine_index import EngineIndex
+from service.vllm_events.wire import END_SEQ, WireError, decode_batch, seq_bytes
 
 log = logging.getLogger(__name__)
 

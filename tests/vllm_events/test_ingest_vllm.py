@@ -15,11 +15,11 @@ from dataclasses import replace
 import pytest
 
 from service.config.engines import EngineSource
-from service.events.engine_index import EngineMatch
 from service.server import Server
-from tests.events.ingest import read_line, stop
-from tests.events.vllm_side import start, vllm_python
+from service.vllm_events.engine_index import EngineMatch
 from tests.redis.rpc import MODEL, Rpc, prompt
+from tests.vllm_events.ingest import read_line, stop
+from tests.vllm_events.vllm_side import start, vllm_python
 from tests.waiting import until
 
 pytestmark = pytest.mark.skipif(vllm_python() is None, reason="needs KVSTORE_VLLM_PYTHON")

@@ -13,9 +13,9 @@ import pytest
 
 from service.config import ConfigError, load_config
 from service.config.engines import EngineSource
-from service.events import wire
-from service.events.wire import Cleared, Removed, Stored, WireError, decode_batch
 from service.node import Node
+from service.vllm_events import wire
+from service.vllm_events.wire import Cleared, Removed, Stored, WireError, decode_batch
 
 ROOT = Path(__file__).resolve().parents[2]
 H = bytes(range(32))

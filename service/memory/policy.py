@@ -32,7 +32,7 @@ and the store's block tables (the slots):
   namespaces converge on equal shares instead of trading an arena back and
   forth. An arena holding a pinned or WRITING block is never retired. A
   CUDA arena that a runner may still map is freed only once none does
-  (`service.held_arenas`); until then its bytes stay allocated.
+  (`service.memory.held`); until then its bytes stay allocated.
 - **Drop**: every arena of the namespace goes back at once.
 
 One asyncio lock orders every change of the budget, so two growths never
@@ -54,7 +54,7 @@ from kvstore.stamps import StampSink
 from kvstore.store import DropReport, Store
 from kvstore.types import BlockHash, NamespaceId, TenantId
 from service.api.errors import ResourceExhausted
-from service.pools import PoolManager, PoolPlan, PoolStamps
+from service.memory.budget import PoolManager, PoolPlan, PoolStamps
 
 log = logging.getLogger(__name__)
 

@@ -29,7 +29,7 @@ from redis.backoff import AbstractBackoff
 from kvstore.events import CacheEvent, EventKind
 from kvstore.v1 import kvstore_pb2 as pb
 from service.cluster.keys import HASH_BYTES
-from service.cluster.link import REDIS_ERRORS, backoff_seconds, reconnect_backoff
+from service.cluster.redis_link import REDIS_ERRORS, backoff_seconds, reconnect_backoff
 
 log = logging.getLogger(__name__)
 

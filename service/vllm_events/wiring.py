@@ -14,10 +14,10 @@ from typing import Any
 from kvstore.events import CacheEvent
 from kvstore.types import NamespaceId
 from service.config import Config, ConfigError
-from service.events.engine_index import EngineIndex
-from service.events.metrics import EventFigures
-from service.events.publisher import KvEventPublisher
-from service.events.subscriber import EngineSubscriber, zmq_modules
+from service.vllm_events.engine_index import EngineIndex
+from service.vllm_events.metrics import EventFigures
+from service.vllm_events.publisher import KvEventPublisher
+from service.vllm_events.subscriber import EngineSubscriber, zmq_modules
 
 log = logging.getLogger(__name__)
 
@@ -88,7 +88,7 @@ class KvEvents:
             ) from None
 
     def figures(self) -> EventFigures:
-        """The metrics' figures (`service.events.metrics`); call on the loop."""
+        """The metrics' figures (`service.vllm_events.metrics`); call on the loop."""
         publisher, index = self.publisher, self.index
         blocks: dict[tuple[str, str], int] = {}
         counts: dict[tuple[str, str], int] = {}

@@ -12,10 +12,10 @@ import hashlib
 import msgpack
 from prometheus_client import generate_latest
 
-from service.events.engine_index import EngineMatch
-from tests.events.fake_engine import FakeEngine, batch, removed, stored
-from tests.events.ingest import join, start_node
+from service.vllm_events.engine_index import EngineMatch
 from tests.redis.rpc import Rpc, prompt
+from tests.vllm_events.fake_engine import FakeEngine, batch, removed, stored
+from tests.vllm_events.ingest import join, start_node
 from tests.waiting import until
 
 

@@ -5,7 +5,7 @@ KV-cache indexer, Dynamo's KV router) can count the node as one more cache
 tier: it subscribes to ``kv_events_endpoint`` like to an engine.
 
 - Each `Node.publish_events` call with block events becomes one
-  ``KVEventBatch`` (`service.events.wire`): STORED -> BlockStored, REMOVED ->
+  ``KVEventBatch`` (`service.vllm_events.wire`): STORED -> BlockStored, REMOVED ->
   BlockRemoved, both naming ``kv_events_medium``. CLEARED is not sent: a
   namespace clear already sends BlockRemoved for its blocks, and vLLM's
   AllBlocksCleared means "everything this publisher holds".
@@ -35,8 +35,8 @@ from typing import Any
 
 from kvstore.events import CacheEvent, EventKind
 from kvstore.types import NamespaceId
-from service.events import wire
-from service.events.subscriber import zmq_modules
+from service.vllm_events import wire
+from service.vllm_events.subscriber import zmq_modules
 
 log = logging.getLogger(__name__)
 

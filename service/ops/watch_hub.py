@@ -24,7 +24,7 @@ class Watcher(Generic[T]):
 
     def __init__(
         self,
-        hub: EventHub[T],
+        hub: WatchHub[T],
         namespace: str,
         maxsize: int,
         accept: Callable[[T], bool] | None = None,
@@ -63,7 +63,7 @@ class Watcher(Generic[T]):
         self._hub.unsubscribe(self)
 
 
-class EventHub(Generic[T]):
+class WatchHub(Generic[T]):
     """Fans each published event out to the watchers of its namespace."""
 
     def __init__(self, maxsize: int = WATCH_QUEUE_SIZE) -> None:

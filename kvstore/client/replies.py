@@ -1,6 +1,6 @@
 """Protobuf messages ↔ kvstore value objects, for the client side.
 
-The service has its own translation (``service/api/convert.py``); the client
+The service has its own translation (``service/api/translate.py``); the client
 keeps its own so that the SDK depends on nothing in ``service``.
 """
 

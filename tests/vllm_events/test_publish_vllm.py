@@ -17,10 +17,10 @@ from prometheus_client import generate_latest
 
 from kvstore.v1 import kvstore_pb2 as pb
 from service.server import Server
-from tests.events.ingest import read_line, stop
-from tests.events.vllm_side import start, vllm_python
 from tests.inproc import BLOCK_SIZE
 from tests.redis.rpc import Rpc
+from tests.vllm_events.ingest import read_line, stop
+from tests.vllm_events.vllm_side import start, vllm_python
 
 pytestmark = pytest.mark.skipif(vllm_python() is None, reason="needs KVSTORE_VLLM_PYTHON")
 

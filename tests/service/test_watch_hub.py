@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import asyncio
 
-from service.ops.event_hub import EventHub
+from service.ops.watch_hub import WatchHub
 
 
 async def test_fan_out_filters_and_drops_oldest():
-    hub: EventHub[str] = EventHub(maxsize=2)
+    hub: WatchHub[str] = WatchHub(maxsize=2)
     everything = hub.subscribe()
     only_a = hub.subscribe("a")
     for item in ("a1", "b1", "a2", "a3"):
