@@ -33,6 +33,7 @@ import functools
 import hashlib
 import logging
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvstore.errors import KVStoreError
@@ -147,6 +148,13 @@ class NodeDisk:
     def key(self, spec: NamespaceSpec, scope: TenantId, block_hash: BlockHash) -> DiskKey:
         """The disk key of one block of a namespace and scope."""
         return DiskKey(namespace_key(spec), scope_key(scope), hash_key(block_hash))
+
+    def run_after(
+        self, spec: NamespaceSpec, scope: TenantId, chain: Sequence[BlockHash], have: int
+    ) -> int:
+        """How many blocks of ``chain`` after the first ``have`` are on disk (index only)."""
+        hashes = [hash_key(h) for h in chain[have:]]
+        return self.tier.run_length(namespace_key(spec), scope_key(scope), hashes) if hashes else 0
 
     # --- write-behind -----------------------------------------------------------------
 

@@ -43,7 +43,7 @@ from kvstore.pool.base import BlockPool
 from kvstore.types import BlockHash, LeaseId, NamespaceId, SlotId, TenantId
 from service.cluster.fetch_lease import close_fetch_lease, open_fetch_lease, reserve_missing
 from service.cluster.local import LocalNode
-from service.disk.node_tier import NodeDisk, hash_key, namespace_key, scope_key
+from service.disk.node_tier import NodeDisk
 from service.disk.tier import DiskKey, DiskTier
 
 log = logging.getLogger(__name__)
@@ -96,9 +96,7 @@ class DiskPromoter:
         if have >= len(chain) or len(self.disk.promotions) >= MAX_PROMOTIONS:
             return 0
         table = node.table(namespace)
-        scope = table.scope_of(tenant)
-        hashes = [hash_key(h) for h in chain[have:]]
-        on_disk = self.disk.tier.run_length(namespace_key(table.spec), scope_key(scope), hashes)
+        on_disk = self.disk.run_after(table.spec, table.scope_of(tenant), chain, have)
         if not on_disk:
             return 0
         task = asyncio.ensure_future(

@@ -88,6 +88,9 @@ async def test_blocks_come_back_from_disk_for_their_tenant_only(disk_config: Con
     ):
         ns_a = await a.register_namespace("disk-model", LAYOUT)
         ns_b = await b.register_namespace("disk-model", LAYOUT)
+        # Before any lookup, memory is empty: the prefix query names the disk tier.
+        answer = await a.query_prefix(model="disk-model", tokens=TOKENS)
+        assert [(h.tier, h.matched_blocks) for h in answer.holders] == [("disk", BLOCKS)]
         chain = (await a.lookup(ns_a, TOKENS, pin=False)).packed_chain
         hashes = [chain[i : i + 32] for i in range(0, len(chain), 32)]
         # Tenant b names a's hashes: the disk keys carry the scope, nothing is promoted.
