@@ -29,9 +29,11 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
+import fcntl
 import functools
 import hashlib
 import logging
+import os
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -44,7 +46,7 @@ from kvstore.stamps import stamp_ident
 from kvstore.types import BlockHash, NamespaceId, TenantId
 from service.cluster.local import LocalNode
 from service.config import Config
-from service.disk.tier import DiskKey, DiskStats, DiskTier
+from service.disk.tier import DiskKey, DiskStats, DiskTier, DiskTierError
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +77,38 @@ def hash_key(block_hash: BlockHash) -> int:
     return int.from_bytes(block_hash[:8], "little")
 
 
+def lock_tier_file(path: str) -> tuple[int, bool]:
+    """Take the tier file's lock (``flock``, exclusive), creating the file if missing.
+
+    Two nodes on one file would each believe they own its slots and overwrite
+    each other's blocks; the second one stops at start instead. The lock goes
+    with the process (a SIGKILLed node holds it no more).
+
+    Returns:
+        (the descriptor that holds the lock, whether the file was created here).
+
+    Raises:
+        DiskTierError: another process holds the lock, or the file cannot be opened.
+    """
+    created = not os.path.exists(path)
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    except OSError as exc:
+        raise DiskTierError(
+            f"disk_path {path}: cannot be opened ({exc.strerror}); "
+            "give the node's user write access to it and its folder, or set another disk_path"
+        ) from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise DiskTierError(
+            f"disk_path {path}: another kvstore-server uses this file (it holds its lock); "
+            "stop that node or give each node its own disk_path"
+        ) from None
+    return fd, created
+
+
 @dataclass(frozen=True, slots=True)
 class _Write:
     """A committed block waiting for its copy to the tier."""
@@ -88,9 +122,10 @@ class _Write:
 class NodeDisk:
     """The node's disk tier: opened at start, fed at commit, flushed at a clean stop."""
 
-    def __init__(self, tier: DiskTier, config: Config) -> None:
+    def __init__(self, tier: DiskTier, config: Config, lock_fd: int | None = None) -> None:
         """Wrap an open tier; use `open`."""
         self.tier = tier
+        self._lock_fd = lock_fd
         self.config = config
         self.node: LocalNode | None = None
         """The node whose pools the blocks are copied out of (`attach`)."""
@@ -121,13 +156,20 @@ class NodeDisk:
         """
         if not config.disk_path:
             return None
-        tier = DiskTier.open(
-            config.disk_path,
-            config.disk_capacity_bytes,
-            queue_blocks=config.disk_queue_blocks,
-            io_threads=config.disk_io_threads,
-            direct=config.disk_direct_io,
-        )
+        lock_fd, created = lock_tier_file(config.disk_path)
+        try:
+            tier = DiskTier.open(
+                config.disk_path,
+                config.disk_capacity_bytes,
+                queue_blocks=config.disk_queue_blocks,
+                io_threads=config.disk_io_threads,
+                direct=config.disk_direct_io,
+            )
+        except BaseException:
+            if created:  # made here (under our lock) and never became a tier file
+                os.unlink(config.disk_path)
+            os.close(lock_fd)
+            raise
         stats = tier.stats()
         log.info(
             "disk tier %s: %d blocks found in %.2fs (%d discarded), %d of %d bytes used",
@@ -138,7 +180,7 @@ class NodeDisk:
             stats.used_bytes,
             stats.capacity_bytes,
         )
-        return cls(tier, config)
+        return cls(tier, config, lock_fd)
 
     def attach(self, node: LocalNode) -> None:
         """Name the node whose pools blocks are copied out of (once)."""
@@ -312,6 +354,9 @@ class NodeDisk:
                 flush_seconds,
             )
         await self.tier.close()
+        if self._lock_fd is not None:  # the file is free for the next node
+            os.close(self._lock_fd)
+            self._lock_fd = None
         if self._thread is not None:
             self._thread.shutdown(wait=False, cancel_futures=True)
         copies = list(self._copies)

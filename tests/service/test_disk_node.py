@@ -23,7 +23,7 @@ from kvstore.types import BlockHash, LeaseId, TenantId
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc
 from service.config import Config
-from service.disk import DiskKey
+from service.disk import DiskKey, DiskTierError
 from service.server import Server
 from tests.client.blocks import LAYOUT
 from tests.conftest import started
@@ -245,3 +245,11 @@ async def test_write_behind_skips_what_it_cannot_copy_safely(disk_config: Config
         await until(lambda: disk.stats().blocks == 2, what="two blocks on disk")
         assert metric(server, "kvstore_disk_write_drops_total", reason="backlog") == BLOCKS - 2
         assert metric(server, "kvstore_disk_write_drops_total", reason="moved") == 2
+
+
+async def test_a_second_node_on_the_same_disk_file_stops_at_start(disk_config: Config) -> None:
+    async with started(disk_config, ManualClock()):
+        with pytest.raises(DiskTierError, match="another kvstore-server uses this file"):
+            Server(disk_config)
+    async with started(disk_config, ManualClock()):  # free again once the first stopped
+        pass
