@@ -14,9 +14,11 @@ For each block size, in one run and in the same folder (same file system):
   The tier's blocks are laid out in slot order, so its I/O is nearly
   sequential too.
 
-Then the **rebuild**: a tier holding N blocks (16 KiB each by default) is
-closed and reopened; the time to open (rebuild the index from its headers)
-and to the first verified disk hit. Goal: at most 2 s per 100k blocks.
+Then the **rebuild**: a tier holding N blocks of 16 KiB is closed and
+reopened, twice: after a clean stop (the index from its checkpoint) and
+after a stop that left none, as a crash does (the index from a scan of the
+slot headers). Each: the time to open and to the first verified disk hit.
+Goal: at most 2 s per 100k blocks.
 
 Goals (issue #33): reads >= 0.9x fio, writes >= 0.8x fio.
 
@@ -41,7 +43,7 @@ import numpy as np
 
 from kvstore.checksum import block_checksum
 from service.disk import DiskKey, DiskTier
-from service.disk.format import DATA_START, slot_bytes_for
+from service.disk.format import file_bytes_for, slot_bytes_for
 
 NS = b"b" * 16
 REGION = 64 << 20
@@ -57,7 +59,7 @@ WAIT = 0.0005
 def _capacity(blocks: int, block: int) -> int:
     slot = slot_bytes_for(block)
     per_region = (REGION - 4096) // slot
-    return DATA_START + (-(-blocks // per_region) + 1) * REGION
+    return file_bytes_for(-(-blocks // per_region) + 1, REGION)
 
 
 async def _tier_rw(
@@ -136,26 +138,29 @@ async def _rebuild(path: str, blocks: int, block: int, threads: int) -> dict[str
         else:
             await asyncio.sleep(WAIT)
     await tier.flush(600)
-    await tier.close()
-    start = time.perf_counter()
-    tier = await asyncio.to_thread(
-        DiskTier.open, path, _capacity(blocks, block), io_threads=threads
-    )
-    opened = time.perf_counter() - start
-    dest = memoryview(mmap.mmap(-1, block))
-    if not await tier.read_into(DiskKey(NS, 0, blocks - 1), dest):
-        raise RuntimeError("no disk hit after the rebuild")
-    first_hit = time.perf_counter() - start
-    found = tier.stats().rebuilt_blocks
+    cap = _capacity(blocks, block)
+    out: dict[str, Any] = {"blocks": blocks}
+    # A clean stop leaves a checkpoint; a stop without one (as a crash) makes the next
+    # open scan the slot headers. The second open is timed after the first's stop.
+    for source, keep in (("checkpoint", True), ("headers", False)):
+        await tier.close(checkpoint=keep)
+        start = time.perf_counter()
+        tier = await asyncio.to_thread(DiskTier.open, path, cap, io_threads=threads)
+        opened = time.perf_counter() - start
+        dest = memoryview(mmap.mmap(-1, block))
+        if not await tier.read_into(DiskKey(NS, 0, blocks - 1), dest):
+            raise RuntimeError("no disk hit after the rebuild")
+        first_hit = time.perf_counter() - start
+        s = tier.stats()
+        assert s.opened_from == source and s.rebuilt_blocks == blocks, s
+        out[source] = {
+            "open_s": round(opened, 3),
+            "first_hit_s": round(first_hit, 3),
+            "s_per_100k": round(opened / blocks * 100_000, 3),
+        }
     await tier.close()
     os.unlink(path)
-    return {
-        "blocks": blocks,
-        "found": found,
-        "open_s": round(opened, 3),
-        "first_hit_s": round(first_hit, 3),
-        "s_per_100k": round(opened / blocks * 100_000, 3),
-    }
+    return out
 
 
 async def run(
@@ -203,7 +208,8 @@ async def run(
         "sizes": sizes,
         "rebuild": rebuilds,
         "goal": "reads >= 0.9x fio, writes >= 0.8x fio; rebuild <= 2 s per 100k blocks",
-        "met": met and all(r["s_per_100k"] <= 2 for r in rebuilds),
+        "met": met
+        and all(r[k]["s_per_100k"] <= 2 for r in rebuilds for k in ("checkpoint", "headers")),
     }
 
 

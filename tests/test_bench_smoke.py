@@ -24,6 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
         ("benchmarks.bench_wire", "hashes"),
         ("benchmarks.bench_checksum", "sizes"),
         ("benchmarks.bench_verify", "lengths"),
+        ("benchmarks.bench_disk", "sizes"),
     ],
 )
 def test_a_quick_run_prints_its_figures(module: str, key: str) -> None:

@@ -5,6 +5,8 @@ The file (preallocated once, never grown past the cap)::
     [0, 1 MiB)                      superblock page (the rest of the MiB unused,
                                     so regions start 1 MiB-aligned)
     [1 MiB + i * R, ... + R)        region i (R = region_bytes, 64 MiB by default)
+    [1 MiB + n * R, end)            the checkpoint area: the index as a clean stop
+                                    left it (64 bytes a slot at most: 0.8% of the file)
 
 A region belongs to one slot size while it holds blocks::
 
@@ -38,10 +40,20 @@ DATA_START = 1 << 20
 VERSION = 1
 
 FILE_MAGIC = b"KVSTDSK\x01"
+CHECKPOINT_MAGIC = b"KVSTCKP\x01"
 REGION_MAGIC = b"KVSTRGN\x01"
 SLOT_MAGIC = b"KVSTSLT\x01"
 
-_SUPER = struct.Struct("<8sIIQQ")  # magic, version, pad, region_bytes, regions
+_SUPER = struct.Struct("<8sIIQQQ")  # magic, version, pad, region_bytes, regions, clean
+_CHECKPOINT = struct.Struct("<8sIIQQQQQQQ")
+# magic, version, pad, stamp, entries, limbo, regions, next_seq, next_epoch, and the xxh3-64
+# of the records that follow the header page
+CHECKPOINT_ENTRY = struct.Struct("<IIQ16sQQQQ")
+"""A block in the checkpoint: region, slot, seq, namespace, scope, block_hash, length, checksum."""
+CHECKPOINT_SLOT = struct.Struct("<II")
+"""A slot in limbo (its header still to zero): region, slot."""
+CHECKPOINT_REGION = struct.Struct("<IIQ")
+"""A region given to a slot size: index, slot_bytes, epoch."""
 _REGION = struct.Struct("<8sIIQQ")  # magic, version, slot_bytes, epoch, region index
 _SLOT = struct.Struct("<8sIIQ16sQQQQQ")
 # magic, version, slot_bytes, epoch, namespace, scope, block_hash, length, checksum, seq
@@ -108,18 +120,23 @@ class Superblock:
 
     region_bytes: int
     regions: int
+    clean: int = 0
+    """The stamp of the checkpoint a clean stop wrote; 0 while the tier is open
+    (or after a crash): rebuild from the headers."""
 
     def pack(self) -> bytes:
-        return _seal(_SUPER.pack(FILE_MAGIC, VERSION, 0, self.region_bytes, self.regions))
+        return _seal(
+            _SUPER.pack(FILE_MAGIC, VERSION, 0, self.region_bytes, self.regions, self.clean)
+        )
 
     @classmethod
     def parse(cls, page: Page) -> Superblock | None:
         fields = _unseal(page, _SUPER, FILE_MAGIC)
         if fields is None or fields[1] != VERSION:
             return None
-        _, _, _, region_bytes, regions = fields
-        assert isinstance(region_bytes, int) and isinstance(regions, int)
-        return cls(region_bytes, regions)
+        _, _, _, region_bytes, regions, clean = fields
+        assert isinstance(region_bytes, int) and isinstance(regions, int) and isinstance(clean, int)
+        return cls(region_bytes, regions, clean)
 
 
 @dataclass(frozen=True, slots=True)
@@ -187,10 +204,76 @@ def is_blank(page: Page) -> bool:
     return bytes(page[:8]) == bytes(8)
 
 
+def checkpoint_bytes(regions: int, region_bytes: int) -> int:
+    """The checkpoint area of a file of ``regions``: room for every slot of the
+    smallest size (8 KiB) as a block record, every region, and its header page."""
+    slots = regions * slots_per_region(region_bytes, 2 * PAGE)
+    return PAGE + round_up(slots * CHECKPOINT_ENTRY.size + regions * CHECKPOINT_REGION.size)
+
+
 def data_bytes(capacity_bytes: int, region_bytes: int) -> tuple[int, int]:
-    """(regions, file bytes) of a file that fits in ``capacity_bytes``."""
-    regions = max(0, (capacity_bytes - DATA_START) // region_bytes)
-    return regions, DATA_START + regions * region_bytes
+    """(regions, file bytes) of the largest file that fits in ``capacity_bytes``."""
+    per_region = region_bytes + slots_per_region(region_bytes, 2 * PAGE) * CHECKPOINT_ENTRY.size
+    per_region += CHECKPOINT_REGION.size
+    regions = max(0, (capacity_bytes - DATA_START - 2 * PAGE) // per_region)
+    # The estimate is off by a region at most (the area rounds up to pages).
+    while file_bytes_for(regions + 1, region_bytes) <= capacity_bytes:
+        regions += 1
+    while regions and file_bytes_for(regions, region_bytes) > capacity_bytes:
+        regions -= 1
+    return regions, file_bytes_for(regions, region_bytes)
+
+
+def file_bytes_for(regions: int, region_bytes: int) -> int:
+    """The size of a file of ``regions`` regions, its checkpoint area included."""
+    return checkpoint_offset(regions, region_bytes) + checkpoint_bytes(regions, region_bytes)
+
+
+def checkpoint_offset(regions: int, region_bytes: int) -> int:
+    """Where the checkpoint area starts: after the last region."""
+    return DATA_START + regions * region_bytes
+
+
+@dataclass(frozen=True, slots=True)
+class CheckpointHeader:
+    """The checkpoint area's first page: how many records follow, and their checksum."""
+
+    stamp: int
+    entries: int
+    limbo: int
+    regions: int
+    next_seq: int
+    next_epoch: int
+    records_checksum: int
+
+    def records_bytes(self) -> int:
+        return (
+            self.entries * CHECKPOINT_ENTRY.size
+            + self.limbo * CHECKPOINT_SLOT.size
+            + self.regions * CHECKPOINT_REGION.size
+        )
+
+    def pack(self) -> bytes:
+        body = _CHECKPOINT.pack(
+            CHECKPOINT_MAGIC,
+            VERSION,
+            0,
+            self.stamp,
+            self.entries,
+            self.limbo,
+            self.regions,
+            self.next_seq,
+            self.next_epoch,
+            self.records_checksum,
+        )
+        return _seal(body)
+
+    @classmethod
+    def parse(cls, page: Page) -> CheckpointHeader | None:
+        fields = _unseal(page, _CHECKPOINT, CHECKPOINT_MAGIC)
+        if fields is None or fields[1] != VERSION:
+            return None
+        return cls(*fields[3:])  # type: ignore[arg-type]
 
 
 def region_offset(region: int, region_bytes: int) -> int:

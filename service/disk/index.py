@@ -28,11 +28,11 @@ can never bring the block back, and only then becomes free again.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from enum import Enum
 from operator import attrgetter
 
+from service.disk.entry import LRU, Entry, EntryState, Key
 from service.disk.format import (
     RegionHeader,
     region_offset,
@@ -41,36 +41,22 @@ from service.disk.format import (
     slots_per_region,
 )
 
-Key = tuple[bytes, int, int]
-"""(namespace, scope, block_hash): `DiskKey` as a tuple, cheaper to hash in loops."""
-
 Found = tuple[int, int, Key, int, int]
 """A valid slot header found at open: (seq, slot, key, length, checksum)."""
 
 
-class EntryState(Enum):
-    WRITING = "writing"
-    READY = "ready"
+@dataclass(frozen=True, slots=True)
+class Snapshot:
+    """The index as a checkpoint keeps it (`DiskIndex.snapshot`, `restore`)."""
 
-
-@dataclass(slots=True, eq=False)
-class Entry:
-    """One block's slot. Linked into its size's LRU while READY (intrusive, like
-    `kvstore.lru`: removal from the middle in O(1), nothing allocated)."""
-
-    key: Key
-    region: int
-    slot: int
-    length: int
-    checksum: int
-    seq: int
-    state: EntryState
-    touch: int = 0
-    readers: int = 0
-    dropped: bool = False
-    """Forgotten (drop, discard) while I/O was in flight: its slot goes to limbo after."""
-    prev: Entry | None = None
-    next: Entry | None = None
+    regions: list[tuple[int, int, int]]
+    """(region, slot_bytes, epoch) of every region given to a slot size."""
+    entries: list[tuple[int, int, int, Key, int, int]]
+    """(region, slot, seq, key, length, checksum), least recently used first."""
+    limbo: list[tuple[int, int]]
+    """(region, slot) whose header page is still to be zeroed."""
+    next_seq: int
+    next_epoch: int
 
 
 @dataclass(slots=True)
@@ -108,47 +94,11 @@ class Reservation:
     """(offset, header) to write before the slot: the region was just given to this size."""
 
 
-class _LRU:
-    """Intrusive doubly linked list of READY entries, least recently used first."""
-
-    __slots__ = ("_head", "_tail", "count")
-
-    def __init__(self) -> None:
-        self._head = Entry((b"", 0, 0), -1, -1, 0, 0, 0, EntryState.READY)
-        self._tail = Entry((b"", 0, 0), -1, -1, 0, 0, 0, EntryState.READY)
-        self._head.next = self._tail
-        self._tail.prev = self._head
-        self.count = 0
-
-    def __iter__(self) -> Iterator[Entry]:
-        node = self._head.next
-        while node is not self._tail:
-            assert node is not None
-            yield node
-            node = node.next
-
-    def append(self, e: Entry) -> None:
-        assert e.prev is None and e.next is None, "entry already in the LRU"
-        last = self._tail.prev
-        assert last is not None
-        e.prev, e.next = last, self._tail
-        last.next = e
-        self._tail.prev = e
-        self.count += 1
-
-    def remove(self, e: Entry) -> None:
-        assert e.prev is not None and e.next is not None, "entry not in the LRU"
-        e.prev.next = e.next
-        e.next.prev = e.prev
-        e.prev = e.next = None
-        self.count -= 1
-
-
 @dataclass(slots=True)
 class _SizeClass:
     regions: set[int] = field(default_factory=set)
     with_room: set[int] = field(default_factory=set)
-    lru: _LRU = field(default_factory=_LRU)
+    lru: LRU = field(default_factory=LRU)
 
 
 class DiskIndex:
@@ -363,6 +313,51 @@ class DiskIndex:
         for e in sorted(self._entries.values(), key=attrgetter("seq")):
             self._link(e, self._regions[e.region])
             self._count(e, +1)
+        self._settle()
+
+    def snapshot(self) -> Snapshot:
+        """What a checkpoint keeps: regions, READY blocks least recently used
+        first, slots whose header may still name a block (limbo, writes cut short)."""
+        regions = [(r.index, r.slot_bytes, r.epoch) for r in self._regions if r.slot_bytes]
+        ready = [e for e in self._entries.values() if e.state is EntryState.READY]
+        ready.sort(key=attrgetter("touch"))
+        entries = [(e.region, e.slot, e.seq, e.key, e.length, e.checksum) for e in ready]
+        limbo = [(r.index, s) for r in self._regions for s in r.limbo]
+        limbo += [
+            (r.index, s)
+            for r in self._regions
+            for s, e in r.entries.items()
+            if e.dropped or e.state is EntryState.WRITING
+        ]
+        return Snapshot(regions, entries, limbo, self.next_seq, self.next_epoch)
+
+    def restore(self, snap: Snapshot) -> None:
+        """At open, from a checkpoint: the index as `snapshot` saw it (limbo slots
+        are handed out again to be zeroed, `take_invalidations`)."""
+        for index, slot_bytes, epoch in snap.regions:
+            self._free_regions.remove(index)
+            r = self._regions[index]
+            r.slot_bytes, r.epoch = slot_bytes, epoch
+            r.slots = slots_per_region(self.region_bytes, slot_bytes)
+            self._classes.setdefault(slot_bytes, _SizeClass()).regions.add(index)
+        for region, slot, seq, key, length, checksum in snap.entries:
+            r = self._regions[region]
+            e = Entry(key, region, slot, length, checksum, seq, EntryState.READY)
+            r.entries[slot] = e
+            self._entries[key] = e
+            self._link(e, r)
+            self._count(e, +1)
+        for region, slot in snap.limbo:
+            r = self._regions[region]
+            r.limbo.add(slot)
+            r.busy += 1
+            self._invalidations.append(
+                (slot_offset(region, slot, self.region_bytes, r.slot_bytes), region, slot)
+            )
+        self.next_seq, self.next_epoch = snap.next_seq, snap.next_epoch
+        self._settle()
+
+    def _settle(self) -> None:
         for r in self._regions:
             if not r.slot_bytes:
                 continue

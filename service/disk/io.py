@@ -17,7 +17,7 @@ import mmap
 import os
 from typing import Any
 
-from service.disk.format import DATA_START, PAGE, Superblock, data_bytes
+from service.disk.format import PAGE, Superblock, data_bytes, file_bytes_for
 
 
 class DiskTierError(OSError):
@@ -154,7 +154,7 @@ def _prepare(
         raise DiskTierError(
             f"disk_capacity_bytes {capacity_bytes} is too small for one "
             f"{region_bytes >> 20} MiB region; "
-            f"set it to at least {DATA_START + region_bytes} bytes"
+            f"set it to at least {file_bytes_for(1, region_bytes)} bytes"
         )
     if file_bytes > size:
         vfs = os.statvfs(path)
@@ -174,7 +174,9 @@ def _prepare(
             ) from None
     elif file_bytes < size:
         os.ftruncate(fd, file_bytes)  # a smaller cap: the regions past it are gone
-    sb = Superblock(region_bytes, regions)
+    # A resized file moved its checkpoint area (after the last region): scan instead.
+    clean = old.clean if old is not None and old.regions == regions else 0
+    sb = Superblock(region_bytes, regions, clean)
     if sb != old:
         page = aligned(PAGE)
         page.write(sb.pack())

@@ -1,4 +1,6 @@
-"""Rebuilding the index at open, from the headers on disk (payloads are not read).
+"""Rebuilding the index at open: from a clean stop's checkpoint
+(`service.disk.checkpoint`), else from the headers on disk (payloads are not
+read).
 
 Each region's header page says its slot size and epoch; then every slot
 header page of the region is read (O_DIRECT, ``io_threads`` regions at once)
@@ -16,10 +18,13 @@ header; see `RUN_BYTES`.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Any
 
+from service.disk.checkpoint import read_checkpoint, write_superblock
 from service.disk.format import (
     PAGE,
     RegionHeader,
@@ -30,7 +35,7 @@ from service.disk.format import (
     slot_offset,
     slots_per_region,
 )
-from service.disk.index import Found
+from service.disk.index import DiskIndex, Found
 from service.disk.io import TierFile, aligned
 
 RUN_BYTES = 1 << 20
@@ -93,3 +98,43 @@ def scan(file: TierFile, sb: Superblock, threads: int) -> Iterator[RegionScan]:
     overlaps the reads of the next."""
     with ThreadPoolExecutor(max(1, threads), thread_name_prefix="kvstore-disk-scan") as pool:
         yield from pool.map(lambda i: _scan_region(file, sb, i), range(sb.regions))
+
+
+@dataclass(frozen=True, slots=True)
+class Rebuilt:
+    superblock: Superblock
+    """The superblock as it is now (its clean stamp cleared)."""
+    source: str
+    """"checkpoint" or "headers"."""
+    discarded: int
+    """Headers found torn or corrupt."""
+    seconds: float
+
+
+def rebuild_index(
+    file: TierFile, sb: Superblock, index: DiskIndex, threads: int, zero: Any
+) -> Rebuilt:
+    """Fill a new ``index`` from the file; blocking. ``zero``: an aligned zero page.
+
+    The superblock's clean stamp is cleared (synced) before this returns, and
+    the slots found in limbo (or holding a block found twice) are zeroed.
+    """
+    started = time.perf_counter()
+    discarded = 0
+    snap = read_checkpoint(file, sb)
+    if snap is not None:
+        index.restore(snap)
+    else:
+        for r in scan(file, sb, threads):
+            discarded += r.discarded
+            if r.header is not None:
+                index.adopt_region(r.index, r.header, r.found)
+        index.adopted()
+    if sb.clean:  # from here on the checkpoint is stale: never believe it again
+        sb = Superblock(sb.region_bytes, sb.regions, 0)
+        write_superblock(file, sb)
+    for offset, region, slot in index.take_invalidations():
+        file.zero_page(offset, zero)
+        index.invalidated(region, slot)
+    source = "headers" if snap is None else "checkpoint"
+    return Rebuilt(sb, source, discarded, time.perf_counter() - started)

@@ -70,6 +70,9 @@ class DiskStats:
     """Blocks the index found on disk when the tier opened."""
     rebuild_seconds: float = 0.0
     """How long the rebuild took."""
+    opened_from: str = "new"
+    """Where the index came from: "new" (a new file), "checkpoint" (a clean stop's),
+    "headers" (a scan of the slot headers: the last stop was not clean)."""
     degraded: bool = False
     """A write failed with ENOSPC or EIO: the tier takes no more writes."""
     queue_depth: int = 0

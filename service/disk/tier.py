@@ -32,16 +32,17 @@ import asyncio
 import errno
 import logging
 import threading
-import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from kvstore.checksum import NOT_COMPUTED, block_checksum
-from service.disk.format import PAGE, DiskKey, SlotHeader, round_up
-from service.disk.index import DiskIndex, Entry, Key, Reservation
+from service.disk.checkpoint import write_checkpoint
+from service.disk.entry import Entry, Key
+from service.disk.format import PAGE, DiskKey, SlotHeader, Superblock, round_up
+from service.disk.index import DiskIndex, Reservation
 from service.disk.io import DiskTierError, TierFile, address_of, aligned, open_tier_file
-from service.disk.rebuild import scan
+from service.disk.rebuild import rebuild_index
 from service.disk.stats import DiskEvent, DiskEventKind, DiskStats
 
 __all__ = ["DiskEvent", "DiskEventKind", "DiskKey", "DiskStats", "DiskTier", "DiskTierError"]
@@ -114,6 +115,8 @@ class DiskTier:
         self._degraded = False
         self._c: dict[str, int] = dict.fromkeys(_COUNTERS, 0)
         self._rebuild_seconds = 0.0
+        self._opened_from = "new"
+        self._sb = Superblock(index.region_bytes, 0)
 
     @classmethod
     def open(
@@ -157,29 +160,30 @@ class DiskTier:
         try:
             index = DiskIndex(sb.regions, sb.region_bytes)
             tier = cls(file, index, capacity_bytes, queue_blocks, io_threads)
+            tier._sb = sb
             if reopened:
-                started = time.perf_counter()
-                for r in scan(file, sb, io_threads):
-                    tier._c["discarded_at_open"] += r.discarded
-                    if r.header is not None:
-                        index.adopt_region(r.index, r.header, r.found)
-                index.adopted()
-                for offset, region, slot in index.take_invalidations():  # a block found twice
-                    file.zero_page(offset, tier._local.zero)
-                    index.invalidated(region, slot)
-                tier._rebuild_seconds = time.perf_counter() - started
-                tier._c["rebuilt_blocks"] = index.ready_blocks
-                log.info(
-                    "disk tier %s: %d blocks found in %.2f s, %d headers discarded",
-                    path,
-                    index.ready_blocks,
-                    tier._rebuild_seconds,
-                    tier._c["discarded_at_open"],
-                )
+                tier._rebuild(path, sb)
             return tier
         except BaseException:
             file.close()
             raise
+
+    def _rebuild(self, path: str, sb: Superblock) -> None:
+        """The index from the checkpoint of a clean stop, else from the slot headers."""
+        done = rebuild_index(self._file, sb, self._index, self._io_threads, self._local.zero)
+        self._sb = done.superblock
+        self._opened_from = done.source
+        self._rebuild_seconds = done.seconds
+        self._c["discarded_at_open"] = done.discarded
+        self._c["rebuilt_blocks"] = self._index.ready_blocks
+        log.info(
+            "disk tier %s: %d blocks from the %s in %.2f s, %d headers discarded",
+            path,
+            self._index.ready_blocks,
+            done.source,
+            done.seconds,
+            done.discarded,
+        )
 
     # -- writes --------------------------------------------------------------
 
@@ -393,6 +397,7 @@ class DiskTier:
             blocks_by_namespace=index.per_namespace(),
             evictions=index.evictions,
             rebuild_seconds=self._rebuild_seconds,
+            opened_from=self._opened_from,
             degraded=self._degraded,
             queue_depth=self._queued,
             queue_blocks=self._queue_blocks,
@@ -451,12 +456,24 @@ class DiskTier:
             return False
         return True
 
-    async def close(self) -> None:
+    async def close(self, *, checkpoint: bool = True) -> None:
         """Stop: queued writes not yet started are dropped (call `flush` first
-        for a clean stop), the ones in flight complete, the file is closed."""
+        for a clean stop), the ones in flight complete, the index is saved as
+        a checkpoint (unless the tier is degraded, or ``checkpoint`` is False:
+        the next open then scans the headers, as after a crash), the file is
+        closed."""
         if self._closed:
             return
         self._closed = True
         await asyncio.to_thread(self._pool.shutdown, wait=True, cancel_futures=True)
         await asyncio.sleep(0)  # the done callbacks of the last jobs
-        self._file.close()
+        try:
+            if checkpoint and not self._degraded:
+                snap = self._index.snapshot()  # on the loop: the index is the loop's
+                await asyncio.to_thread(write_checkpoint, self._file, self._sb, snap)
+        except OSError as exc:
+            log.warning(
+                "disk tier: no checkpoint written (%s): the next start scans the headers", exc
+            )
+        finally:
+            self._file.close()

@@ -155,3 +155,30 @@ def test_adopt_keeps_the_newest_write_of_a_block() -> None:
     assert index.region(0).limbo == {0}
     index.reserve(key(200), BLOCK, 1)
     assert index.take_removed() == [key(2)]
+
+
+def test_snapshot_and_restore_keep_blocks_lru_and_limbo() -> None:
+    index = DiskIndex(regions=2, region_bytes=REGION)
+    for h in range(5):
+        write(index, h)
+    write(index, 9, length=16 << 10)
+    e = index.begin_read(key(0))
+    assert e is not None
+    index.end_read(e, touch=True, discard=False)
+    index.drop_namespace(b"x" * 16)
+    e = index.begin_read(key(3))
+    assert e is not None
+    index.end_read(e, touch=False, discard=True)  # slot 3 in limbo
+    snap = index.snapshot()
+    assert [s[3] for s in snap.entries] == [key(1), key(2), key(4), key(9), key(0)]
+    assert snap.limbo == [(0, 3)]
+
+    again = DiskIndex(regions=2, region_bytes=REGION)
+    again.restore(snap)
+    assert again.run_length(NS, 0, [0, 1, 2]) == 3 and key(3) not in again
+    assert [(r, s) for _, r, s in again.take_invalidations()] == [(0, 3)]
+    assert again.ready_blocks == 5 and again.next_seq == index.next_seq
+    for h in range(100, 102):
+        again.reserve(key(h), BLOCK, 1)  # the free slots 5, 6
+    again.reserve(key(200), BLOCK, 1)
+    assert again.take_removed() == [key(1)], "the LRU order came back"

@@ -19,12 +19,12 @@ from pathlib import Path
 import numpy as np
 
 from service.disk import DiskKey, DiskTier
-from service.disk.format import DATA_START
+from service.disk.format import file_bytes_for
 
 ROOT = Path(__file__).resolve().parents[3]
 NS = b"k" * 16
 REGION = 1 << 20
-CAP = DATA_START + 6 * REGION
+CAP = file_bytes_for(6, REGION)
 
 CHILD = """
 import asyncio, sys
@@ -97,6 +97,7 @@ async def check_reopened(path: str, round_: int) -> None:
         else:
             failed += 1
     s = tier.stats()
+    assert s.opened_from == "headers", "a killed tier left no clean checkpoint"
     assert served > 10, f"round {round_}: {served} blocks survived ({failed} discarded)"
     print(
         f"round {round_}: {served} served after the kill, {failed} discarded, "

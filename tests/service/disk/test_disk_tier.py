@@ -16,12 +16,12 @@ import pytest
 
 from kvstore.checksum import block_checksum
 from service.disk import DiskEventKind, DiskKey, DiskTier, DiskTierError
-from service.disk.format import DATA_START, PAGE, slot_bytes_for
+from service.disk.format import DATA_START, PAGE, checkpoint_offset, file_bytes_for, slot_bytes_for
 from service.disk.io import TierFile
 
 NS = b"n" * 16
 REGION = 1 << 20
-CAP = DATA_START + 8 * REGION
+CAP = file_bytes_for(8, REGION)
 
 
 def payload(seed: int, size: int = 64 << 10) -> bytes:
@@ -72,6 +72,7 @@ async def test_write_read_and_reopen_byte_exact(path: str) -> None:
     tier = DiskTier.open(path, CAP, region_bytes=4 << 20)  # a reopened file keeps its regions
     s = tier.stats()
     assert (s.rebuilt_blocks, s.blocks, s.discarded_at_open) == (20, 20, 0)
+    assert s.opened_from == "checkpoint"
     assert s.blocks_by_namespace == {NS: 20}
     assert tier.run_length(NS, 0, list(range(20))) == 20
     for h, data in blocks.items():
@@ -123,7 +124,7 @@ async def test_flipped_payload_bit_is_a_miss_counted_and_discarded(path: str) ->
 async def test_torn_header_is_discarded_at_open(path: str) -> None:
     tier = DiskTier.open(path, CAP, region_bytes=REGION)
     await fill(tier, {h: payload(h) for h in range(3)})
-    await tier.close()
+    await tier.close(checkpoint=False)  # as after a crash: the next open scans
     size = slot_bytes_for(64 << 10)
     _flip(path, DATA_START + PAGE + size + 40)  # slot 1's header
     tier = DiskTier.open(path, CAP)
@@ -149,7 +150,7 @@ async def test_a_block_offered_twice_is_written_once(path: str) -> None:
 async def test_cap_holds_with_ten_namespaces_of_different_block_sizes(path: str) -> None:
     # 16 regions of 256 KiB: each size can hold one or two at a time (a region holds
     # one slot size, so there must be more regions than sizes), 2.5x over-subscribed.
-    cap = DATA_START + 16 * (256 << 10)
+    cap = file_bytes_for(16, 256 << 10)
     tier = DiskTier.open(path, cap, region_bytes=256 << 10)
     written: dict[DiskKey, bytes] = {}
     sizes = [(4 << 10) * (i + 1) + 100 * i for i in range(10)]
@@ -180,7 +181,7 @@ async def test_cap_holds_with_ten_namespaces_of_different_block_sizes(path: str)
 
 async def test_lru_evicts_the_least_recently_used_block(path: str) -> None:
     # One I/O thread: blocks become readable (most recent) in the order they were offered.
-    tier = DiskTier.open(path, DATA_START + REGION, region_bytes=REGION, io_threads=1)
+    tier = DiskTier.open(path, file_bytes_for(1, REGION), region_bytes=REGION, io_threads=1)
     size = 60 << 10  # 16 slots of 64 KiB in a 1 MiB region, less its header page: 15
     await fill(tier, {h: payload(h, size) for h in range(15)})
     assert await read(tier, k(0), size) == payload(0, size)  # 0 is now the most recent
@@ -325,3 +326,39 @@ def test_unwritable_path(mount: object) -> None:
         DiskTierError, match=r"cannot be written .*give the node's user write access"
     ):
         DiskTier.open(str(where / "tier.disk"), CAP)
+
+
+# -- the checkpoint of a clean stop ------------------------------------------------
+
+
+async def test_checkpoint_keeps_the_lru_order_and_goes_stale_once_opened(path: str) -> None:
+    tier = DiskTier.open(path, file_bytes_for(1, REGION), region_bytes=REGION, io_threads=1)
+    size = 60 << 10  # 15 slots
+    await fill(tier, {h: payload(h, size) for h in range(15)})
+    assert await read(tier, k(0), size) == payload(0, size)  # 0 is the most recent
+    await tier.close()
+
+    tier = DiskTier.open(path, file_bytes_for(1, REGION), io_threads=1)
+    assert tier.stats().opened_from == "checkpoint"
+    await fill(tier, {100: payload(100, size)})  # evicts 1, not 0 (reads count after a restart)
+    assert tier.run_length(NS, 0, [0]) == 1 and tier.run_length(NS, 0, [1]) == 0
+    # Not closed (a crash): the next open must not believe the old checkpoint.
+    await tier.flush(10)
+    crashed = DiskTier.open(path, file_bytes_for(1, REGION))
+    s = crashed.stats()
+    assert s.opened_from == "headers" and s.blocks == 15
+    assert crashed.run_length(NS, 0, [100, 0, 2]) == 3 and crashed.run_length(NS, 0, [1]) == 0
+    assert await read(crashed, k(100), size) == payload(100, size)
+    await crashed.close()
+    await tier.close(checkpoint=False)
+
+
+async def test_a_corrupt_checkpoint_falls_back_to_the_headers(path: str) -> None:
+    tier = DiskTier.open(path, CAP, region_bytes=REGION)
+    await fill(tier, {h: payload(h) for h in range(5)})
+    await tier.close()
+    _flip(path, checkpoint_offset(8, REGION) + PAGE + 10)  # its first record
+    tier = DiskTier.open(path, CAP)
+    s = tier.stats()
+    assert (s.opened_from, s.blocks) == ("headers", 5)
+    await tier.close()
