@@ -187,7 +187,7 @@ class Config:
     disk_capacity_bytes: int = 16 << 30
     """Size of the disk tier's file, preallocated; its blocks never take more (LRU beyond)."""
     disk_queue_blocks: int = 256
-    """Writes queued for the disk; beyond it committed blocks are skipped (counted), not waited."""
+    """Block copies queued for disk writes; 16x this many wait uncopied, then blocks are skipped."""
     disk_io_threads: int = 4
     """Threads reading and writing the disk tier's file (reads in flight at once)."""
     disk_direct_io: bool = True

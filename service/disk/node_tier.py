@@ -54,12 +54,25 @@ DRAIN_BYTES = 4 << 20
 """Bytes copied to the tier per step of the loop: 2-4 ms here (a 512 KiB offer took
 0.3 ms, its buffer included), so other calls wait at most that long for a drain."""
 
+ROOM_WAIT = 0.002
+"""Seconds the copies wait when the tier's queue is full (its writes free room)."""
+
+PENDING_PER_QUEUED = 16
+"""Committed blocks the node keeps waiting for the tier, per block of its queue: a
+reference to the slot each, no copy (a Commit of a long prompt is thousands of
+blocks at once; the tier's queue holds copies, so it is the small one)."""
+
 SKIP_REASONS = ("backlog", "moved", "dropped", "error")
 """Why a committed block was not offered: the node's queue was full; its slot was
 reused before its turn; its namespace was dropped; a copy out of a CUDA pool failed."""
 
 
 @functools.lru_cache(maxsize=256)
+def pending_limit(config: Config) -> int:
+    """Committed blocks waiting for the tier beyond which the node skips them."""
+    return PENDING_PER_QUEUED * config.disk_queue_blocks
+
+
 def namespace_key(spec: NamespaceSpec) -> bytes:
     """The 16-byte disk digest of a namespace: stable across restarts and nodes."""
     return spec.digest()[:16]
@@ -209,7 +222,7 @@ class NodeDisk:
         node = self.node
         if node is None or self._stopped:
             return
-        limit = self.config.disk_queue_blocks
+        limit = pending_limit(self.config)
         for event in events:
             if event.kind is not EventKind.STORED:
                 continue
@@ -232,13 +245,17 @@ class NodeDisk:
         if self._pending and self._draining is None:
             self._draining = asyncio.get_running_loop().call_soon(self._drain)
 
-    def _drain(self, budget: int = DRAIN_BYTES) -> None:
-        """Offer queued blocks, about ``budget`` bytes, then yield the loop to others."""
+    def _drain(self, budget: int = DRAIN_BYTES, *, again: bool = True) -> None:
+        """Offer queued blocks while the tier's queue has room, about ``budget`` bytes,
+        then yield the loop to others (``again``: schedule the next step)."""
         self._draining = None
         node = self.node
         assert node is not None, "bug: a drain without a node"
+        self.tier.take_events()  # nobody publishes them yet: the tier's list must not grow
+        stats = self.tier.stats()
+        room = stats.queue_blocks - stats.queue_depth - self._copying
         cuda: list[_Write] = []
-        while self._pending and budget > 0:
+        while self._pending and budget > 0 and (room > 0 or stats.degraded):
             write = self._pending.popleft()
             try:
                 table = node.table(write.namespace)
@@ -251,6 +268,7 @@ class NodeDisk:
                 self.skipped["moved"] += 1  # evicted and reused before its turn
                 continue
             budget -= pool.descriptor.block_bytes
+            room -= 1
             if pool.descriptor.kind == "cuda":
                 cuda.append(write)
             else:
@@ -260,8 +278,12 @@ class NodeDisk:
                 self.offered += 1
         if cuda:
             self._copy_from_device(cuda)
-        if self._pending:
-            self._draining = asyncio.get_running_loop().call_soon(self._drain)
+        if self._pending and again:
+            loop = asyncio.get_running_loop()
+            if room > 0 or stats.degraded:
+                self._draining = loop.call_soon(self._drain)
+            else:  # the disk is behind: wait for its queue, the commits do not
+                self._draining = loop.call_later(ROOM_WAIT, self._drain)
 
     def _copy_from_device(self, writes: list[_Write]) -> None:
         """Copy CUDA slots to the host in a worker thread, then offer the intact ones."""
@@ -340,8 +362,12 @@ class NodeDisk:
         if self._draining is not None:
             self._draining.cancel()
             self._draining = None
-        while self._pending:
-            self._drain(budget=1 << 62)
+        while self._pending and loop.time() < deadline:
+            self._drain(budget=1 << 62, again=False)
+            if self._pending:
+                await asyncio.sleep(ROOM_WAIT)
+        self.skipped["backlog"] += len(self._pending)  # no time left for them
+        self._pending.clear()
         if self._copies:
             await asyncio.wait(set(self._copies), timeout=max(0.0, deadline - loop.time()))
         flushed = await self.tier.flush(max(0.0, deadline - loop.time()))

@@ -222,7 +222,7 @@ async def test_a_lookup_cancelled_mid_promotion_leaks_nothing(disk_config: Confi
 
 
 async def test_write_behind_skips_what_it_cannot_copy_safely(disk_config: Config) -> None:
-    config = replace(disk_config, disk_queue_blocks=2)
+    config = replace(disk_config, disk_queue_blocks=1)
     async with (
         started(config, ManualClock()) as server,
         Client(server.address, tenant="a") as kv,
@@ -240,10 +240,14 @@ async def test_write_behind_skips_what_it_cannot_copy_safely(disk_config: Config
         node.store.clear(ns.id, node.now())
         node.publish_events()
         await until(lambda: disk.skipped["moved"] == 2, what="the copies to see the slots moved")
-        # A commit of more blocks than disk_queue_blocks: the rest is skipped, counted.
-        assert (await kv.store(ns, TOKENS, random_blocks(8))).committed == BLOCKS
-        await until(lambda: disk.stats().blocks == 2, what="two blocks on disk")
-        assert metric(server, "kvstore_disk_write_drops_total", reason="backlog") == BLOCKS - 2
+        # A commit of more blocks than the tier's queue waits for its room, uncopied:
+        # every block is written, up to 16 x disk_queue_blocks; the rest is skipped.
+        blocks, tokens = 20, list(range(1000, 1000 + 20 * LAYOUT.block_size))
+        payload = [bytes([i]) * LAYOUT.block_bytes for i in range(blocks)]
+        assert (await kv.store(ns, tokens, payload)).committed == blocks
+        await until(lambda: disk.stats().blocks == 16, what="16 blocks on disk")
+        assert metric(server, "kvstore_disk_write_drops_total", reason="backlog") == blocks - 16
+        assert metric(server, "kvstore_disk_write_drops_total", reason="queue") == 0
         assert metric(server, "kvstore_disk_write_drops_total", reason="moved") == 2
 
 
