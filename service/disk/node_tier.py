@@ -336,6 +336,7 @@ class NodeDisk:
     def drop(self, spec: NamespaceSpec) -> int:
         """Forget every block of a dropped namespace on disk; returns how many."""
         dropped = self.tier.drop_namespace(namespace_key(spec))
+        self.tier.take_events()  # their REMOVED events: nobody publishes them yet
         log.info("namespace %s: %d blocks dropped from the disk tier", spec.namespace_id, dropped)
         return dropped
 
