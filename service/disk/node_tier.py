@@ -12,11 +12,13 @@ decides what goes down and when (docs/disk.md):
   that had time to reach the disk, not only those memory had to evict. Blocks
   promoted *from* the disk are not offered back (`promoting`).
 - **Never on Commit's path**: `stored` only queues (slot, generation) per
-  block, bounded by ``disk_queue_blocks`` (beyond it: skipped, counted). The
-  copies run later on the loop in slices of `DRAIN_BYTES` (a host slot is
-  copied by `DiskTier.offer` itself, a memcpy), so one big commit costs the
-  loop a few short steps, never a stall. A slot is copied only while it still
-  carries the stamp of the block committed into it (`Block­Table.stamp_of`,
+  block, at most `PENDING_PER_QUEUED` x ``disk_queue_blocks`` (beyond it:
+  skipped, counted). The copies run later on the loop in slices of
+  `DRAIN_BYTES` (a host slot is copied by `DiskTier.offer` itself, a memcpy)
+  and only while the tier's queue has room, so one big commit costs the loop
+  a few short steps and a slow disk pauses the copies, never a Commit. A
+  slot is copied only while it still
+  carries the stamp of the block committed into it (`BlockTable.stamp_of`,
   the node's record): a block evicted and its slot reused before its turn is
   skipped and counted (``moved``), never written under another block's key.
 - **CUDA pools** have no host view: the slot is copied to the host in a
