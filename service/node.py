@@ -19,6 +19,7 @@ import kvstore
 from kvstore.block_table import BlockTable
 from kvstore.errors import PermissionDenied, UnknownNamespace
 from kvstore.layout import NamespaceSpec
+from kvstore.ops.plural import plural
 from kvstore.pool.base import BlockPool
 from kvstore.results import ExpiryReport, LookupResult, NamespaceStats
 from kvstore.store import DropReport, Store, StoreLimits, StoreStats
@@ -353,12 +354,12 @@ class Node:
         if self.disk is not None:
             self.disk.drop(spec)
         log.info(
-            "namespace %s dropped%s: %d blocks removed, %d pins dropped, %d writes aborted",
+            "namespace %s dropped%s: %s removed, %s dropped, %s aborted",
             namespace,
             " by force" if force else "",
-            report.removed,
-            report.pins_dropped,
-            report.writes_aborted,
+            plural(report.removed, "block"),
+            plural(report.pins_dropped, "pin"),
+            plural(report.writes_aborted, "write"),
         )
         return report, freed
 
@@ -433,10 +434,10 @@ class Node:
         if report.leases:
             self.metrics.lease_expiries.inc(len(report.leases))
             log.info(
-                "expired %d leases: %d pins dropped, %d writes aborted",
-                len(report.leases),
-                report.pins_dropped,
-                report.writes_aborted,
+                "expired %s: %s dropped, %s aborted",
+                plural(len(report.leases), "lease"),
+                plural(report.pins_dropped, "pin"),
+                plural(report.writes_aborted, "write"),
             )
         self.publish_events()
         return report

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import logging
 import os
 import signal
@@ -21,6 +22,7 @@ import stat
 import sys
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 from types import TracebackType
 from typing import Any
 
@@ -31,7 +33,14 @@ from grpc_reflection.v1alpha import reflection
 from kvstore.v1 import kvstore_pb2
 from service.api import decode
 from service.api.servicer import KVStoreServicer
-from service.config import Config, ConfigError, load_config, read_setting_file, resolve
+from service.config import (
+    Config,
+    ConfigError,
+    default_node_id,
+    load_config,
+    read_setting_file,
+    resolve,
+)
 from service.node import Clock, Node
 from service.ops.web import HitRateHistory, WebApp, on_loop, sample_forever
 from service.paths import check_paths
@@ -71,6 +80,40 @@ def _address(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
+def bind_problem(host: str, port: int) -> str | None:
+    """Why gRPC could not bind ``host:port``, found with a plain socket first; None if it can.
+
+    gRPC's own failure is a C-core log line on stderr (``add_port.cc ... Address
+    already in use``) and a port of 0; probing first lets the node say it in one
+    line of its own. Like gRPC, the port counts as free when any address
+    ``host`` resolves to binds (``SO_REUSEADDR``, as gRPC sets it).
+    """
+    if port == 0:
+        return None
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        return f"the host {host!r} does not resolve ({exc.strerror}); choose another --host"
+    problems: list[str] = []
+    for family, kind, proto, _, sockaddr in infos:
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                probe.bind(sockaddr)
+            except OSError as exc:
+                if exc.errno == errno.EADDRINUSE:
+                    problems.append(
+                        f"port {port} is in use (another kvstore-server?); choose another --port"
+                    )
+                elif exc.errno == errno.EADDRNOTAVAIL:
+                    problems.append(f"{host} is not an address of this host; choose another --host")
+                else:
+                    problems.append(f"{exc.strerror or exc}")
+            else:
+                return None
+    return problems[0] if problems else None
+
+
 class Server:
     """One cache node's gRPC server; ``async with Server(cfg) as s:`` or start/stop."""
 
@@ -88,6 +131,8 @@ class Server:
         Raises:
             PathError: a path setting cannot be used (`service.paths`).
         """
+        self._named_after_port = not config.node_id and config.port == 0
+        """A node with no node_id on port 0 is named after the port it binds (`start`)."""
         self.config = resolve(config)
         check_paths(self.config)  # before anything reads a file or binds a port
         self.node = Node(self.config, clock=clock)
@@ -98,6 +143,8 @@ class Server:
         """The Unix-domain socket bound (``uds_path``), removed again at `stop`."""
         self.metrics_port = 0
         self._grpc: Any = None
+        self._serving = False
+        """The gRPC server started: only then does `stop` log that the node stopped."""
         self._expiry: asyncio.Task[None] | None = None
         self.history = HitRateHistory()
         """Hit-rate samples that the web page on the metrics port plots."""
@@ -124,12 +171,16 @@ class Server:
         self._grpc = server
         try:
             self._bind(server)
+            if self._named_after_port:  # HOSTNAME-0 would name every such node alike
+                self.config = replace(self.config, node_id=default_node_id(self.port))
+                node.config, node.node_id = self.config, self.config.node_id
             node.metrics.add_node_info(self._node_info)
             node.metrics.add_cluster_info(self._cluster_info)
             if self.config.metrics_port:
                 self.metrics_port = self._bind_metrics()
             node.pools.cleanup()
             await server.start()
+            self._serving = True
             for name in ("", SERVICE_NAME):
                 await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
             self._sampler = asyncio.create_task(
@@ -172,6 +223,9 @@ class Server:
     def _bind(self, server: Any) -> None:
         """Bind the gRPC port (TLS when configured); `OSError` naming it if taken."""
         address = _address(self.config.host, self.config.port)
+        problem = bind_problem(self.config.host, self.config.port)
+        if problem is not None:
+            raise OSError(f"cannot bind the gRPC server to {address}: {problem}")
         try:
             credentials = server_credentials(self.config)
             if credentials is None:
@@ -304,7 +358,9 @@ class Server:
             await self.node.disk.stop(self.config.disk_flush_seconds)
         await self.node.memory.stop()  # growth ahead of need: no arena is built after this
         self.node.pools.close()
-        log.info("node %s stopped", self.node.node_id)
+        if self._serving:  # a node that never served did not stop: its error says why
+            self._serving = False
+            log.info("node %s stopped", self.node.node_id)
 
     async def wait_for_termination(self) -> None:
         """Wait until the gRPC server has stopped."""
@@ -366,6 +422,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     except ConfigError as exc:
         print(f"kvstore-server: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
+    problem = bind_problem(config.host, config.port)
+    if problem is not None:  # before the node builds (and logs) anything: one line
+        address = _address(config.host, config.port)
+        print(
+            f"kvstore-server: cannot bind the gRPC server to {address}: {problem}", file=sys.stderr
+        )
+        raise SystemExit(1)
     logging.basicConfig(
         level=config.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )

@@ -18,6 +18,7 @@ from kvstore.cli.common import (
     print_json,
 )
 from kvstore.cli.reads import Namespace
+from kvstore.ops.plural import plural
 from kvstore.v1 import kvstore_pb2 as pb
 
 Yes = Annotated[bool, typer.Option("--yes", "-y", help="Do not ask for confirmation.")]
@@ -45,10 +46,12 @@ def evict(
     yes: Yes = False,
 ) -> None:
     """Evict up to --blocks unpinned blocks, least recently used first (admin)."""
-    with connect(target, timeout, admin_token) as node:
+    with connect(target, timeout, admin_token, admin=True) as node:
         ns = node.resolve_namespace(namespace)
         confirm(
-            f"Evict up to {blocks} blocks of {ns.model_id} ({ns.namespace_id}) on {target}?", yes
+            f"Evict up to {plural(blocks, 'block')} of {ns.model_id} ({ns.namespace_id})"
+            f" on {target}?",
+            yes,
         )
         resp = node.stub.Evict(
             pb.EvictRequest(namespace_id=ns.namespace_id, blocks=blocks),
@@ -59,7 +62,7 @@ def evict(
     if json:
         print_json(doc)
     else:
-        console.print(f"evicted {resp.evicted} blocks of {ns.namespace_id}")
+        console.print(f"evicted {plural(resp.evicted, 'block')} of {ns.namespace_id}")
 
 
 def clear(
@@ -71,7 +74,7 @@ def clear(
     yes: Yes = False,
 ) -> None:
     """Remove every unpinned block of a namespace (admin)."""
-    with connect(target, timeout, admin_token) as node:
+    with connect(target, timeout, admin_token, admin=True) as node:
         ns = node.resolve_namespace(namespace)
         confirm(
             f"Clear every unpinned block of {ns.model_id} ({ns.namespace_id}) on {target}?", yes
@@ -89,8 +92,8 @@ def clear(
         print_json(doc)
     else:
         console.print(
-            f"removed {resp.removed} blocks of {ns.namespace_id}; kept {resp.kept_pinned} pinned "
-            f"and {resp.kept_writing} being written"
+            f"removed {plural(resp.removed, 'block')} of {ns.namespace_id}; "
+            f"kept {resp.kept_pinned} pinned and {resp.kept_writing} being written"
         )
 
 

@@ -30,6 +30,7 @@ from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc
 
 EXIT_REFUSED = 1
+EXIT_USAGE = 2
 EXIT_UNREACHABLE = 3
 EXIT_DENIED = 4
 EXIT_NOT_CONFIGURED = 5
@@ -46,15 +47,33 @@ Target = Annotated[str, typer.Option("--target", "-t", help=TARGET_HELP)]
 status`` and ``kvstore status -t A`` all work, the last one winning."""
 Json = Annotated[bool, typer.Option("--json", help="Print JSON for scripts instead of tables.")]
 Timeout = Annotated[float, typer.Option("--timeout", min=0.1, help="Seconds per call.")]
+Token = Annotated[
+    str,
+    typer.Option(
+        "--token",
+        envvar=["KVSTORE_TOKEN", "KVSTORE_ADMIN_TOKEN"],
+        help="Token for a node with auth on: a tenant's (sees its own) or the admin's (sees all). "
+        "Default: KVSTORE_TOKEN, else KVSTORE_ADMIN_TOKEN.",
+        show_default=False,
+    ),
+]
+"""The token of a command that reads a node. With auth on (a tenants file) every RPC
+needs one: a tenant's token shows that tenant's namespaces, counters and blocks only,
+the admin token everything. First set wins: ``--token``, ``KVSTORE_TOKEN`` (a tenant's
+shell), ``KVSTORE_ADMIN_TOKEN`` (an operator's shell). With auth off it is not needed."""
 AdminToken = Annotated[
     str,
     typer.Option(
         "--admin-token",
-        envvar="KVSTORE_ADMIN_TOKEN",
-        help="The node's admin token (KVSTORE_ADMIN_TOKEN).",
+        "--token",
+        envvar=["KVSTORE_ADMIN_TOKEN", "KVSTORE_TOKEN"],
+        help="The node's admin token. Default: KVSTORE_ADMIN_TOKEN, else KVSTORE_TOKEN.",
         show_default=False,
     ),
 ]
+"""The token of an admin verb: ``--admin-token`` (or ``--token``), then
+``KVSTORE_ADMIN_TOKEN``, then ``KVSTORE_TOKEN``: the admin token first, so a shell
+holding both a tenant's and the admin token uses the admin's for admin verbs."""
 
 console = Console(highlight=False)
 """Where tables go (stdout)."""
@@ -141,12 +160,25 @@ def exit_code(code: grpc.StatusCode | None) -> int:
     return EXIT_REFUSED
 
 
-def describe(exc: grpc.RpcError, target: str) -> str:
-    """A one-line message for a failed RPC."""
+TOKEN_HINT = "pass --token or set KVSTORE_TOKEN (a tenant's token, or the admin token)"
+"""What a read command refused for want of a token says to do."""
+ADMIN_TOKEN_HINT = "pass --admin-token or set KVSTORE_ADMIN_TOKEN"
+"""The same for an admin verb."""
+
+
+def describe(exc: grpc.RpcError, target: str, token_hint: str = "") -> str:
+    """A one-line message for a failed RPC.
+
+    ``token_hint`` is added when the node wants a token (UNAUTHENTICATED) and
+    the command sent none.
+    """
     code = exc.code() if hasattr(exc, "code") else None
     details = exc.details() if hasattr(exc, "details") else str(exc)
     if code in _UNREACHABLE:
         return f"cannot reach the kvstore node at {target} ({code.name.lower()}): is it running?"
+    # The node's refusal of an admin verb names --admin-token itself.
+    if code is grpc.StatusCode.UNAUTHENTICATED and token_hint and "--admin-token" not in details:
+        return f"refused ({code.name}): {details}; {token_hint}"
     if code in _DENIED:
         return f"refused ({code.name}): {details}"
     name = code.name if code is not None else "error"
@@ -211,13 +243,55 @@ class NodeClient:
         return namespaces[found]
 
 
+_GRPC_SCHEMES = ("unix:", "unix-abstract:", "dns:", "ipv4:", "ipv6:", "vsock:")
+
+
+def target_problem(target: str) -> str | None:
+    """What is wrong with ``target`` as a node address, or None when it is usable.
+
+    gRPC itself takes a bare host and dials port 443, where no node listens,
+    so ``-t 127.0.0.1`` would only time out as "cannot reach": say that the
+    port is missing instead. gRPC's own forms (``unix:PATH``, ``dns:///…``,
+    ``ipv4:…``) pass untouched.
+    """
+    if target.startswith(_GRPC_SCHEMES):
+        return None
+    if target.startswith("["):  # [::1]:50051
+        inside, _, rest = target[1:].partition("]")
+        host, port = f"[{inside}]", rest[1:] if rest.startswith(":") else ""
+    elif target.count(":") > 1:
+        return f"--target {target}: write an IPv6 address in brackets, e.g. [::1]:50051"
+    else:
+        host, _, port = target.partition(":")
+    if not host or host == "[]":
+        return f"--target {target!r} has no host: give HOST:PORT, e.g. {DEFAULT_TARGET}"
+    if not port:
+        return f"--target {target} has no port: give HOST:PORT, e.g. {host}:50051"
+    if not port.isdigit() or not 0 < int(port) < 65536:
+        return f"--target {target}: the port {port!r} is not a number from 1 to 65535"
+    return None
+
+
 @contextmanager
-def connect(target: str, timeout: float, token: str = "") -> Iterator[NodeClient]:
-    """A `NodeClient` to ``target``; an RPC error ends the command with a message."""
+def connect(
+    target: str, timeout: float, token: str = "", *, admin: bool = False
+) -> Iterator[NodeClient]:
+    """A `NodeClient` to ``target``; an RPC error ends the command with a message.
+
+    A ``target`` gRPC would dial in vain (no port) ends it first, as a usage error.
+    ``token`` (may be empty) goes with every call as ``authorization: Bearer``;
+    a command refused for want of one says how to give it (``--admin-token``
+    for an ``admin`` verb, else ``--token``).
+    """
+    problem = target_problem(target)
+    if problem is not None:
+        fail(problem, EXIT_USAGE)
     channel = grpc.insecure_channel(target)
+    hint = "" if token else ADMIN_TOKEN_HINT if admin else TOKEN_HINT
     try:
         yield NodeClient(target, channel, timeout, token)
     except grpc.RpcError as exc:
-        fail(describe(exc, target), exit_code(exc.code() if hasattr(exc, "code") else None))
+        code = exc.code() if hasattr(exc, "code") else None
+        fail(describe(exc, target, hint), exit_code(code))
     finally:
         channel.close()

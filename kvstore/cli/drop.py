@@ -24,6 +24,7 @@ from kvstore.cli.common import (
     print_json,
 )
 from kvstore.cli.reads import Namespace
+from kvstore.ops.plural import plural
 from kvstore.v1 import kvstore_pb2 as pb
 
 Force = Annotated[
@@ -44,7 +45,7 @@ def drop(
     yes: Yes = False,
 ) -> None:
     """Remove a namespace and free its pool (admin); refused while in use unless --force."""
-    with connect(target, timeout, admin_token) as node:
+    with connect(target, timeout, admin_token, admin=True) as node:
         ns = node.resolve_namespace(namespace)
         how = " by force" if force else ""
         confirm(f"Drop namespace {ns.model_id} ({ns.namespace_id}){how} on {target}?", yes)
@@ -64,9 +65,10 @@ def drop(
         print_json(doc)
     else:
         console.print(
-            f"dropped {ns.namespace_id} ({ns.model_id}): {resp.removed} blocks removed, "
-            f"{resp.pins_dropped} pins dropped, {resp.writes_aborted} writes aborted, "
-            f"{resp.freed_bytes} bytes freed"
+            f"dropped {ns.namespace_id} ({ns.model_id}): {plural(resp.removed, 'block')} removed, "
+            f"{plural(resp.pins_dropped, 'pin')} dropped, "
+            f"{plural(resp.writes_aborted, 'write')} aborted, "
+            f"{plural(resp.freed_bytes, 'byte')} freed"
         )
 
 

@@ -16,6 +16,7 @@ from kvstore.cli.common import (
     EXIT_UNREACHABLE,
     Json,
     Target,
+    Token,
     column,
     connect,
     console,
@@ -24,6 +25,7 @@ from kvstore.cli.common import (
     size,
     table,
 )
+from kvstore.ops.plural import plural
 from kvstore.v1 import kvstore_pb2 as pb
 
 _KINDS = {
@@ -50,6 +52,7 @@ def event_json(ev: pb.Event) -> dict[str, Any]:
 
 def watch(
     target: Target = DEFAULT_TARGET,
+    token: Token = "",
     json: Json = False,
     namespace: Annotated[
         str, typer.Option(help="Only this namespace: id, unique prefix, or model id.")
@@ -59,7 +62,7 @@ def watch(
     duration: Annotated[float, typer.Option(min=0, help="Stop after seconds (0: never).")] = 0,
 ) -> None:
     """Stream cache events (stored, removed, cleared, nodes joining and leaving)."""
-    with connect(target, duration or 5.0) as node:
+    with connect(target, duration or 5.0, token) as node:
         ns_id = node.resolve_namespace(namespace).namespace_id if namespace else ""
         call = node.stub.WatchEvents(
             pb.WatchEventsRequest(namespace_id=ns_id, cluster=cluster),
@@ -82,7 +85,7 @@ def watch(
                     first = doc["hashes"][0][:12] if doc["hashes"] else ""
                     console.print(
                         f"{at} {doc['node_id']} {doc['kind']:<8} {doc['namespace'][:12]} "
-                        f"{len(doc['hashes'])} blocks {first} {doc['tenant']}"
+                        f"{plural(len(doc['hashes']), 'block')} {first} {doc['tenant']}"
                     )
                 if count and seen >= count:
                     break

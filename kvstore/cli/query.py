@@ -23,6 +23,7 @@ from kvstore.cli.common import (
     Json,
     Target,
     Timeout,
+    Token,
     column,
     connect,
     console,
@@ -30,6 +31,7 @@ from kvstore.cli.common import (
     print_json,
     table,
 )
+from kvstore.ops.plural import plural
 from kvstore.v1 import kvstore_pb2 as pb
 
 PromptFile = Annotated[
@@ -40,15 +42,6 @@ PromptFile = Annotated[
 ]
 HashesFile = Annotated[
     str, typer.Option(help="File of the prompt's block hashes, one hex hash per line (- = stdin).")
-]
-Token = Annotated[
-    str,
-    typer.Option(
-        "--token",
-        envvar="KVSTORE_TOKEN",
-        help="A tenant's token, or the admin token with --tenant (KVSTORE_TOKEN).",
-        show_default=False,
-    ),
 ]
 
 
@@ -115,7 +108,8 @@ def query(
         return
     t = table(
         f"{answer.model} ({answer.namespace_id}), tenant {answer.tenant_id}: "
-        f"{answer.query_blocks} blocks of {answer.block_size} tokens, from the {answer.source}"
+        f"{plural(answer.query_blocks, 'block')} of {plural(answer.block_size, 'token')}, "
+        f"from the {answer.source}"
     )
     for header, number in (
         ("node", False), ("address", False), ("tier", False), ("engine", False),

@@ -13,6 +13,7 @@ from kvstore.cli.common import (
     Json,
     Target,
     Timeout,
+    Token,
     column,
     connect,
     console,
@@ -21,6 +22,7 @@ from kvstore.cli.common import (
     size,
     table,
 )
+from kvstore.ops.plural import plural
 from kvstore.ops.prefix_tree import BlockRecord, Run, build_tree, tree_json
 from kvstore.ops.summary import namespace_json, status_json, tenants_json
 from kvstore.v1 import kvstore_pb2 as pb
@@ -39,9 +41,11 @@ def duration(seconds: float) -> str:
     return f"{s // 3600}h{s % 3600 // 60:02d}m{s % 60:02d}s"
 
 
-def status(target: Target = DEFAULT_TARGET, json: Json = False, timeout: Timeout = 5.0) -> None:
+def status(
+    target: Target = DEFAULT_TARGET, token: Token = "", json: Json = False, timeout: Timeout = 5.0
+) -> None:
     """Node capacity, use, pins, hit rates (tokens and blocks), leases, uptime."""
-    with connect(target, timeout) as node:
+    with connect(target, timeout, token) as node:
         doc = status_json(node.stats(), target)
     if json:
         print_json(doc)
@@ -53,10 +57,10 @@ def status(target: Target = DEFAULT_TARGET, json: Json = False, timeout: Timeout
         ("version", f"{doc['version']} ({doc['pool_kind']} pool, epoch {doc['pool_epoch']})"),
         ("uptime", duration(doc["uptime_seconds"])),
         ("memory", f"{size(doc['allocated_bytes'])} of {size(doc['capacity_bytes'])} allocated"),
-        ("used", f"{doc['used_blocks']} of {doc['capacity_blocks']} blocks "
+        ("used", f"{doc['used_blocks']} of {plural(doc['capacity_blocks'], 'block')} "
                  f"({size(doc['used_bytes'])})"),
-        ("pinned", f"{doc['pinned_blocks']} blocks ({doc['pins']} pins)"),
-        ("writing", f"{doc['writing_blocks']} blocks"),
+        ("pinned", f"{plural(doc['pinned_blocks'], 'block')} ({plural(doc['pins'], 'pin')})"),
+        ("writing", plural(doc["writing_blocks"], "block")),
         ("hit rate", f"{pct(doc['hit_rate_tokens'])} of tokens "
                      f"({doc['hit_tokens']} hit / {doc['miss_tokens']} missed), "
                      f"{pct(doc['hit_rate_blocks'])} of blocks"),
@@ -74,16 +78,19 @@ def status(target: Target = DEFAULT_TARGET, json: Json = False, timeout: Timeout
 def disk_line(disk: dict[str, Any]) -> str:
     """The disk tier in one line of ``kvstore status``."""
     line = (
-        f"{disk['blocks']} blocks, {size(disk['used_bytes'])} of {size(disk['capacity_bytes'])}; "
+        f"{plural(disk['blocks'], 'block')}, "
+        f"{size(disk['used_bytes'])} of {size(disk['capacity_bytes'])}; "
         f"{disk['promoted_blocks']} read back, {disk['written_blocks']} written, "
         f"{disk['dropped_writes']} skipped"
     )
     return line + (" (DEGRADED: no more writes)" if disk["degraded"] else "")
 
 
-def namespaces(target: Target = DEFAULT_TARGET, json: Json = False, timeout: Timeout = 5.0) -> None:
+def namespaces(
+    target: Target = DEFAULT_TARGET, token: Token = "", json: Json = False, timeout: Timeout = 5.0
+) -> None:
     """Every namespace: model, block size, occupancy, evictions, hit rate."""
-    with connect(target, timeout) as node:
+    with connect(target, timeout, token) as node:
         rows = [namespace_json(ns) for ns in node.stats().namespaces]
     if json:
         print_json(rows)
@@ -104,6 +111,7 @@ def namespaces(target: Target = DEFAULT_TARGET, json: Json = False, timeout: Tim
 
 def tenants(
     target: Target = DEFAULT_TARGET,
+    token: Token = "",
     json: Json = False,
     timeout: Timeout = 5.0,
     namespace: Annotated[
@@ -111,7 +119,7 @@ def tenants(
     ] = "",
 ) -> None:
     """Per-tenant lookups, hits and misses (tokens, blocks, miss reasons), residency."""
-    with connect(target, timeout) as node:
+    with connect(target, timeout, token) as node:
         stats = node.stats()
         ns_id = node.resolve_namespace(namespace, stats).namespace_id if namespace else ""
         rows = tenants_json(stats, ns_id)
@@ -163,13 +171,14 @@ def block_json(b: pb.BlockInfo) -> dict[str, Any]:
 def blocks(
     namespace: Namespace,
     target: Target = DEFAULT_TARGET,
+    token: Token = "",
     json: Json = False,
     timeout: Timeout = 5.0,
     page_size: Annotated[int, typer.Option(min=1, max=1000, help="Blocks per page.")] = 50,
     page: Annotated[str, typer.Option(help="Page token from the previous page.")] = "",
 ) -> None:
     """One page of a namespace's blocks: hits, last use, depth, pins, state."""
-    with connect(target, timeout) as node:
+    with connect(target, timeout, token) as node:
         ns = node.resolve_namespace(namespace)
         resp = node.list_blocks(ns.namespace_id, page_size, page)
     rows = [block_json(b) for b in resp.blocks]
@@ -182,7 +191,7 @@ def blocks(
     if json:
         print_json(doc)
         return
-    t = table(f"{ns.model_id} {ns.namespace_id}: {resp.total} blocks")
+    t = table(f"{ns.model_id} {ns.namespace_id}: {plural(resp.total, 'block')}")
     for col in ("hash", "parent"):
         column(t, col, keep=12)
     for col in ("depth", "state", "pins", "hits", "last\nused", "tenant"):
@@ -217,25 +226,27 @@ def records(blocks: list[pb.BlockInfo]) -> list[BlockRecord]:
 def _label(run: Run) -> str:
     shared = f"shared by {run.requests}" if run.requests > 1 else "1 request"
     who = f" · tenant {run.tenant}" if run.tenant else ""
-    pins = f" · {run.pins} pins" if run.pins else ""
+    pins = f" · {plural(run.pins, 'pin')}" if run.pins else ""
     engines = "".join(f" · engine {e} {n}/{run.blocks}" for e, n in sorted(run.engines.items()))
     start = run.depth * (run.tokens // run.blocks)
+    blocks = f"{plural(run.blocks, 'block')} from token {start}"
     return (
-        f"[bold]{run.tokens} tokens[/] ({run.blocks} blocks from token {start}) "
-        f"· {shared} · {run.hits} hits{pins}{who}{engines} · [dim]{run.first.hex()[:12]}[/]"
+        f"[bold]{plural(run.tokens, 'token')}[/] ({blocks}) · {shared} · "
+        f"{plural(run.hits, 'hit')}{pins}{who}{engines} · [dim]{run.first.hex()[:12]}[/]"
     )
 
 
 def tree(
     namespace: Namespace,
     target: Target = DEFAULT_TARGET,
+    token: Token = "",
     json: Json = False,
     timeout: Timeout = 10.0,
     max_blocks: Annotated[int, typer.Option(min=1, help="Most blocks to read.")] = 100_000,
     max_runs: Annotated[int, typer.Option(min=1, help="Most runs to draw (not JSON).")] = 200,
 ) -> None:
     """The prefix tree collapsed into shared runs: sizes, sharing requests, heat."""
-    with connect(target, timeout) as node:
+    with connect(target, timeout, token) as node:
         ns = node.resolve_namespace(namespace)
         got, total = node.all_blocks(ns.namespace_id, max_blocks)
     roots = build_tree(records(got), ns.block_size)
@@ -244,7 +255,8 @@ def tree(
         print_json(doc)
         return
     title = (
-        f"{ns.model_id} {ns.namespace_id}: {doc['blocks']} blocks in {doc['runs']} runs, "
+        f"{ns.model_id} {ns.namespace_id}: {plural(doc['blocks'], 'block')} in "
+        f"{plural(doc['runs'], 'run')}, "
         f"{doc['shared_runs']} shared"
     )
     if doc["truncated"]:
@@ -259,7 +271,7 @@ def tree(
         stack.extend((c, branch) for c in reversed(run.children))
     console.print(top)
     if stack:
-        console.print(f"... {doc['runs'] - max_runs} more runs (--max-runs, or --json)")
+        console.print(f"... {plural(doc['runs'] - max_runs, 'more run')} (--max-runs, or --json)")
 
 
 __all__ = ["blocks", "namespace_json", "namespaces", "status", "tenants", "tree"]

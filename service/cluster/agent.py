@@ -35,6 +35,7 @@ from redis.backoff import AbstractBackoff
 
 from kvstore.block import BlockState
 from kvstore.events import CacheEvent, EventKind
+from kvstore.ops.plural import plural
 from kvstore.types import BlockHash, NamespaceId, TenantId
 from kvstore.v1 import kvstore_pb2 as pb
 from service.cluster import event_stream, redis_link
@@ -242,10 +243,10 @@ class RedisAgent:
             await pipe.execute()
         self.resyncs += 1
         log.info(
-            "directory resync of node %s: %d blocks in %d namespaces",
+            "directory resync of node %s: %s in %s",
             self.node.node_id,
-            sum(len(m) for m in snapshot.values()),
-            len(snapshot),
+            plural(sum(len(m) for m in snapshot.values()), "block"),
+            plural(len(snapshot), "namespace"),
         )
 
     def _engines_lost(self) -> None:

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import enum
 import logging
+import os
 import threading
 import time
 from dataclasses import dataclass
@@ -207,6 +208,11 @@ class NixlAgent:
         Raises:
             NixlUnavailable: nixl is not installed or its agent cannot start.
         """
+        # The nixl wheels' UCX "efa" module links the system's libibverbs, which
+        # loads a second libnl-route beside the wheel's own: the two crash the
+        # process at exit (SIGSEGV in rtnl_tc_unregister, after a clean stop).
+        # Left out unless the operator chooses UCX's modules (on EFA hosts).
+        os.environ.setdefault("UCX_MODULES", "^efa")
         try:
             from nixl._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t
         except ImportError as exc:

@@ -46,6 +46,7 @@ from typing import Any
 import grpc
 
 from kvstore.errors import KVStoreError
+from kvstore.ops.plural import plural
 from kvstore.types import BlockHash, LeaseId, NamespaceId, TenantId
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc
@@ -230,10 +231,10 @@ class PeerFetcher:
             except grpc.RpcError as err:
                 self.failed_fetches += 1
                 log.info(
-                    "peer %s failed mid-fetch (%s): keeping %d blocks",
+                    "peer %s failed mid-fetch (%s): keeping %s",
                     holder.node_id,
                     err.code(),
-                    len(written),
+                    plural(len(written), "block"),
                 )
             if written:
                 assert lease_id is not None

@@ -7,6 +7,20 @@
 
 from __future__ import annotations
 
-from service.config.schema import Config, ConfigError, load_config, read_setting_file, resolve
+from service.config.schema import (
+    Config,
+    ConfigError,
+    default_node_id,
+    load_config,
+    read_setting_file,
+    resolve,
+)
 
-__all__ = ["Config", "ConfigError", "load_config", "read_setting_file", "resolve"]
+__all__ = [
+    "Config",
+    "ConfigError",
+    "default_node_id",
+    "load_config",
+    "read_setting_file",
+    "resolve",
+]

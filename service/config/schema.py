@@ -23,6 +23,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, fields, replace
 from functools import cache
 from pathlib import Path
+from typing import NoReturn
 
 from kvstore.types import MAX_CHAIN_BLOCKS
 from service.config.engines import EngineSource, parse_engine_sources
@@ -93,7 +94,7 @@ class Config:
     write_quarantine_seconds: float = 300.0
     """Seconds the slots an expired lease was writing stay unused (late writers; 0 = none)."""
     node_id: str = ""
-    """Name of this node in stats and events; empty means hostname-port."""
+    """Name of this node in stats and events; empty means hostname-port (the bound port)."""
     salt_secret: bytes = b""
     """Hex secret the tenant salts derive from; empty means random per process."""
     shared_namespaces: tuple[str, ...] = ()
@@ -301,9 +302,25 @@ def _read_file(path: str) -> dict[str, object]:
     return doc
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a usage error is one `ConfigError` line, not the whole usage text.
+
+    argparse prints the full usage (40-odd lines: a flag per setting) before
+    its message; ``kvstore-server --prot 1`` should say what is wrong in one
+    line and point at ``--help``, which still prints everything.
+    """
+
+    def error(self, message: str) -> NoReturn:
+        raise ConfigError(f"{message} (see kvstore-server --help)")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    """The command-line parser: one ``--field-name`` flag per `Config` field."""
-    parser = argparse.ArgumentParser(
+    """The command-line parser: one ``--field-name`` flag per `Config` field.
+
+    A usage error (an unknown flag, a flag without its value) raises
+    `ConfigError` with one line naming it, instead of printing the usage.
+    """
+    parser = _Parser(
         prog="kvstore-server", description="Run a kvstore cache node (see docs/config.md)."
     )
     parser.add_argument("--config", help="TOML or JSON file of settings (or KVSTORE_CONFIG)")
@@ -380,6 +397,16 @@ def check(config: Config) -> None:
         log.info("namespace_capacity_bytes exceeds capacity_bytes; a pool grows to the budget")
 
 
+def default_node_id(port: int) -> str:
+    """The node id of a node that names none: ``HOSTNAME-PORT``.
+
+    With ``port = 0`` the server renames the node after the port it bound
+    (`service.server.Server.start`), so two nodes on one host never share
+    ``HOSTNAME-0``.
+    """
+    return f"{socket.gethostname()}-{port}"
+
+
 def resolve(config: Config) -> Config:
     """Fill the fields whose default depends on the host: node_id and salt_secret.
 
@@ -389,7 +416,7 @@ def resolve(config: Config) -> Config:
     """
     updates: dict[str, object] = {}
     if not config.node_id:
-        updates["node_id"] = f"{socket.gethostname()}-{config.port}"
+        updates["node_id"] = default_node_id(config.port)
     if not config.salt_secret:
         log.warning(
             "no salt_secret configured: using a random one for this process; tenant hashes "

@@ -27,6 +27,7 @@ import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from kvstore.ops.plural import plural
 from kvstore.pool.base import BlockPool
 from kvstore.types import LeaseId, NamespaceId
 
@@ -106,7 +107,11 @@ class HeldArenas:
         self._held = keep
         self.freed += freed
         if freed:
-            log.info("freed %d arenas no runner maps any more (%d still held)", freed, len(keep))
+            log.info(
+                "freed %s no runner maps any more (%d still held)",
+                plural(freed, "arena"),
+                len(keep),
+            )
         return freed
 
     def close(self) -> None:

@@ -49,6 +49,7 @@ from collections.abc import Callable, Sequence
 
 from kvstore.block_table import BlockTable
 from kvstore.errors import LimitExceeded, UnknownNamespace
+from kvstore.ops.plural import plural
 from kvstore.pool.base import BlockPool
 from kvstore.stamps import StampSink
 from kvstore.store import DropReport, Store
@@ -253,9 +254,9 @@ class NamespaceMemory:
             added += 1
         if added:
             log.info(
-                "namespace %s: +%d arenas%s, now %d (%d bytes free in the budget)",
+                "namespace %s: +%s%s, now %d (%d bytes free in the budget)",
                 namespace,
-                added,
+                plural(added, "arena"),
                 " ahead of need" if ahead else "",
                 self.pools.arenas(namespace),
                 self.pools.free_bytes,

@@ -32,6 +32,7 @@ def test_status_table_uses_env_target(live_node):
     r = kvstore("status", env={"KVSTORE_TARGET": live_node.target})
     assert r.code == 0, r.stderr
     assert "cli-node" in r.stdout and "88.9% of tokens" in r.stdout
+    assert "1 block (1 pin)" in r.stdout  # never "1 blocks (1 pins)" (#34)
 
 
 def test_namespaces_and_tenants(live_node):
@@ -75,6 +76,8 @@ def test_tree_collapses_the_shared_system_prompt(live_node):
     assert (lone["tokens"], lone["pins"], lone["children"]) == (4, 1, [])
     text = kvstore("tree", "demo-model", "-t", live_node.target)
     assert text.code == 0 and "shared by 3" in text.stdout
+    # The lone run: 1 block, 1 hit, 1 pin, in the singular (#34).
+    assert "4 tokens (1 block from token 0) · 1 request · 1 hit · 1 pin" in text.stdout
 
 
 def test_unknown_namespace_is_a_clear_error(live_node):

@@ -3,15 +3,20 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import re
 import signal
 import socket
 import sys
+from dataclasses import replace
 
 import grpc
+import pytest
 
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc
+from service.config import default_node_id
+from service.server import Server
 
 
 async def test_process_serves_and_stops_on_sigterm(tmp_path):
@@ -84,8 +89,51 @@ async def test_a_second_node_on_a_taken_grpc_port_refuses_to_start(kv_server, tm
     # and take half the connections.
     code, err = await _run_node(tmp_path, "--port", str(kv_server.port), "--metrics-port", "0")
     assert code == 1, err
-    assert f"port {kv_server.port} is in use" in err, err
-    assert "Traceback" not in err, err
+    # One line of its own (#34): no gRPC C-core "add_port.cc" line, no log of a
+    # node "stopped" that never started, no traceback.
+    port = kv_server.port
+    assert err.splitlines() == [
+        f"kvstore-server: cannot bind the gRPC server to 127.0.0.1:{port}: port {port} is in use"
+        " (another kvstore-server?); choose another --port"
+    ], err
+
+
+async def test_a_server_that_cannot_bind_never_logs_that_it_stopped(kv_server, caplog):
+    server = Server(replace(kv_server.config, port=kv_server.port, node_id="second"))
+    caplog.set_level(logging.INFO, logger="service.server")
+    with pytest.raises(OSError, match=f"port {kv_server.port} is in use"):
+        await server.start()
+    assert not [r for r in caplog.records if "stopped" in r.getMessage()], caplog.text
+
+
+async def test_an_unknown_flag_is_one_line_and_a_hint():
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "service", "--prot", "1",
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    out, err = await asyncio.wait_for(proc.communicate(), 30)
+    assert proc.returncode == 2 and out == b""
+    assert err.decode().splitlines() == [
+        "kvstore-server: unrecognized arguments: --prot 1 (see kvstore-server --help)"
+    ]
+
+
+async def test_port_0_names_the_node_after_the_port_it_bound(server_config):
+    server = Server(replace(server_config, node_id=""))
+    await server.start()
+    try:
+        assert server.port > 0
+        assert server.node.node_id == default_node_id(server.port) == server.config.node_id
+        assert server.node.node_id.endswith(f"-{server.port}")
+        assert server.node.stats_response().node_id == server.node.node_id
+    finally:
+        await server.stop(0.1)
+    named = Server(server_config)  # a node_id given is kept
+    await named.start()
+    try:
+        assert named.node.node_id == server_config.node_id
+    finally:
+        await named.stop(0.1)
 
 
 async def test_a_taken_metrics_port_is_a_clear_error_not_a_traceback(tmp_path):
