@@ -31,17 +31,24 @@ from __future__ import annotations
 import asyncio
 import errno
 import logging
-import threading
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from kvstore.checksum import NOT_COMPUTED, block_checksum
 from service.disk.checkpoint import write_checkpoint
 from service.disk.entry import Entry, Key
-from service.disk.format import PAGE, DiskKey, SlotHeader, Superblock, round_up
+from service.disk.format import PAGE, DiskKey, SlotHeader, Superblock
 from service.disk.index import DiskIndex, Reservation
-from service.disk.io import DiskTierError, TierFile, address_of, aligned, open_tier_file
+from service.disk.io import DiskTierError, TierFile, open_tier_file
+from service.disk.jobs import (
+    Completions,
+    ReadBatch,
+    ReadResult,
+    ThreadBuffers,
+    WriteBuffers,
+    read_slot,
+    write_slot,
+)
 from service.disk.rebuild import rebuild_index
 from service.disk.stats import DiskEvent, DiskEventKind, DiskStats
 
@@ -49,7 +56,6 @@ __all__ = ["DiskEvent", "DiskEventKind", "DiskKey", "DiskStats", "DiskTier", "Di
 
 log = logging.getLogger(__name__)
 
-_READ_OK, _READ_IDENTITY, _READ_CHECKSUM, _READ_ERROR = 0, 1, 2, 3
 _COUNTERS = (
     "writes",
     "write_bytes",
@@ -67,25 +73,10 @@ _COUNTERS = (
 )
 """The counters of `DiskStats` the tier keeps itself (the index keeps the rest)."""
 _FAILURE_COUNTER = {
-    _READ_IDENTITY: "read_failures_identity",
-    _READ_CHECKSUM: "read_failures_checksum",
-    _READ_ERROR: "read_errors",
+    ReadResult.IDENTITY: "read_failures_identity",
+    ReadResult.CHECKSUM: "read_failures_checksum",
+    ReadResult.ERROR: "read_errors",
 }
-
-
-class _ThreadBuffers(threading.local):
-    """Each I/O thread's header page and bounce buffer, reused across calls."""
-
-    def __init__(self) -> None:
-        self.page = aligned(PAGE)
-        self.zero = aligned(PAGE)
-        self.bounce = aligned(PAGE)
-
-    def bounce_of(self, nbytes: int) -> Any:
-        if len(self.bounce) < nbytes:
-            self.bounce.close()
-            self.bounce = aligned(nbytes)
-        return self.bounce
 
 
 class DiskTier:
@@ -105,8 +96,9 @@ class DiskTier:
         self._queue_blocks = queue_blocks
         self._io_threads = io_threads
         self._pool = ThreadPoolExecutor(io_threads, thread_name_prefix="kvstore-disk")
-        self._local = _ThreadBuffers()
-        self._buffers: dict[int, list[Any]] = {}
+        self._local = ThreadBuffers()
+        self._done: Completions | None = None
+        self._buffers = WriteBuffers(keep=io_threads + 4)
         self._events: list[DiskEvent] = []
         self._queued = 0
         self._in_flight = 0  # writes + invalidations
@@ -196,7 +188,7 @@ class DiskTier:
         degraded, no slot can be had, or the block is already on disk or queued.
         Must be called on the event loop's thread (a running loop).
         """
-        loop = asyncio.get_running_loop()
+        done = self._completions()
         k: Key = (key.namespace, key.scope, key.block_hash)
         if k in self._index:
             self._c["write_present"] += 1
@@ -209,56 +201,55 @@ class DiskTier:
         if res is None:
             self._c["write_drops"] += 1
             return False
-        buf = self._buffer(res.slot_bytes)
+        buf = self._buffers.take(res.slot_bytes)
         memoryview(buf)[PAGE : PAGE + view.nbytes] = view
         self._queued += 1
         self._begin()
-        fut = self._pool.submit(self._write_job, res, buf, view.nbytes, checksum)
-        fut.add_done_callback(
-            lambda f: loop.call_soon_threadsafe(self._write_done, res, buf, view.nbytes, f)
-        )
-        self._collect(loop)
+        self._pool.submit(self._write_task, done, res, buf, view.nbytes, checksum)
+        self._collect()
         return True
 
-    def _write_job(self, res: Reservation, buf: Any, length: int, checksum: int) -> int:
-        """On an I/O thread: header into the buffer's first page, then the writes."""
-        mv = memoryview(buf)
-        if checksum == NOT_COMPUTED:
-            checksum = block_checksum(mv[PAGE : PAGE + length])
-        k = res.entry.key
-        mv[:PAGE] = SlotHeader(
-            res.slot_bytes, res.epoch, k[0], k[1], k[2], length, checksum, res.seq
-        ).pack()
-        local = self._local
-        if res.region_header is not None:
-            offset, header = res.region_header
-            local.page[:] = header.pack()
-            self._file.write([local.page], offset)
-        if res.invalidate:
-            self._file.zero_page(res.offset, local.zero)
-        self._file.write([mv[: res.slot_bytes]], res.offset)
-        return checksum
+    def _write_task(
+        self, done: Completions, res: Reservation, buf: Any, length: int, checksum: int
+    ) -> None:
+        """On an I/O thread (skipped once the tier is closing)."""
+        result: int | None = None
+        exc: BaseException | None = None
+        if not self._closed:
+            try:
+                result = write_slot(self._file, self._local, res, buf, length, checksum)
+            except BaseException as e:  # reported on the loop, never lost in a future
+                exc = e
+        done.post(self._write_done, res, buf, length, result, exc)
 
-    def _write_done(self, res: Reservation, buf: Any, length: int, fut: Future[int]) -> None:
+    def _write_done(
+        self,
+        res: Reservation,
+        buf: Any,
+        length: int,
+        checksum: int | None,
+        exc: BaseException | None,
+    ) -> None:
         self._queued -= 1
-        self._give_back(res.slot_bytes, buf)
+        self._buffers.give_back(res.slot_bytes, buf)
         e = res.entry
-        exc = None if fut.cancelled() else fut.exception()
-        if fut.cancelled() or exc is not None:
+        if checksum is None:
             self._index.write_failed(e)
             if exc is not None:
                 self._write_error(exc)
         else:
-            e.checksum = fut.result()
+            e.checksum = checksum
             if self._index.committed(e):
                 self._c["writes"] += 1
                 self._c["write_bytes"] += length
                 self._events.append(DiskEvent(DiskEventKind.STORED, DiskKey(*e.key)))
-        self._collect(asyncio.get_running_loop())
+        self._collect()
         self._end()
 
     def _write_error(self, exc: BaseException) -> None:
         self._c["write_errors"] += 1
+        if not isinstance(exc, OSError):
+            log.error("disk tier: bug in a write", exc_info=exc)
         is_enospc = isinstance(exc, OSError) and exc.errno == errno.ENOSPC
         self._c["enospc"] += is_enospc
         if not self._degraded:
@@ -268,17 +259,6 @@ class DiskTier:
                 "the memory tier goes on",
                 exc,
             )
-
-    def _buffer(self, slot_bytes: int) -> Any:
-        free = self._buffers.get(slot_bytes)
-        return free.pop() if free else aligned(slot_bytes)
-
-    def _give_back(self, slot_bytes: int, buf: Any) -> None:
-        free = self._buffers.setdefault(slot_bytes, [])
-        if len(free) < self._io_threads + 4:
-            free.append(buf)
-        else:
-            buf.close()
 
     # -- reads ---------------------------------------------------------------
 
@@ -305,80 +285,104 @@ class DiskTier:
         Raises:
             ValueError: ``dest`` is not the block's length or not writable.
         """
-        e = self._index.begin_read((key.namespace, key.scope, key.block_hash))
-        if e is None:
-            return False
-        if dest.nbytes != e.length or dest.readonly:
-            self._index.end_read(e, touch=False, discard=False)
-            raise ValueError(
-                f"read_into needs a writable buffer of {e.length} bytes, not {dest.nbytes}"
-            )
-        result: int | None = None
+        return (await self.read_many([key], [dest]))[0]
+
+    async def read_many(self, keys: Sequence[DiskKey], dests: Sequence[memoryview]) -> list[bool]:
+        """`read_into` for many blocks at once (a chain's promotion): all are
+        handed to the I/O threads together, and the loop wakes once when the
+        last has landed. Returns, per block, whether ``dests[i]`` holds it.
+
+        Raises:
+            ValueError: a destination is not its block's length or not writable
+                (nothing is read).
+        """
+        if len(keys) != len(dests):
+            raise ValueError(f"read_many: {len(keys)} keys, {len(dests)} destinations")
+        index = self._index
+        entries = [index.begin_read((k.namespace, k.scope, k.block_hash)) for k in keys]
+        for e, dest in zip(entries, dests, strict=True):
+            if e is not None and (dest.nbytes != e.length or dest.readonly):
+                for held in entries:
+                    if held is not None:
+                        index.end_read(held, touch=False, discard=False)
+                raise ValueError(
+                    f"read_into needs a writable buffer of {e.length} bytes, not {dest.nbytes}"
+                )
+        done = self._completions()
+        loop = asyncio.get_running_loop()
+        batch = ReadBatch(
+            [None] * len(keys), sum(e is not None for e in entries), loop.create_future()
+        )
         try:
-            loop = asyncio.get_running_loop()
-            epoch = self._index.region(e.region).epoch
-            fut = loop.run_in_executor(
-                self._pool, self._read_job, e, self._index.offset_of(e), epoch, dest
-            )
-            try:
-                result = await asyncio.shield(fut)
-            except asyncio.CancelledError:
-                await asyncio.wait([fut])  # the thread may still be writing into dest
-                raise
-        except OSError as exc:
-            result = _READ_ERROR
-            log.warning("disk tier: reading block %s failed (%s): discarded", DiskKey(*e.key), exc)
+            for i, e in enumerate(entries):
+                if e is not None:
+                    r = index.region(e.region)
+                    want = SlotHeader(r.slot_bytes, r.epoch, *e.key, e.length, e.checksum, e.seq)
+                    self._pool.submit(
+                        self._read_task, done, batch, i, want, index.offset_of(e), dests[i]
+                    )
+            if batch.left:
+                try:
+                    await asyncio.shield(batch.done)
+                except asyncio.CancelledError:
+                    await batch.done  # the threads may still be writing into dests
+                    raise
         finally:
-            # Cancelled (result None): released as it was, neither touched nor discarded.
-            self._index.end_read(
-                e, touch=result == _READ_OK, discard=result not in (None, _READ_OK)
-            )
-            self._collect(asyncio.get_running_loop())
-        if result == _READ_OK:
+            # Not landed (cancelled before its submit): released as it was.
+            for e, result in zip(entries, batch.results, strict=True):
+                if e is not None:
+                    index.end_read(
+                        e,
+                        touch=result is ReadResult.OK,
+                        discard=result not in (None, ReadResult.OK),
+                    )
+            self._collect()
+        return [self._count_read(e, r) for e, r in zip(entries, batch.results, strict=True)]
+
+    def _read_task(
+        self,
+        done: Completions,
+        batch: ReadBatch,
+        i: int,
+        want: SlotHeader,
+        offset: int,
+        dest: memoryview,
+    ) -> None:
+        """On an I/O thread: one block of a batch; the last one wakes the loop."""
+        try:
+            result = read_slot(self._file, self._local, want, offset, dest)
+        except OSError as exc:
+            log.warning("disk tier: reading block %#x failed (%s)", want.block_hash, exc)
+            result = ReadResult.ERROR
+        except BaseException:
+            log.exception("disk tier: bug in a read")
+            result = ReadResult.ERROR
+        batch.results[i] = result
+        with batch.lock:
+            batch.left -= 1
+            last = batch.left == 0
+        if last:
+            done.post(batch.finish)
+
+    def _count_read(self, e: Entry | None, result: ReadResult | None) -> bool:
+        if e is None or result is None:
+            return False
+        if result is ReadResult.OK:
             self._c["reads"] += 1
             self._c["read_bytes"] += e.length
             return True
         self._c[_FAILURE_COUNTER[result]] += 1
-        if result != _READ_ERROR:
-            log.warning(
-                "disk tier: block %s discarded (%s)", DiskKey(*e.key), _FAILURE_COUNTER[result]
-            )
+        log.warning("disk tier: block %s discarded (%s)", DiskKey(*e.key), _FAILURE_COUNTER[result])
         return False
-
-    def _read_job(self, e: Entry, offset: int, epoch: int, dest: memoryview) -> int:
-        """On an I/O thread: header page and payload, then both checks."""
-        local = self._local
-        length = e.length
-        padded = round_up(length) if length else PAGE
-        dest = dest.cast("B")
-        direct = length % PAGE == 0 and length > 0 and address_of(dest) % PAGE == 0
-        if direct:
-            got = self._file.read_into([local.page, dest], offset)
-            payload: Any = dest
-        else:
-            bounce = memoryview(local.bounce_of(padded))[:padded]
-            got = self._file.read_into([local.page, bounce], offset)
-            payload = bounce[:length]
-        if got < PAGE + length:
-            return _READ_IDENTITY
-        h = SlotHeader.parse(local.page)
-        if h is None or (h.namespace, h.scope, h.block_hash) != e.key or h.seq != e.seq:
-            return _READ_IDENTITY
-        if h.length != length or h.epoch != epoch or h.checksum != e.checksum:
-            return _READ_IDENTITY
-        if block_checksum(payload) != e.checksum:
-            return _READ_CHECKSUM
-        if not direct:
-            dest[:] = payload
-        return _READ_OK
 
     # -- removal, events, figures ----------------------------------------------
 
     def drop_namespace(self, namespace: bytes) -> int:
         """Forget every block of a namespace (their headers are invalidated
         behind); returns how many."""
+        self._completions()
         n = self._index.drop_namespace(namespace)
-        self._collect(asyncio.get_running_loop())
+        self._collect()
         return n
 
     def take_events(self) -> list[DiskEvent]:
@@ -404,32 +408,40 @@ class DiskTier:
             **self._c,
         )
 
-    def _collect(self, loop: asyncio.AbstractEventLoop) -> None:
+    def _completions(self) -> Completions:
+        """The channel from the I/O threads to the running loop (bound on first use)."""
+        if self._done is None:
+            self._done = Completions(asyncio.get_running_loop())
+        return self._done
+
+    def _collect(self) -> None:
         """Side effects the index left: removal events, header pages to zero."""
         for k in self._index.take_removed():
             self._events.append(DiskEvent(DiskEventKind.REMOVED, DiskKey(*k)))
         jobs = self._index.take_invalidations()
-        if not jobs:
+        if not jobs or self._done is None:
             return
-        if self._closed:
-            return  # the slots stay in limbo; the file is closing
         self._begin()
-        fut = self._pool.submit(self._invalidate_job, jobs)
-        fut.add_done_callback(lambda f: loop.call_soon_threadsafe(self._invalidated, jobs, f))
+        self._pool.submit(self._invalidate_task, self._done, jobs)
 
-    def _invalidate_job(self, jobs: list[tuple[int, int, int]]) -> None:
-        zero = self._local.zero
-        for offset, _, _ in jobs:
-            self._file.zero_page(offset, zero)
+    def _invalidate_task(self, done: Completions, jobs: list[tuple[int, int, int]]) -> None:
+        """On an I/O thread: zero the header pages of slots in limbo."""
+        exc: BaseException | None = None
+        try:
+            if self._closed:
+                raise OSError(errno.ECANCELED, "the tier is closing")
+            for offset, _, _ in jobs:
+                self._file.zero_page(offset, self._local.zero)
+        except BaseException as e:
+            exc = e
+        done.post(self._invalidated, jobs, exc)
 
-    def _invalidated(self, jobs: list[tuple[int, int, int]], fut: Future[None]) -> None:
-        exc = None if fut.cancelled() else fut.exception()
-        if exc is not None or fut.cancelled():
-            if exc is not None:
-                self._write_error(exc)  # those slots stay in limbo: never reused
-        else:
+    def _invalidated(self, jobs: list[tuple[int, int, int]], exc: BaseException | None) -> None:
+        if exc is None:
             for _, region, slot in jobs:
                 self._index.invalidated(region, slot)
+        elif not (isinstance(exc, OSError) and exc.errno == errno.ECANCELED):
+            self._write_error(exc)  # those slots stay in limbo: never reused
         self._end()
 
     def _begin(self) -> None:
@@ -465,7 +477,7 @@ class DiskTier:
         if self._closed:
             return
         self._closed = True
-        await asyncio.to_thread(self._pool.shutdown, wait=True, cancel_futures=True)
+        await asyncio.to_thread(self._pool.shutdown, wait=True)  # queued writes skip their I/O
         await asyncio.sleep(0)  # the done callbacks of the last jobs
         try:
             if checkpoint and not self._degraded:

@@ -362,3 +362,38 @@ async def test_a_corrupt_checkpoint_falls_back_to_the_headers(path: str) -> None
     s = tier.stats()
     assert (s.opened_from, s.blocks) == ("headers", 5)
     await tier.close()
+
+
+async def test_reopened_with_another_capacity(path: str) -> None:
+    tier = DiskTier.open(path, file_bytes_for(4, REGION), region_bytes=REGION)
+    big = 200 << 10  # 5 slots a region: blocks 0-4 in region 0, 5-7 in region 1
+    await fill(tier, {h: payload(h, big) for h in range(8)})
+    await tier.close()
+    tier = DiskTier.open(path, file_bytes_for(6, REGION))  # grown: kept, scanned
+    s = tier.stats()
+    assert (s.blocks, s.file_bytes, s.opened_from) == (8, file_bytes_for(6, REGION), "headers")
+    await tier.close()
+    tier = DiskTier.open(path, file_bytes_for(1, REGION))  # shrunk: region 1 is gone
+    assert on_disk(path)[0] == file_bytes_for(1, REGION)
+    assert tier.run_length(NS, 0, list(range(8))) == 5
+    assert await read(tier, k(4), big) == payload(4, big)
+    await tier.close()
+
+
+async def test_read_many_reads_a_chain_and_reports_each_block(path: str) -> None:
+    tier = DiskTier.open(path, CAP, region_bytes=REGION)
+    blocks = {h: payload(h, 32 << 10) for h in range(6)}
+    await fill(tier, blocks)
+    _flip(path, DATA_START + PAGE + 2 * slot_bytes_for(32 << 10) + PAGE + 7)  # block 2's payload
+    slots = mmap.mmap(-1, 8 * (32 << 10))
+    dests = [memoryview(slots)[i * (32 << 10) : (i + 1) * (32 << 10)] for i in range(7)]
+    got = await tier.read_many([k(h) for h in range(7)], dests)  # 6 is not on disk
+    assert got == [True, True, False, True, True, True, False]
+    assert all(bytes(dests[h]) == blocks[h] for h in (0, 1, 3, 4, 5))
+    s = tier.stats()
+    assert (s.reads, s.read_failures_checksum, s.blocks) == (5, 1, 5)
+    with pytest.raises(ValueError):
+        await tier.read_many([k(0), k(1)], [dests[0], memoryview(bytearray(3))])
+    assert tier.stats().reads == 5, "a bad destination reads nothing"
+    assert await tier.read_many([], []) == []
+    await tier.close()
