@@ -3,9 +3,10 @@
 The same shape as a peer fetch (`service.cluster.peer_fetch`): ask the tier's
 index how many of the missing blocks it holds (no I/O), make room, open an
 internal lease, reserve the missing blocks, read each one straight into its
-reserved slot (`DiskTier.read_into`, all reads in flight at once), commit the
-leading run that verified, close the lease (which aborts the rest). The
-caller's lookup is then redone against the store (`service.cluster.lookup`).
+reserved slot (`DiskTier.read_many`: all reads in flight at once, one wake-up
+of the loop when the last has landed), commit the leading run that verified,
+close the lease (which aborts the rest). The caller's lookup is then redone
+against the store (`service.cluster.lookup`).
 
 - **Verified**: the tier checks each block's slot header (identity) and
   checksum after the read; a block that fails is a miss, and so is the rest
@@ -33,7 +34,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Sequence
-from enum import Enum
+from typing import TypeVar
 
 from prometheus_client import CollectorRegistry, Histogram
 
@@ -48,20 +49,13 @@ from service.disk.tier import DiskKey, DiskTier
 
 log = logging.getLogger(__name__)
 
+T = TypeVar("T")
+
 MAX_PROMOTIONS = 8
 """Promotions running at once; beyond them a lookup is answered from memory."""
 
 PROMOTION_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 """Seconds from the index's answer to the commit (a 4 KiB-1 MiB block reads in 0.1-2 ms)."""
-
-
-class Miss(Enum):
-    """Why a block read back from disk is not promoted."""
-
-    ABSENT = "absent"
-    """Not on disk (any more), or the read met an I/O error: a plain miss."""
-    CORRUPT = "corrupt"
-    """Its identity or checksum did not verify: the tier discarded it."""
 
 
 class DiskPromoter:
@@ -129,26 +123,8 @@ class DiskPromoter:
             keys = [self.disk.key(table.spec, scope, h) for h in todo]
             now = node.now()
             slots = [node.store.writing_slot(namespace, tenant, lease_id, h, now) for h in todo]
-            pool = node.pool(namespace)
-            # Every read ends before anything below can free a slot (return_exceptions:
-            # one failing read must not leave the others running into aborted slots).
-            sums = await asyncio.gather(
-                *(self._read(pool, key, slot) for key, slot in zip(keys, slots, strict=True)),
-                return_exceptions=True,
-            )
-            good: list[BlockHash] = []
-            checksums: list[int] = []
-            for block_hash, checksum in zip(todo, sums, strict=True):
-                if isinstance(checksum, BaseException):
-                    log.warning("disk read of %s failed: %r", block_hash.hex()[:16], checksum)
-                    break
-                if isinstance(checksum, Miss):
-                    if checksum is Miss.CORRUPT:
-                        self.checksum_failures += 1
-                        node.checksum_failed(namespace, "disk", block_hash, node.node_id)
-                    break  # this block and the rest of the run: a miss
-                good.append(block_hash)
-                checksums.append(checksum)
+            sums = await self._read_run(namespace, node.pool(namespace), todo, keys, slots)
+            good, checksums = todo[: len(sums)], sums
             if good:
                 self.disk.promoting.update(keys[: len(good)])
                 try:
@@ -170,35 +146,52 @@ class DiskPromoter:
             if lease_id is not None:
                 close_fetch_lease(node, tenant, lease_id)  # aborts what was not committed
 
-    async def _read(self, pool: BlockPool, key: DiskKey, slot: SlotId) -> int | Miss:
-        """Read one block into its slot: its checksum as it landed, or why it is a miss."""
+    async def _read_run(
+        self,
+        namespace: NamespaceId,
+        pool: BlockPool,
+        todo: list[BlockHash],
+        keys: list[DiskKey],
+        slots: list[SlotId],
+    ) -> list[int]:
+        """Read the blocks into their reserved slots, all in flight at once; returns the
+        checksums (as the bytes landed) of the leading run that verified."""
         tier = self.disk.tier
-        if tier.length_of(key) != pool.descriptor.block_bytes:
-            return Miss.ABSENT  # evicted since the index answered (or, a bug, another length)
-        if pool.descriptor.kind == "cuda":
-            staging = bytearray(pool.descriptor.block_bytes)
-            if not await tier.read_into(key, memoryview(staging)):
-                return _why(tier, key)
-            loop = asyncio.get_running_loop()
-            await _landed(loop.run_in_executor(None, pool.write, slot, staging))
-            return await asyncio.to_thread(block_checksum, staging)
-        dest = pool.view(slot)
-        if not await tier.read_into(key, dest):
-            return _why(tier, key)
-        return await asyncio.to_thread(block_checksum, dest)
+        size = pool.descriptor.block_bytes
+        present = [tier.length_of(key) == size for key in keys]
+        n = present.index(False) if False in present else len(keys)  # evicted meanwhile
+        cuda = pool.descriptor.kind == "cuda"
+        dests = [memoryview(bytearray(size)) if cuda else pool.view(slot) for slot in slots[:n]]
+        corrupt = _corrupt_reads(tier)
+        landed = await tier.read_many(keys[:n], dests)  # returns once every read has landed
+        run = landed.index(False) if False in landed else n
+        if run < n and tier.length_of(keys[run]) is None and _corrupt_reads(tier) > corrupt:
+            # Discarded by the tier for its header or checksum: corrupt bytes, not a miss.
+            self.checksum_failures += 1
+            self.node.checksum_failed(namespace, "disk", todo[run], self.node.node_id)
+        loop = asyncio.get_running_loop()
+        return await _landed(loop.run_in_executor(None, _settle, pool, slots[:run], dests[:run]))
 
 
-async def _landed(job: asyncio.Future[None]) -> None:
-    """Await a worker thread's write into a slot to its end, cancelled or not: the slot
-    must not be freed (the lease closed) while the write may still land in it."""
+def _settle(pool: BlockPool, slots: list[SlotId], landed: list[memoryview]) -> list[int]:
+    """In a worker thread: copy host staging into a CUDA pool's slots; the checksums."""
+    if pool.descriptor.kind == "cuda":
+        for slot, staging in zip(slots, landed, strict=True):
+            pool.write(slot, staging)
+    return [block_checksum(view) for view in landed]
+
+
+async def _landed(job: asyncio.Future[T]) -> T:
+    """Await a worker thread's job to its end, cancelled or not: a slot must not be freed
+    (the lease closed) while a write into it may still land."""
     try:
-        await asyncio.shield(job)
+        return await asyncio.shield(job)
     except asyncio.CancelledError:
         await asyncio.wait({job})
         raise
 
 
-def _why(tier: DiskTier, key: DiskKey) -> Miss:
-    """Why a read of a block that was on disk failed: the tier discards a block whose
-    identity or checksum did not verify (corrupt); one it still holds met an I/O error."""
-    return Miss.CORRUPT if tier.length_of(key) is None else Miss.ABSENT
+def _corrupt_reads(tier: DiskTier) -> int:
+    """Reads the tier discarded for a header or checksum that did not verify, ever."""
+    stats = tier.stats()
+    return stats.read_failures_checksum + stats.read_failures_identity

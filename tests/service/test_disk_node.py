@@ -196,14 +196,14 @@ async def test_a_lookup_cancelled_mid_promotion_leaks_nothing(disk_config: Confi
         disk = server.node.disk
         assert disk is not None
         reading, go_on = asyncio.Event(), asyncio.Event()
-        real_read = disk.tier.read_into
+        real_read = disk.tier.read_many
 
-        async def held_read(key: DiskKey, dest: memoryview) -> bool:
+        async def held_read(keys: list[DiskKey], dests: list[memoryview]) -> list[bool]:
             reading.set()
             await go_on.wait()
-            return await real_read(key, dest)
+            return await real_read(keys, dests)
 
-        disk.tier.read_into = held_read  # type: ignore[method-assign]
+        disk.tier.read_many = held_read  # type: ignore[method-assign]
         lookup = asyncio.create_task(kv.lookup(ns, TOKENS, pin=True, timeout=5))
         await asyncio.wait_for(reading.wait(), 5)
         lookup.cancel()
