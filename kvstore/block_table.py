@@ -28,10 +28,9 @@ every step of random interleavings):
 Pins and writes are recorded in the lease as well as in the block, so ending
 a lease costs O(what it holds).
 
-Over 400 lines on purpose: one concept, the block life cycle as leases drive
-it, checked whole by the state-machine test. Slots, LRU, counts, quotas and
-stamps are in `kvstore.residency`; the per-block loops in `kvstore.pins`.
-"""
+Over 400 lines on purpose: one concept, the block life cycle as leases drive it,
+checked whole by the state-machine test (slots, LRU, counts, quotas, stamps:
+`kvstore.residency`; per-block loops: `kvstore.pins`)."""
 
 from __future__ import annotations
 
@@ -116,6 +115,12 @@ class BlockTable:
     def stamp_of(self, slot: SlotId) -> tuple[int, int]:
         """A slot's (generation, ident) as runners read it; (0, 0) out of range."""
         return self._res.stamp_of(slot) if 0 <= slot < self.capacity else (0, 0)
+
+    def ready_ref(self, scope: TenantId, block_hash: BlockHash) -> BlockRef | None:
+        """Where a READY block of ``scope`` lies (slot, generation, checksum); else None."""
+        b = self._res.find(scope, block_hash)
+        ready = b is not None and b.state is BlockState.READY
+        return BlockRef(b.hash, b.slot, b.generation, b.checksum) if b and ready else None
 
     def check_slot(self, tenant: TenantId, ref: BlockRef) -> Block:
         """The READY or WRITING block that ``ref`` names, or `StaleSlot`.

@@ -15,6 +15,7 @@
 #              node, release after queued reads, SyncClient on the caller's
 #              stream and GPU, 2 MiB-aligned arenas, UUIDs, an arena of a dropped
 #              namespace kept (not cudaFree'd) while a runner still has it open;
+#              the disk tier under a CUDA pool, across a restart;
 #   3. fake:   the CPU tests of the same code on the fake runtime (they must
 #              pass here too: torch with CUDA must not change them);
 #   4. bench:  python -m benchmarks.bench_cuda (mapped bandwidth vs. a plain
@@ -86,6 +87,7 @@ log "3/5 fake-runtime tests of the same code"
 timeout 60 python -m pytest -q -p no:cacheprovider tests/kvstore/pool \
   tests/service/test_cuda_device.py tests/service/test_cuda_client.py \
   tests/service/test_cuda_held_arenas.py \
+  "tests/service/test_disk_node.py::test_a_cuda_pool_goes_to_disk_and_comes_back" \
   --junitxml="$OUT/fake.xml" >"$OUT/fake.log" 2>&1
 FAKE_RC=$?
 tail -n 15 "$OUT/fake.log" >&2

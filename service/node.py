@@ -32,6 +32,9 @@ from service.cluster.lookup import LookupCall, lookup
 from service.cluster.nixl_transport import NixlTransport
 from service.cluster.peer_fetch import PeerFetcher
 from service.config import Config, ConfigError
+from service.disk.node_tier import NodeDisk
+from service.disk.promote import DiskPromoter
+from service.disk.wiring import disk_stats, start_disk
 from service.memory.budget import PoolManager
 from service.memory.policy import NamespaceMemory
 from service.ops.metrics import Metrics
@@ -122,6 +125,12 @@ class Node:
         self.metrics.registry.register(
             EventsCollector(lambda: self.on_loop(self.kv_events.figures))
         )
+        self.disk = NodeDisk.open(config)  # last: nothing above needs closing if it raises
+        """The disk tier below the pools (`disk_path`, docs/disk.md); None = memory only."""
+        self.promoter: DiskPromoter | None = (
+            start_disk(self, self.disk, self.metrics.registry, self.on_loop) if self.disk else None
+        )
+        """Reads the blocks a lookup missed back from disk (with `disk`)."""
 
     @property
     def epoch(self) -> int:
@@ -206,6 +215,7 @@ class Node:
             namespaces=namespaces,
             capacity_bytes=self.pools.capacity_bytes,
             allocated_bytes=self.pools.allocated_bytes,
+            disk=disk_stats(self.disk, self.promoter) if self.disk and self.promoter else None,
         )
 
     # --- cluster ----------------------------------------------------------------
@@ -278,7 +288,7 @@ class Node:
         so what the caller applied just before (a carried release) has nothing in
         between. Counts the lookup's hits and misses, in blocks and tokens.
         """
-        result = await lookup(self, self.peers, call)
+        result = await lookup(self, self.peers, call, self.promoter)
         self.memory.touch(call.namespace)  # a namespace in use gives its arenas back last
         hit_tokens = result.hit_blocks * self.table(call.namespace).block_size
         self.metrics.observe_lookup(
@@ -320,7 +330,8 @@ class Node:
 
         Args:
             namespace: the block's namespace.
-            tier: where the bytes came from: "peer" (a peer fetch) or "local" (this pool).
+            tier: where the bytes came from: "peer" (a peer fetch), "disk" (the disk
+                tier) or "local" (this pool).
             block_hash: the block.
             holder: the node that held the bytes (a peer's id, or this node's).
         """
@@ -339,7 +350,10 @@ class Node:
         Returns:
             (what the store removed, bytes returned to the budget).
         """
+        spec = self.table(namespace).spec
         report, freed = await self.memory.drop(namespace, force)
+        if self.disk is not None:
+            self.disk.drop(spec)
         log.info(
             "namespace %s dropped%s: %s removed, %s dropped, %s aborted",
             namespace,
@@ -369,6 +383,8 @@ class Node:
         """Fan out the store's pending events to watchers, the Redis agent and the
         KV-event publisher (queued)."""
         taken = self.store.take_events()
+        if self.disk is not None:
+            self.disk.stored(taken)  # write-through: queued here, copied in later loop steps
         for ev in taken:
             self.events.publish(ev.namespace, translate.event(ev, self.node_id, self.to_unix))
             if self.cluster is not None:

@@ -14,6 +14,11 @@ with INTERNAL. Now each path setting is checked once, at start:
   pool files would be written back to a disk.
 - ``tenants_file``, ``tls_cert``, ``tls_key``, ``tls_client_ca``,
   ``peer_tls_ca``: set means a readable regular file, else a `PathError`.
+- ``disk_path`` (the disk tier, docs/disk.md): set means a regular file this
+  user may read and write, or a missing file in a writable folder (never its
+  parents: a typo stays an error). Whether the file system takes O_DIRECT and
+  holds ``disk_capacity_bytes`` is found when the tier opens the file, still
+  before a port is bound (`service.disk.node_tier`).
 
 A `PathError` is an `OSError` whose message is one line naming the
 setting, the path and the fix; ``kvstore-server`` prints it and exits 1.
@@ -58,6 +63,8 @@ def check_paths(config: Config, *, mounts: str = host_pages.MOUNTS) -> list[str]
         path = getattr(config, name)
         if path:
             _check_file(name, path)
+    if config.disk_path:
+        _check_disk_path(config.disk_path)
     warnings: list[str] = []
     if config.device == "cpu":
         warnings += _check_shm_dir(config, mounts)
@@ -80,6 +87,31 @@ def _check_file(name: str, path: str) -> None:
         raise PathError(
             f"{name} {path}: not readable by this user (uid {os.getuid()}); "
             f"give it read access (chmod/chown) or point {flag} elsewhere"
+        )
+
+
+def _check_disk_path(path: str) -> None:
+    fix = "fix the path or unset --disk-path (memory only)"
+    if os.path.isdir(path):
+        raise PathError(f"disk_path {path}: a folder; name a file in it ({path}/kvstore.disk)")
+    if os.path.lexists(path):
+        if not os.path.isfile(path):
+            raise PathError(f"disk_path {path}: not a regular file; {fix}")
+        if not os.access(path, os.R_OK | os.W_OK):
+            raise PathError(
+                f"disk_path {path}: not readable and writable by this user (uid {os.getuid()}); "
+                f"chown it to this user or {fix}"
+            )
+        return
+    parent = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(parent):
+        raise PathError(
+            f"disk_path {path}: no such folder {parent}; create it (mkdir -p {parent}) or {fix}"
+        )
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise PathError(
+            f"disk_path {path}: cannot create the file, {parent} is not writable by this user "
+            f"(uid {os.getuid()}); chown it to this user or {fix}"
         )
 
 

@@ -3,8 +3,10 @@
 `Server` is what tests start (``port=0`` binds a free port); `serve` runs
 one until SIGTERM or SIGINT; `main` is the ``kvstore-server`` command.
 Shutdown order: health NOT_SERVING (load balancers stop sending), event
-streams end, ``server.stop(grace)`` lets in-flight calls finish, then the
-pools are closed and their files unlinked.
+streams end, ``server.stop(grace)`` lets in-flight calls finish, the disk
+tier (with ``disk_path``) gets its queued writes flushed for up to
+``disk_flush_seconds`` and is closed, then the pools are closed and their
+files unlinked.
 """
 
 from __future__ import annotations
@@ -351,6 +353,8 @@ class Server:
                 os.unlink(self.uds_path)
             self.uds_path = ""
         self.node.metrics.stop_http()
+        if self.node.disk is not None:  # before the pools close: queued copies read them
+            await self.node.disk.stop(self.config.disk_flush_seconds)
         await self.node.memory.stop()  # growth ahead of need: no arena is built after this
         self.node.pools.close()
         if self._serving:  # a node that never served did not stop: its error says why

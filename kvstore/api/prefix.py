@@ -15,6 +15,7 @@ from typing import Any
 from kvstore.v1 import kvstore_pb2 as pb
 
 __all__ = [
+    "DISK_TIER",
     "ENGINE_TIER",
     "NODE_TIER",
     "SOURCE_DIRECTORY",
@@ -28,6 +29,9 @@ NODE_TIER = "kvstore"
 
 ENGINE_TIER = "engine"
 """The tier of an engine that published no medium."""
+
+DISK_TIER = "disk"
+"""The tier of a node's disk tier: the blocks it serves from its pool and its disk together."""
 
 SOURCE_DIRECTORY = "directory"
 """The answer came from the Redis directory: every live node and engine."""

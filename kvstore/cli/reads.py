@@ -68,9 +68,22 @@ def status(
         ("evictions", str(doc["evictions"])),
         ("namespaces", str(len(doc["namespaces"]))),
     ]  # fmt: skip
+    if doc["disk"] is not None:
+        rows.append(("disk", disk_line(doc["disk"])))
     for key, value in rows:
         t.add_row(key, value)
     console.print(t)
+
+
+def disk_line(disk: dict[str, Any]) -> str:
+    """The disk tier in one line of ``kvstore status``."""
+    line = (
+        f"{plural(disk['blocks'], 'block')}, "
+        f"{size(disk['used_bytes'])} of {size(disk['capacity_bytes'])}; "
+        f"{disk['promoted_blocks']} read back, {disk['written_blocks']} written, "
+        f"{disk['dropped_writes']} skipped"
+    )
+    return line + (" (DEGRADED: no more writes)" if disk["degraded"] else "")
 
 
 def namespaces(

@@ -98,6 +98,20 @@ def status_json(stats: pb.StatsResponse, target: str = "") -> dict[str, Any]:
         "hit_rate_tokens": ratio(total("hit_tokens"), total("miss_tokens")),
         "hit_rate_blocks": ratio(total("hit_blocks"), total("miss_blocks")),
         "namespaces": namespaces,
+        "disk": disk_json(stats.disk) if stats.HasField("disk") else None,
+    }
+
+
+def disk_json(disk: pb.DiskTierStats) -> dict[str, Any]:
+    """The disk tier below the pools (docs/disk.md)."""
+    return {
+        "capacity_bytes": disk.capacity_bytes,
+        "used_bytes": disk.used_bytes,
+        "blocks": disk.blocks,
+        "promoted_blocks": disk.promoted_blocks,
+        "written_blocks": disk.written_blocks,
+        "dropped_writes": disk.dropped_writes,
+        "degraded": disk.degraded,
     }
 
 

@@ -1465,6 +1465,7 @@ class StatsResponse(_message.Message):
     NAMESPACES_FIELD_NUMBER: _builtins.int
     CAPACITY_BYTES_FIELD_NUMBER: _builtins.int
     ALLOCATED_BYTES_FIELD_NUMBER: _builtins.int
+    DISK_FIELD_NUMBER: _builtins.int
     node_id: _builtins.str
     version: _builtins.str
     pool_kind: _builtins.str
@@ -1482,6 +1483,10 @@ class StatsResponse(_message.Message):
     """carved into namespace pools"""
     @_builtins.property
     def namespaces(self) -> _containers.RepeatedCompositeFieldContainer[Global___NamespaceStats]: ...
+    @_builtins.property
+    def disk(self) -> Global___DiskTierStats:
+        """the disk tier below the pools; absent: memory only"""
+
     def __init__(
         self,
         *,
@@ -1497,14 +1502,61 @@ class StatsResponse(_message.Message):
         namespaces: _abc.Iterable[Global___NamespaceStats] | None = ...,
         capacity_bytes: _builtins.int = ...,
         allocated_bytes: _builtins.int = ...,
+        disk: Global___DiskTierStats | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["disk", b"disk"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["allocated_bytes", b"allocated_bytes", "capacity_bytes", b"capacity_bytes", "leases", b"leases", "leases_expired", b"leases_expired", "namespaces", b"namespaces", "node_id", b"node_id", "pinned", b"pinned", "pool_epoch", b"pool_epoch", "pool_kind", b"pool_kind", "uptime_seconds", b"uptime_seconds", "version", b"version", "writing", b"writing"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["allocated_bytes", b"allocated_bytes", "capacity_bytes", b"capacity_bytes", "disk", b"disk", "leases", b"leases", "leases_expired", b"leases_expired", "namespaces", b"namespaces", "node_id", b"node_id", "pinned", b"pinned", "pool_epoch", b"pool_epoch", "pool_kind", b"pool_kind", "uptime_seconds", b"uptime_seconds", "version", b"version", "writing", b"writing"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___StatsResponse: _TypeAlias = StatsResponse  # noqa: Y015
+
+@_typing.final
+class DiskTierStats(_message.Message):
+    """The disk tier of a node (docs/disk.md)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CAPACITY_BYTES_FIELD_NUMBER: _builtins.int
+    USED_BYTES_FIELD_NUMBER: _builtins.int
+    BLOCKS_FIELD_NUMBER: _builtins.int
+    PROMOTED_BLOCKS_FIELD_NUMBER: _builtins.int
+    WRITTEN_BLOCKS_FIELD_NUMBER: _builtins.int
+    DROPPED_WRITES_FIELD_NUMBER: _builtins.int
+    DEGRADED_FIELD_NUMBER: _builtins.int
+    capacity_bytes: _builtins.int
+    """the cap (disk_capacity_bytes)"""
+    used_bytes: _builtins.int
+    """bytes of the slots that hold a block"""
+    blocks: _builtins.int
+    """blocks on disk"""
+    promoted_blocks: _builtins.int
+    """blocks read back into memory (disk hits)"""
+    written_blocks: _builtins.int
+    """blocks written"""
+    dropped_writes: _builtins.int
+    """committed blocks not written (queue full, skipped)"""
+    degraded: _builtins.bool
+    """a write failed (ENOSPC, EIO): the tier takes no more"""
+    def __init__(
+        self,
+        *,
+        capacity_bytes: _builtins.int = ...,
+        used_bytes: _builtins.int = ...,
+        blocks: _builtins.int = ...,
+        promoted_blocks: _builtins.int = ...,
+        written_blocks: _builtins.int = ...,
+        dropped_writes: _builtins.int = ...,
+        degraded: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["blocks", b"blocks", "capacity_bytes", b"capacity_bytes", "degraded", b"degraded", "dropped_writes", b"dropped_writes", "promoted_blocks", b"promoted_blocks", "used_bytes", b"used_bytes", "written_blocks", b"written_blocks"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DiskTierStats: _TypeAlias = DiskTierStats  # noqa: Y015
 
 @_typing.final
 class ListBlocksRequest(_message.Message):

@@ -18,7 +18,9 @@ Transport-free: the gRPC handler (`service.api.query`) and the HTTP route
   included as the directory has it); standalone, or while Redis is away,
   from this node alone (source ``"local"``): its store, peeked (no pin, no
   LRU move, no hit counted), and its engines (``node.engine_index`` when
-  the engine-event ingestion is present).
+  the engine-event ingestion is present), and its disk tier (tier ``"disk"``:
+  the blocks a lookup would serve from its pool and its disk together). The
+  directory does not list disk tiers yet (docs/disk.md).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvstore.api.prefix import (
+    DISK_TIER,
     ENGINE_TIER,
     NODE_TIER,
     SOURCE_DIRECTORY,
@@ -187,7 +190,7 @@ async def answer(node: Node, caller: Caller, query: PrefixQuery) -> PrefixAnswer
         PrefixHolder(
             node_id=h.node_id,
             address=h.address,
-            tier=(h.medium or ENGINE_TIER) if h.engine else NODE_TIER,
+            tier=(h.medium or ENGINE_TIER) if h.engine else (h.medium or NODE_TIER),
             engine=h.engine,
             matched_blocks=h.blocks,
             matched_tokens=h.blocks * size,
@@ -232,6 +235,10 @@ def _from_node(
     hit = node.store.lookup(namespace, tenant, chain, node.now(), peek=True).hit_blocks
     if hit:
         found.append(TierHolder(node.node_id, address, hit))
+    if node.disk is not None:  # what a lookup would promote: memory's run, then the disk's
+        on_disk = node.disk.run_after(node.table(namespace).spec, scope, chain, hit)
+        if on_disk:
+            found.append(TierHolder(node.node_id, address, hit + on_disk, medium=DISK_TIER))
     index = node.engine_index
     if index is not None:
         for match in index.longest(namespace, scope, chain):

@@ -1,8 +1,11 @@
-"""A Lookup that may be completed from a peer: look up, fetch the rest, look up again.
+"""A Lookup that may be completed from disk or a peer: look up, fill, look up again.
 
-With ``allow_remote``, a lookup whose run of hits stops at an absent block
-asks a peer for the rest (`PeerFetcher.fetch`) and, if blocks arrived, is
-redone against the local store. What this module guarantees:
+A lookup whose run of hits stops at an absent block first asks the node's
+disk tier for the rest (`Promoter.promote`: read back into the pool, bounded
+by ``disk_promote_timeout``); with ``allow_remote``, a run that still stops
+at an absent block asks a peer (`PeerFetcher.fetch`). Whenever blocks
+arrived, the lookup is redone against the local store. What this module
+guarantees (for each fill in turn):
 
 - The first lookup runs before the first ``await``: whatever the caller did
   just before awaiting `lookup` (a carried release) and the lookup happen
@@ -17,7 +20,7 @@ redone against the local store. What this module guarantees:
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -34,6 +37,15 @@ class Fetcher(Protocol):
         self, namespace: NamespaceId, tenant: TenantId, chain: Sequence[BlockHash], have: int
     ) -> int:
         """Copy blocks ``chain[have:]`` from the best peer; how many arrived."""
+
+
+class Promoter(Protocol):
+    """What a lookup needs of the disk tier (`service.disk.promote.DiskPromoter`)."""
+
+    async def promote(
+        self, namespace: NamespaceId, tenant: TenantId, chain: Sequence[BlockHash], have: int
+    ) -> int:
+        """Read blocks ``chain[have:]`` back from disk into the pool; how many were committed."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,22 +65,38 @@ class LookupCall:
     """Complete a run of hits that stops at an absent block from a peer."""
 
 
-async def lookup(node: LocalNode, peers: Fetcher | None, call: LookupCall) -> LookupResult:
-    """The longest cached prefix of ``call.chain``, from a peer too when allowed.
+async def lookup(
+    node: LocalNode, peers: Fetcher | None, call: LookupCall, disk: Promoter | None = None
+) -> LookupResult:
+    """The longest cached prefix of ``call.chain``, from disk and a peer too when allowed.
 
     Raises:
-        KVStoreError: what `Store.lookup` raises (a peer fetch's failures are
-            a miss, never an error).
+        KVStoreError: what `Store.lookup` raises (a promotion's or a peer
+            fetch's failures are a miss, never an error).
     """
     result = _look_up(node, call)
+    if disk is not None and result.miss_reason is MissReason.ABSENT:
+        result = await _filled(node, call, result, disk.promote)
     if not call.allow_remote or peers is None or result.miss_reason is not MissReason.ABSENT:
         return result
+    return await _filled(node, call, result, peers.fetch)
+
+
+Fill = Callable[[NamespaceId, TenantId, Sequence[BlockHash], int], Awaitable[int]]
+"""Bring blocks ``chain[have:]`` into the pool from elsewhere; how many arrived."""
+
+
+async def _filled(
+    node: LocalNode, call: LookupCall, result: LookupResult, fill: Fill
+) -> LookupResult:
+    """``result``, or the lookup redone once ``fill`` brought blocks; no pin of ``result``
+    leaks either way."""
     lease_id = call.lease_id
     first = result if result.pinned and result.hashes and lease_id is not None else None
     try:
-        fetched = await peers.fetch(call.namespace, call.tenant, call.chain, result.hit_blocks)
+        fetched = await fill(call.namespace, call.tenant, call.chain, result.hit_blocks)
     except BaseException:
-        # Cancelled (or failed) mid-fetch: the caller never learns of the
+        # Cancelled (or failed) mid-fill: the caller never learns of the
         # first lookup's pins, so drop them here.
         if first is not None and lease_id is not None:
             with contextlib.suppress(KVStoreError):
@@ -78,8 +106,8 @@ async def lookup(node: LocalNode, peers: Fetcher | None, call: LookupCall) -> Lo
         raise
     if not fetched:
         return result
-    # Blocks arrived from a peer: drop the first lookup's pins (one per block;
-    # its release id unspent), then look up again (counted as a second lookup).
+    # Blocks arrived: drop the first lookup's pins (one per block; its release
+    # id unspent), then look up again (counted as a second lookup).
     if first is not None and lease_id is not None:
         node.store.unpin_lookup(
             call.namespace, call.tenant, lease_id, first, node.now(), call.release_id

@@ -34,6 +34,9 @@ def render_markdown() -> str:
         "Precedence: flags > environment > config file (`--config file.toml|.json` or",
         "`KVSTORE_CONFIG`, keys are the field names) > defaults.",
         "",
+        "The `disk_*` settings are the disk tier below the memory pools: see",
+        "[disk.md](disk.md).",
+        "",
         "| Field | Flag | Environment | Default | Meaning |",
         "|---|---|---|---|---|",
     ]

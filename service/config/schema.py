@@ -183,6 +183,20 @@ class Config:
     """Most blocks the node indexes per engine; later BlockStored blocks are counted and skipped."""
     peer_transport: str = "auto"
     """Peer fetch bytes: nixl (NIXL READ, pool to pool), grpc (stream), auto (nixl if installed)."""
+    disk_path: str = ""
+    """File on a local SSD the disk tier keeps blocks in (docs/disk.md); empty = memory only."""
+    disk_capacity_bytes: int = 16 << 30
+    """Size of the disk tier's file, preallocated; its blocks never take more (LRU beyond)."""
+    disk_queue_blocks: int = 256
+    """Block copies queued for disk writes; 16x this many wait uncopied, then blocks are skipped."""
+    disk_io_threads: int = 4
+    """Threads reading and writing the disk tier's file (reads in flight at once)."""
+    disk_direct_io: bool = True
+    """Open the disk file with O_DIRECT (no page cache); off only for file systems without it."""
+    disk_promote_timeout: float = 0.5
+    """Seconds a Lookup may spend reading blocks back from disk; then it answers what it has."""
+    disk_flush_seconds: float = 2.0
+    """Seconds a clean stop waits for queued disk writes before it closes the tier."""
 
 
 class ConfigError(ValueError):
@@ -253,6 +267,13 @@ _PARSERS: dict[str, Callable[[object], object]] = {
     "engine_kv_events": parse_engine_sources,
     "engine_max_blocks": parse_positive(parse_int),
     "peer_transport": parse_peer_transport,
+    "disk_path": parse_str,
+    "disk_capacity_bytes": parse_positive(parse_size),
+    "disk_queue_blocks": parse_positive(parse_int),
+    "disk_io_threads": parse_positive(parse_int),
+    "disk_direct_io": parse_bool,
+    "disk_promote_timeout": parse_positive_float,
+    "disk_flush_seconds": parse_non_negative_float,
 }
 
 

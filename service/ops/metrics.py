@@ -227,7 +227,8 @@ class Metrics:
         self.checksum_failures = Counter(
             "kvstore_checksum_failures",
             "Blocks whose bytes did not match their writer's checksum (served as misses), "
-            "by where they were checked (peer: a peer fetch; local: a node-side local read)",
+            "by where they were checked (peer: a peer fetch; disk: read back from the disk tier; "
+            "local: a node-side local read)",
             ["namespace", "tier"],
             registry=r,
         )

@@ -1,0 +1,394 @@
+"""The disk tier as the node drives it: keys, write-behind at commit, drop, clean stop.
+
+`DiskTier` (`service.disk.tier`) stores bytes under a `DiskKey`; this module
+decides what goes down and when (docs/disk.md):
+
+- **Keys** are stable across restarts: the namespace's 16-byte digest is the
+  first half of `NamespaceSpec.digest` (model id, layout, hash scheme, seed),
+  the scope a u64 digest of the tenant scope, the block its hash's first 8
+  bytes. A namespace registered again after a restart finds its blocks.
+- **Write-through at commit**: every block that becomes READY (a runner's
+  Commit, a peer fetch) is offered to the tier, so a restart keeps every block
+  that had time to reach the disk, not only those memory had to evict. Blocks
+  promoted *from* the disk are not offered back (`promoting`).
+- **Never on Commit's path**: `stored` only queues (slot, generation) per
+  block, at most `PENDING_PER_QUEUED` x ``disk_queue_blocks`` (beyond it:
+  skipped, counted). The copies run later on the loop in slices of
+  `DRAIN_BYTES` (a host slot is copied by `DiskTier.offer` itself, a memcpy)
+  and only while the tier's queue has room, so one big commit costs the loop
+  a few short steps and a slow disk pauses the copies, never a Commit. A
+  slot is copied only while it still
+  carries the stamp of the block committed into it (`BlockTable.stamp_of`,
+  the node's record): a block evicted and its slot reused before its turn is
+  skipped and counted (``moved``), never written under another block's key.
+- **CUDA pools** have no host view: the slot is copied to the host in a
+  worker thread (`BlockPool.read`), its stamp checked before and after on
+  the loop (a seqlock on the node's record), then offered.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import concurrent.futures
+import fcntl
+import functools
+import hashlib
+import logging
+import os
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from kvstore.errors import KVStoreError
+from kvstore.events import CacheEvent, EventKind
+from kvstore.layout import NamespaceSpec
+from kvstore.results import BlockRef
+from kvstore.stamps import stamp_ident
+from kvstore.types import BlockHash, NamespaceId, TenantId
+from service.cluster.local import LocalNode
+from service.config import Config
+from service.disk.tier import DiskKey, DiskStats, DiskTier, DiskTierError
+
+log = logging.getLogger(__name__)
+
+DRAIN_BYTES = 4 << 20
+"""Bytes copied to the tier per step of the loop: 2-4 ms here (a 512 KiB offer took
+0.3 ms, its buffer included), so other calls wait at most that long for a drain."""
+
+ROOM_WAIT = 0.002
+"""Seconds the copies wait when the tier's queue is full (its writes free room)."""
+
+PENDING_PER_QUEUED = 16
+"""Committed blocks the node keeps waiting for the tier, per block of its queue: a
+reference to the slot each, no copy (a Commit of a long prompt is thousands of
+blocks at once; the tier's queue holds copies, so it is the small one)."""
+
+SKIP_REASONS = ("backlog", "moved", "dropped", "error")
+"""Why a committed block was not offered: the node's queue was full; its slot was
+reused before its turn; its namespace was dropped; a copy out of a CUDA pool failed."""
+
+
+@functools.lru_cache(maxsize=256)
+def pending_limit(config: Config) -> int:
+    """Committed blocks waiting for the tier beyond which the node skips them."""
+    return PENDING_PER_QUEUED * config.disk_queue_blocks
+
+
+def namespace_key(spec: NamespaceSpec) -> bytes:
+    """The 16-byte disk digest of a namespace: stable across restarts and nodes."""
+    return spec.digest()[:16]
+
+
+@functools.lru_cache(maxsize=4096)
+def scope_key(scope: TenantId) -> int:
+    """The u64 a tenant scope is keyed by on disk (the shared scope included)."""
+    digest = hashlib.blake2b(scope.encode(), digest_size=8, person=b"kvstore-scope").digest()
+    return int.from_bytes(digest, "little")
+
+
+def hash_key(block_hash: BlockHash) -> int:
+    """The u64 a block is keyed by on disk: its hash's first 8 bytes, little-endian."""
+    return int.from_bytes(block_hash[:8], "little")
+
+
+def lock_tier_file(path: str) -> tuple[int, bool]:
+    """Take the tier file's lock (``flock``, exclusive), creating the file if missing.
+
+    Two nodes on one file would each believe they own its slots and overwrite
+    each other's blocks; the second one stops at start instead. The lock goes
+    with the process (a SIGKILLed node holds it no more).
+
+    Returns:
+        (the descriptor that holds the lock, whether the file was created here).
+
+    Raises:
+        DiskTierError: another process holds the lock, or the file cannot be opened.
+    """
+    created = not os.path.exists(path)
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    except OSError as exc:
+        raise DiskTierError(
+            f"disk_path {path}: cannot be opened ({exc.strerror}); "
+            "give the node's user write access to it and its folder, or set another disk_path"
+        ) from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise DiskTierError(
+            f"disk_path {path}: another kvstore-server uses this file (it holds its lock); "
+            "stop that node or give each node its own disk_path"
+        ) from None
+    return fd, created
+
+
+@dataclass(frozen=True, slots=True)
+class _Write:
+    """A committed block waiting for its copy to the tier."""
+
+    namespace: NamespaceId
+    key: DiskKey
+    ref: BlockRef
+    """Its slot and READY generation when it was committed."""
+
+
+class NodeDisk:
+    """The node's disk tier: opened at start, fed at commit, flushed at a clean stop."""
+
+    def __init__(self, tier: DiskTier, config: Config, lock_fd: int | None = None) -> None:
+        """Wrap an open tier; use `open`."""
+        self.tier = tier
+        self._lock_fd = lock_fd
+        self.config = config
+        self.node: LocalNode | None = None
+        """The node whose pools the blocks are copied out of (`attach`)."""
+        self.promoting: set[DiskKey] = set()
+        """Blocks being committed by a promotion from disk: not offered back."""
+        self.promotions: set[asyncio.Task[int]] = set()
+        """Promotions from disk under way (`service.disk.promote`): ended before the tier."""
+        self.skipped: Counter[str] = Counter({reason: 0 for reason in SKIP_REASONS})
+        """Committed blocks not offered, per reason (`SKIP_REASONS`)."""
+        self.offered = 0
+        """Blocks handed to the tier (it may still drop them: `DiskStats.write_drops`)."""
+        self._pending: collections.deque[_Write] = collections.deque()
+        self._copying = 0
+        self._draining: asyncio.Handle | None = None
+        self._copies: set[asyncio.Future[None]] = set()
+        self._thread: concurrent.futures.ThreadPoolExecutor | None = None
+        self._stopped = False
+
+    @classmethod
+    def open(cls, config: Config) -> NodeDisk | None:
+        """Open (or create) the tier file of ``disk_path``; None when it is not set.
+
+        Blocking (preallocation, index rebuild): called once at start, before
+        any port is bound.
+
+        Raises:
+            DiskTierError: an `OSError` of one line naming the setting and the fix.
+        """
+        if not config.disk_path:
+            return None
+        lock_fd, created = lock_tier_file(config.disk_path)
+        try:
+            tier = DiskTier.open(
+                config.disk_path,
+                config.disk_capacity_bytes,
+                queue_blocks=config.disk_queue_blocks,
+                io_threads=config.disk_io_threads,
+                direct=config.disk_direct_io,
+            )
+        except BaseException:
+            if created:  # made here (under our lock) and never became a tier file
+                os.unlink(config.disk_path)
+            os.close(lock_fd)
+            raise
+        stats = tier.stats()
+        log.info(
+            "disk tier %s: %d blocks found in %.2fs (%d discarded), %d of %d bytes used",
+            config.disk_path,
+            stats.rebuilt_blocks,
+            stats.rebuild_seconds,
+            stats.discarded_at_open,
+            stats.used_bytes,
+            stats.capacity_bytes,
+        )
+        return cls(tier, config, lock_fd)
+
+    def attach(self, node: LocalNode) -> None:
+        """Name the node whose pools blocks are copied out of (once)."""
+        assert self.node is None, "bug: NodeDisk.attach called twice"
+        self.node = node
+
+    def key(self, spec: NamespaceSpec, scope: TenantId, block_hash: BlockHash) -> DiskKey:
+        """The disk key of one block of a namespace and scope."""
+        return DiskKey(namespace_key(spec), scope_key(scope), hash_key(block_hash))
+
+    def run_after(
+        self, spec: NamespaceSpec, scope: TenantId, chain: Sequence[BlockHash], have: int
+    ) -> int:
+        """How many blocks of ``chain`` after the first ``have`` are on disk (index only)."""
+        hashes = [hash_key(h) for h in chain[have:]]
+        return self.tier.run_length(namespace_key(spec), scope_key(scope), hashes) if hashes else 0
+
+    # --- write-behind -----------------------------------------------------------------
+
+    def stored(self, events: list[CacheEvent]) -> None:
+        """Queue the blocks the store's STORED events name for the tier; call on the loop.
+
+        Only bookkeeping here (a Commit's reply is not delayed by a copy): the
+        copies run in later steps of the loop (`_drain`).
+        """
+        node = self.node
+        if node is None or self._stopped:
+            return
+        limit = pending_limit(self.config)
+        for event in events:
+            if event.kind is not EventKind.STORED:
+                continue
+            try:
+                table = node.table(event.namespace)
+            except KVStoreError:
+                continue  # dropped meanwhile
+            ns_key, scope = namespace_key(table.spec), scope_key(event.scope)
+            for block_hash in event.hashes:
+                key = DiskKey(ns_key, scope, hash_key(block_hash))
+                if key in self.promoting:
+                    continue  # read from the disk just now: it is there
+                ref = table.ready_ref(event.scope, block_hash)
+                if ref is None:
+                    self.skipped["moved"] += 1
+                elif len(self._pending) + self._copying >= limit:
+                    self.skipped["backlog"] += 1
+                else:
+                    self._pending.append(_Write(event.namespace, key, ref))
+        if self._pending and self._draining is None:
+            self._draining = asyncio.get_running_loop().call_soon(self._drain)
+
+    def _drain(self, budget: int = DRAIN_BYTES, *, again: bool = True) -> None:
+        """Offer queued blocks while the tier's queue has room, about ``budget`` bytes,
+        then yield the loop to others (``again``: schedule the next step)."""
+        self._draining = None
+        node = self.node
+        assert node is not None, "bug: a drain without a node"
+        self.tier.take_events()  # nobody publishes them yet: the tier's list must not grow
+        stats = self.tier.stats()
+        room = stats.queue_blocks - stats.queue_depth - self._copying
+        cuda: list[_Write] = []
+        while self._pending and budget > 0 and (room > 0 or stats.degraded):
+            write = self._pending.popleft()
+            try:
+                table = node.table(write.namespace)
+                pool = node.pool(write.namespace)
+            except KVStoreError:
+                self.skipped["dropped"] += 1
+                continue
+            ref = write.ref
+            if table.stamp_of(ref.slot) != (ref.generation, stamp_ident(ref.hash)):
+                self.skipped["moved"] += 1  # evicted and reused before its turn
+                continue
+            budget -= pool.descriptor.block_bytes
+            room -= 1
+            if pool.descriptor.kind == "cuda":
+                cuda.append(write)
+            else:
+                # Copied by the tier before offer returns, with nothing in between
+                # that could rewrite the slot: the stamp just checked holds.
+                self.tier.offer(write.key, pool.view(ref.slot), ref.checksum)
+                self.offered += 1
+        if cuda:
+            self._copy_from_device(cuda)
+        if self._pending and again:
+            loop = asyncio.get_running_loop()
+            if room > 0 or stats.degraded:
+                self._draining = loop.call_soon(self._drain)
+            else:  # the disk is behind: wait for its queue, the commits do not
+                self._draining = loop.call_later(ROOM_WAIT, self._drain)
+
+    def _copy_from_device(self, writes: list[_Write]) -> None:
+        """Copy CUDA slots to the host in a worker thread, then offer the intact ones."""
+        node = self.node
+        assert node is not None
+        if self._thread is None:
+            self._thread = concurrent.futures.ThreadPoolExecutor(1, "kvstore-disk-copy")
+        pools = [node.pool(w.namespace) for w in writes]
+
+        def copy() -> list[bytes | None]:
+            out: list[bytes | None] = []
+            for pool, write in zip(pools, writes, strict=True):
+                try:
+                    out.append(pool.read(write.ref.slot))
+                except Exception:  # the pool closed (namespace dropped): skipped
+                    out.append(None)
+            return out
+
+        async def copy_then_offer() -> None:
+            try:
+                copies = await asyncio.get_running_loop().run_in_executor(self._thread, copy)
+            finally:
+                self._copying -= len(writes)
+            for write, data in zip(writes, copies, strict=True):
+                if data is None:
+                    self.skipped["error"] += 1
+                elif not self._intact(write):
+                    self.skipped["moved"] += 1  # reused while it was copied: a torn copy
+                else:
+                    self.tier.offer(write.key, data, write.ref.checksum)
+                    self.offered += 1
+
+        self._copying += len(writes)
+        task = asyncio.ensure_future(copy_then_offer())
+        self._copies.add(task)
+        task.add_done_callback(self._copies.discard)
+
+    def _intact(self, write: _Write) -> bool:
+        """Whether a block's slot still carries the stamp it was committed with."""
+        assert self.node is not None
+        try:
+            table = self.node.table(write.namespace)
+        except KVStoreError:
+            return False
+        ref = write.ref
+        return table.stamp_of(ref.slot) == (ref.generation, stamp_ident(ref.hash))
+
+    # --- namespaces, stop -------------------------------------------------------------
+
+    def drop(self, spec: NamespaceSpec) -> int:
+        """Forget every block of a dropped namespace on disk; returns how many."""
+        dropped = self.tier.drop_namespace(namespace_key(spec))
+        self.tier.take_events()  # their REMOVED events: nobody publishes them yet
+        log.info("namespace %s: %d blocks dropped from the disk tier", spec.namespace_id, dropped)
+        return dropped
+
+    def stats(self) -> DiskStats:
+        """The tier's snapshot; call on the loop."""
+        return self.tier.stats()
+
+    async def stop(self, flush_seconds: float) -> None:
+        """Offer what is queued, wait up to ``flush_seconds`` for the writes, close the tier.
+
+        A clean stop keeps every block committed before it whose write fits in
+        ``timeout`` (``disk_flush_seconds``); the rest is lost, never torn (the
+        tier's slot headers say which blocks are whole).
+        """
+        if self._stopped:
+            return
+        self._stopped = True
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + flush_seconds
+        for promotion in list(self.promotions):  # a cancelled read waits for its thread
+            promotion.cancel()
+        if self.promotions:
+            await asyncio.wait(set(self.promotions), timeout=flush_seconds)
+        if self._draining is not None:
+            self._draining.cancel()
+            self._draining = None
+        while self._pending and loop.time() < deadline:
+            self._drain(budget=1 << 62, again=False)
+            if self._pending:
+                await asyncio.sleep(ROOM_WAIT)
+        self.skipped["backlog"] += len(self._pending)  # no time left for them
+        self._pending.clear()
+        if self._copies:
+            await asyncio.wait(set(self._copies), timeout=max(0.0, deadline - loop.time()))
+        flushed = await self.tier.flush(max(0.0, deadline - loop.time()))
+        if not flushed:
+            stats = self.tier.stats()
+            log.warning(
+                "disk tier: %d queued writes did not finish within %.1fs (disk_flush_seconds): "
+                "lost, the blocks on disk are whole",
+                stats.queue_depth,
+                flush_seconds,
+            )
+        await self.tier.close()
+        if self._lock_fd is not None:  # the file is free for the next node
+            os.close(self._lock_fd)
+            self._lock_fd = None
+        if self._thread is not None:
+            self._thread.shutdown(wait=False, cancel_futures=True)
+        copies = list(self._copies)
+        for copy in copies:
+            copy.cancel()
+        await asyncio.gather(*copies, return_exceptions=True)

@@ -1,0 +1,259 @@
+"""The disk tier in an in-process node, on a real tier file (docs/disk.md).
+
+Each test stores blocks through the SDK, stops the node cleanly (which
+flushes the tier), and starts a new node on the same file: its memory is
+empty, so every hit is a block promoted from disk.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from dataclasses import replace
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+
+from kvstore.cli.reads import disk_line
+from kvstore.client import Client, SyncClient
+from kvstore.ops.summary import status_json
+from kvstore.types import BlockHash, LeaseId, TenantId
+from kvstore.v1 import kvstore_pb2 as pb
+from kvstore.v1 import kvstore_pb2_grpc
+from service.config import Config
+from service.disk import DiskKey, DiskTierError
+from service.server import Server
+from tests.client.blocks import LAYOUT
+from tests.conftest import started
+from tests.inproc import ManualClock
+from tests.kvstore.pool.fake_cuda import FakeCudaRuntime
+from tests.service.cuda_node import threaded_node
+from tests.waiting import until
+
+BLOCKS = 4
+TOKENS = list(range(BLOCKS * LAYOUT.block_size))
+
+
+@pytest.fixture
+def disk_config(server_config: Config, tmp_path: Path) -> Config:
+    return replace(
+        server_config,
+        disk_path=str(tmp_path / "kvstore.disk"),
+        disk_capacity_bytes=80 << 20,  # one 64 MiB region of the tier, and its header
+    )
+
+
+def random_blocks(seed: int) -> list[bytes]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, 256, LAYOUT.block_bytes, np.uint8).tobytes() for _ in range(BLOCKS)]
+
+
+async def store_and_stop(config: Config, blocks: list[bytes], tenant: str = "a") -> None:
+    """Store ``blocks`` under ``tenant`` on a node that is then stopped cleanly."""
+    async with (
+        started(config, ManualClock()) as server,
+        Client(server.address, tenant=tenant) as kv,
+    ):
+        ns = await kv.register_namespace("disk-model", LAYOUT)
+        assert (await kv.store(ns, TOKENS, blocks)).committed == BLOCKS
+
+
+def flip_a_bit_of(tier_file: Path, block: bytes) -> None:
+    """Flip one bit of ``block``'s payload where it lies in the tier file."""
+    image = tier_file.read_bytes()
+    at = image.find(block)
+    assert at > 0 and image.find(block, at + 1) == -1
+    with open(tier_file, "r+b") as f:
+        f.seek(at + 17)
+        f.write(bytes([image[at + 17] ^ 0x01]))
+
+
+def metric(server: Server, name: str, **labels: str) -> float:
+    """One sample of the node's /metrics (0 when absent)."""
+    wanted = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
+    pattern = "^" + re.escape(name + (f"{{{wanted}}}" if labels else "")) + r" (\S+)$"
+    match = re.search(pattern, server.node.metrics.render().decode(), re.MULTILINE)
+    return float(match.group(1)) if match else 0.0
+
+
+async def test_blocks_come_back_from_disk_for_their_tenant_only(disk_config: Config) -> None:
+    blocks = random_blocks(1)
+    await store_and_stop(disk_config, blocks, tenant="a")
+    async with (
+        started(disk_config, ManualClock()) as server,
+        Client(server.address, tenant="a") as a,
+        Client(server.address, tenant="b") as b,
+    ):
+        ns_a = await a.register_namespace("disk-model", LAYOUT)
+        ns_b = await b.register_namespace("disk-model", LAYOUT)
+        # Before any lookup, memory is empty: the prefix query names the disk tier.
+        answer = await a.query_prefix(model="disk-model", tokens=TOKENS)
+        assert [(h.tier, h.matched_blocks) for h in answer.holders] == [("disk", BLOCKS)]
+        chain = (await a.lookup(ns_a, TOKENS, pin=False)).packed_chain
+        hashes = [chain[i : i + 32] for i in range(0, len(chain), 32)]
+        # Tenant b names a's hashes: the disk keys carry the scope, nothing is promoted.
+        assert (await b.lookup(ns_b, hashes=hashes)).hit_blocks == 0
+        hit = await a.lookup(ns_a, TOKENS, pin=True)
+        assert hit.hit_blocks == BLOCKS
+        assert await a.read_blocks(hit) == blocks
+        await a.release(hit)
+        assert metric(server, "kvstore_disk_hits_total") == BLOCKS
+        assert metric(server, "kvstore_disk_blocks") == BLOCKS
+        assert metric(server, "kvstore_disk_writes_total") == 0  # promoted: not written back
+        disk = status_json(await a.stats())["disk"]
+        assert disk["blocks"] == BLOCKS and disk["promoted_blocks"] == BLOCKS
+        assert "4 blocks" in disk_line(disk)
+
+
+async def test_corrupted_bytes_on_disk_are_a_miss(disk_config: Config) -> None:
+    blocks = random_blocks(2)
+    await store_and_stop(disk_config, blocks)
+    flip_a_bit_of(Path(disk_config.disk_path), blocks[2])  # while the node is down
+    async with (
+        started(disk_config, ManualClock()) as server,
+        Client(server.address, tenant="a") as kv,
+    ):
+        ns = await kv.register_namespace("disk-model", LAYOUT)
+        hit = await kv.lookup(ns, TOKENS, pin=True)
+        assert hit.hit_blocks == 2  # the corrupt block and the rest of the chain: a miss
+        assert await kv.read_blocks(hit) == blocks[:2]
+        await kv.release(hit)
+        assert metric(server, "kvstore_checksum_failures_total", namespace=ns.id, tier="disk") == 1
+        assert metric(server, "kvstore_disk_blocks") == BLOCKS - 1  # discarded on disk
+
+
+async def test_drop_namespace_empties_the_disk_tier(disk_config: Config) -> None:
+    async with (
+        started(disk_config, ManualClock()) as server,
+        Client(server.address, tenant="a") as kv,
+    ):
+        ns = await kv.register_namespace("disk-model", LAYOUT)
+        assert (await kv.store(ns, TOKENS, random_blocks(3))).committed == BLOCKS
+        disk = server.node.disk
+        assert disk is not None
+        await until(lambda: disk.stats().blocks == BLOCKS, what="the blocks on disk")
+        async with grpc.aio.insecure_channel(server.address) as channel:
+            stub = kvstore_pb2_grpc.KVStoreStub(channel)
+            await stub.DropNamespace(pb.DropNamespaceRequest(namespace_id=ns.id), timeout=5)
+        assert disk.stats().blocks == 0
+    async with (
+        started(disk_config, ManualClock()) as server,
+        Client(server.address, tenant="a") as kv,
+    ):
+        ns = await kv.register_namespace("disk-model", LAYOUT)  # after a restart too
+        assert (await kv.lookup(ns, TOKENS)).hit_blocks == 0
+
+
+async def test_a_slow_promotion_answers_what_memory_holds_then_hits(disk_config: Config) -> None:
+    blocks = random_blocks(4)
+    await store_and_stop(disk_config, blocks)
+    config = replace(disk_config, disk_promote_timeout=1e-6)
+    async with started(config, ManualClock()) as server, Client(server.address, tenant="a") as kv:
+        ns = await kv.register_namespace("disk-model", LAYOUT)
+        first = await kv.lookup(ns, TOKENS)
+        assert first.hit_blocks < BLOCKS  # answered before the reads landed
+        await until(
+            lambda: server.node.promoter is not None and server.node.promoter.promoted_blocks,
+            what="the promotion to finish on its own",
+        )
+        hit = await kv.lookup(ns, TOKENS, pin=True)
+        assert hit.hit_blocks == BLOCKS
+        assert await kv.read_blocks(hit) == blocks
+        await kv.release(hit)
+        assert metric(server, "kvstore_disk_promotion_timeouts_total") >= 1
+
+
+def test_a_cuda_pool_goes_to_disk_and_comes_back(disk_config: Config) -> None:
+    # No host view of a CUDA slot: copied out in a worker thread, read back
+    # through host staging (docs/disk.md); the fake CUDA runtime holds the bytes.
+    config = replace(disk_config, device="cuda:0", capacity_bytes=16 << 20)
+    blocks = random_blocks(5)
+    for attempt in ("store", "read back"):
+        with (
+            threaded_node(config, FakeCudaRuntime(total_bytes=1 << 25)) as server,
+            SyncClient(server.address, tenant="a", map_pool=False, timeout=5.0) as kv,
+        ):
+            ns = kv.register_namespace("disk-model", LAYOUT)
+            if attempt == "store":
+                assert kv.store(ns, TOKENS, blocks).committed == BLOCKS
+                continue
+            hit = kv.lookup(ns, TOKENS, pin=True)
+            assert hit.hit_blocks == BLOCKS
+            assert kv.read_blocks(hit) == blocks
+            kv.release(hit)
+
+
+async def test_a_lookup_cancelled_mid_promotion_leaks_nothing(disk_config: Config) -> None:
+    blocks = random_blocks(6)
+    await store_and_stop(disk_config, blocks)
+    async with (
+        started(disk_config, ManualClock()) as server,
+        Client(server.address, tenant="a") as kv,
+    ):
+        ns = await kv.register_namespace("disk-model", LAYOUT)
+        disk = server.node.disk
+        assert disk is not None
+        reading, go_on = asyncio.Event(), asyncio.Event()
+        real_read = disk.tier.read_many
+
+        async def held_read(keys: list[DiskKey], dests: list[memoryview]) -> list[bool]:
+            reading.set()
+            await go_on.wait()
+            return await real_read(keys, dests)
+
+        disk.tier.read_many = held_read  # type: ignore[method-assign]
+        lookup = asyncio.create_task(kv.lookup(ns, TOKENS, pin=True, timeout=5))
+        await asyncio.wait_for(reading.wait(), 5)
+        lookup.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await lookup
+        go_on.set()  # the reads land after the caller left: the promotion still commits
+        promoter = server.node.promoter
+        assert promoter is not None
+        await until(lambda: promoter.promoted_blocks == BLOCKS, what="the promotion to finish")
+        stats = await kv.stats()
+        assert (stats.pinned, stats.writing) == (0, 0)  # no pin, no slot, no lease left
+        assert stats.leases == 1  # the client's own
+        hit = await kv.lookup(ns, TOKENS, pin=True)
+        assert hit.hit_blocks == BLOCKS and await kv.read_blocks(hit) == blocks
+        await kv.release(hit)
+
+
+async def test_write_behind_skips_what_it_cannot_copy_safely(disk_config: Config) -> None:
+    config = replace(disk_config, disk_queue_blocks=1)
+    async with (
+        started(config, ManualClock()) as server,
+        Client(server.address, tenant="a") as kv,
+    ):
+        ns = await kv.register_namespace("disk-model", LAYOUT)
+        node, disk = server.node, server.node.disk
+        assert disk is not None
+        # Blocks committed and cleared in one step of the loop: their slots are
+        # free (stamps moved) before the copies run, so nothing is written.
+        chain = [BlockHash(bytes([i]) * 32) for i in range(2)]
+        lease = LeaseId(12345)
+        node.store.open_lease(lease, TenantId("a"), 60.0, node.now())
+        node.store.reserve(ns.id, TenantId("a"), lease, chain, node.now())
+        assert node.commit(ns.id, TenantId("a"), lease, chain) == 2
+        node.store.clear(ns.id, node.now())
+        node.publish_events()
+        await until(lambda: disk.skipped["moved"] == 2, what="the copies to see the slots moved")
+        # A commit of more blocks than the tier's queue waits for its room, uncopied:
+        # every block is written, up to 16 x disk_queue_blocks; the rest is skipped.
+        blocks, tokens = 20, list(range(1000, 1000 + 20 * LAYOUT.block_size))
+        payload = [bytes([i]) * LAYOUT.block_bytes for i in range(blocks)]
+        assert (await kv.store(ns, tokens, payload)).committed == blocks
+        await until(lambda: disk.stats().blocks == 16, what="16 blocks on disk")
+        assert metric(server, "kvstore_disk_write_drops_total", reason="backlog") == blocks - 16
+        assert metric(server, "kvstore_disk_write_drops_total", reason="queue") == 0
+        assert metric(server, "kvstore_disk_write_drops_total", reason="moved") == 2
+
+
+async def test_a_second_node_on_the_same_disk_file_stops_at_start(disk_config: Config) -> None:
+    async with started(disk_config, ManualClock()):
+        with pytest.raises(DiskTierError, match="another kvstore-server uses this file"):
+            Server(disk_config)
+    async with started(disk_config, ManualClock()):  # free again once the first stopped
+        pass
