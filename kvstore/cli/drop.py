@@ -12,17 +12,8 @@ from typing import Annotated
 
 import typer
 
-from kvstore.cli.admin import Yes, confirm
-from kvstore.cli.common import (
-    DEFAULT_TARGET,
-    AdminToken,
-    Json,
-    Target,
-    Timeout,
-    connect,
-    console,
-    print_json,
-)
+from kvstore.cli.admin import Yes, confirmed_namespace, report
+from kvstore.cli.common import DEFAULT_TARGET, AdminToken, Json, Target, Timeout
 from kvstore.cli.reads import Namespace
 from kvstore.ops.plural import plural
 from kvstore.v1 import kvstore_pb2 as pb
@@ -45,31 +36,29 @@ def drop(
     yes: Yes = False,
 ) -> None:
     """Remove a namespace and free its pool (admin); refused while in use unless --force."""
-    with connect(target, timeout, admin_token, admin=True) as node:
-        ns = node.resolve_namespace(namespace)
-        how = " by force" if force else ""
-        confirm(f"Drop namespace {ns.model_id} ({ns.namespace_id}){how} on {target}?", yes)
+    how = " by force" if force else ""
+    with confirmed_namespace(
+        namespace, target, admin_token, timeout, yes, f"Drop namespace {{ns}}{how}"
+    ) as (node, ns):
         resp = node.stub.DropNamespace(
             pb.DropNamespaceRequest(namespace_id=ns.namespace_id, force=force),
             timeout=timeout,
             metadata=node.metadata,
         )
-    doc = {
-        "namespace": ns.namespace_id,
-        "removed": resp.removed,
-        "pins_dropped": resp.pins_dropped,
-        "writes_aborted": resp.writes_aborted,
-        "freed_bytes": resp.freed_bytes,
-    }
-    if json:
-        print_json(doc)
-    else:
-        console.print(
-            f"dropped {ns.namespace_id} ({ns.model_id}): {plural(resp.removed, 'block')} removed, "
-            f"{plural(resp.pins_dropped, 'pin')} dropped, "
-            f"{plural(resp.writes_aborted, 'write')} aborted, "
-            f"{plural(resp.freed_bytes, 'byte')} freed"
-        )
+    report(
+        {
+            "namespace": ns.namespace_id,
+            "removed": resp.removed,
+            "pins_dropped": resp.pins_dropped,
+            "writes_aborted": resp.writes_aborted,
+            "freed_bytes": resp.freed_bytes,
+        },
+        json,
+        f"dropped {ns.namespace_id} ({ns.model_id}): {plural(resp.removed, 'block')} removed, "
+        f"{plural(resp.pins_dropped, 'pin')} dropped, "
+        f"{plural(resp.writes_aborted, 'write')} aborted, "
+        f"{plural(resp.freed_bytes, 'byte')} freed",
+    )
 
 
 __all__ = ["drop"]
