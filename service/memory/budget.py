@@ -252,6 +252,10 @@ class PoolManager:
         worker thread (prefaulting takes a while); `adopt` or `grow` it afterwards.
         """
         spa = plan.slots_per_arena
+        # One rule for every pool file, host arena or CUDA stamp file: with a
+        # pool_file_group the runners of that group read and write them.
+        mode = 0o660 if self.config.pool_file_group else self.config.pool_file_mode
+        group = pool_group_id(self.config.pool_file_group)
         if self.cuda_device is not None:
             return CudaPool.create(
                 namespace,
@@ -266,8 +270,8 @@ class PoolManager:
                 # without a GPU sync.
                 stamp_directory=self.config.shm_dir,
                 prefix=self.config.pool_prefix,
-                mode=0o660 if self.config.pool_file_group else self.config.pool_file_mode,
-                group=pool_group_id(self.config.pool_file_group),
+                mode=mode,
+                group=group,
                 first_index=serial,
             )
         return HostPool.create(
@@ -278,9 +282,9 @@ class PoolManager:
             directory=self.config.shm_dir,
             arena_bytes=plan.arena_bytes,
             prefix=self.config.pool_prefix,
-            mode=0o660 if self.config.pool_file_group else self.config.pool_file_mode,
+            mode=mode,
             prefault=self.config.pool_prefault,
-            group=pool_group_id(self.config.pool_file_group),
+            group=group,
             first_index=serial,
             huge_pages=self.config.pool_huge_pages,  # type: ignore[arg-type]
         )
