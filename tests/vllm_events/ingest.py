@@ -14,9 +14,12 @@ from tests.vllm_events.fake_engine import FakeEngine, batch
 from tests.waiting import until
 
 
-async def start_node(server_config, engine: FakeEngine, **overrides) -> Server:
+async def start_node(
+    server_config, engine: FakeEngine, *, name: str = "fake-0", **overrides
+) -> Server:
+    """A started node that ingests ``engine``'s events as its engine ``name``."""
     source = EngineSource(
-        name="fake-0",
+        name=name,
         endpoint=engine.endpoint,
         replay_endpoint=engine.replay_endpoint,
         model_id=MODEL,

@@ -10,18 +10,15 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import replace
 
 import redis.asyncio as aioredis
 
 from service.cluster.keys import Keys, member
-from service.config.engines import EngineSource
-from service.server import Server
 from tests.redis.nodes import node_config
-from tests.redis.rpc import MODEL, Rpc, prompt
+from tests.redis.rpc import Rpc, prompt
 from tests.redis.server import RedisServer
 from tests.vllm_events.fake_engine import FakeEngine, batch, removed, stored
-from tests.vllm_events.ingest import join
+from tests.vllm_events.ingest import join, start_node
 from tests.waiting import until
 
 
@@ -31,15 +28,8 @@ def eh(i: int) -> bytes:
 
 async def test_engine_sets_on_redis(tmp_path, redis_server) -> None:
     engine = FakeEngine()
-    source = EngineSource(
-        name="gpu-7",
-        endpoint=engine.endpoint,
-        replay_endpoint=engine.replay_endpoint,
-        model_id=MODEL,
-    )
-    config = replace(node_config(tmp_path, redis_server.url, "n1"), engine_kv_events=(source,))
-    server = Server(config)
-    await server.start()
+    config = node_config(tmp_path, redis_server.url, "n1")
+    server = await start_node(config, engine, name="gpu-7")
     rpc = Rpc(server.address)
     client = aioredis.Redis.from_url(redis_server.url)
     keys = Keys("kvt")
@@ -91,15 +81,7 @@ async def test_engine_sets_on_redis(tmp_path, redis_server) -> None:
 async def test_engine_sets_come_back_after_a_redis_outage(tmp_path) -> None:
     server_r = RedisServer(tmp_path / "redis").start()
     engine = FakeEngine()
-    source = EngineSource(
-        name="gpu-8",
-        endpoint=engine.endpoint,
-        replay_endpoint=engine.replay_endpoint,
-        model_id=MODEL,
-    )
-    config = replace(node_config(tmp_path, server_r.url, "n2"), engine_kv_events=(source,))
-    server = Server(config)
-    await server.start()
+    server = await start_node(node_config(tmp_path, server_r.url, "n2"), engine, name="gpu-8")
     rpc = Rpc(server.address)
     keys = Keys("kvt")
     try:
