@@ -5,8 +5,8 @@ decides what goes down and when (docs/disk.md):
 
 - **Keys** are stable across restarts: the namespace's 16-byte digest is the
   first half of `NamespaceSpec.digest` (model id, layout, hash scheme, seed),
-  the scope a u64 digest of the tenant scope, the block its hash's first 8
-  bytes. A namespace registered again after a restart finds its blocks.
+  the scope a u64 digest of the tenant scope (its name kept beside it), the
+  block its full 32-byte hash. A namespace registered again after a restart finds its blocks.
 - **Write-through at commit**: every block that becomes READY (a runner's
   Commit, a peer fetch) is offered to the tier, so a restart keeps every block
   that had time to reach the disk, not only those memory had to evict. Blocks
@@ -87,9 +87,9 @@ def scope_key(scope: TenantId) -> int:
     return int.from_bytes(digest, "little")
 
 
-def hash_key(block_hash: BlockHash) -> int:
-    """The u64 a block is keyed by on disk: its hash's first 8 bytes, little-endian."""
-    return int.from_bytes(block_hash[:8], "little")
+def scope_name_of(scope: TenantId) -> bytes:
+    """The tenant scope's name as a slot header keeps it (`DiskKey.scope_name`)."""
+    return scope.encode()
 
 
 def lock_tier_file(path: str) -> tuple[int, bool]:
@@ -204,13 +204,13 @@ class NodeDisk:
 
     def key(self, spec: NamespaceSpec, scope: TenantId, block_hash: BlockHash) -> DiskKey:
         """The disk key of one block of a namespace and scope."""
-        return DiskKey(namespace_key(spec), scope_key(scope), hash_key(block_hash))
+        return DiskKey(namespace_key(spec), scope_key(scope), block_hash, scope_name_of(scope))
 
     def run_after(
         self, spec: NamespaceSpec, scope: TenantId, chain: Sequence[BlockHash], have: int
     ) -> int:
         """How many blocks of ``chain`` after the first ``have`` are on disk (index only)."""
-        hashes = [hash_key(h) for h in chain[have:]]
+        hashes = chain[have:]
         return self.tier.run_length(namespace_key(spec), scope_key(scope), hashes) if hashes else 0
 
     # --- write-behind -----------------------------------------------------------------
@@ -233,8 +233,9 @@ class NodeDisk:
             except KVStoreError:
                 continue  # dropped meanwhile
             ns_key, scope = namespace_key(table.spec), scope_key(event.scope)
+            name = scope_name_of(event.scope)
             for block_hash in event.hashes:
-                key = DiskKey(ns_key, scope, hash_key(block_hash))
+                key = DiskKey(ns_key, scope, block_hash, name)
                 if key in self.promoting:
                     continue  # read from the disk just now: it is there
                 ref = table.ready_ref(event.scope, block_hash)

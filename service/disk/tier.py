@@ -91,6 +91,9 @@ class DiskTier:
         # As many as the queue holds: a fresh buffer faults a page per 4 KiB on first use.
         self._buffers = WriteBuffers(keep=queue_blocks)
         self._events: list[DiskEvent] = []
+        self.scope_names: dict[int, bytes] = {}
+        """Tenant scope names by their u64 digest (`DiskKey.scope_name`), from offers and
+        the file: what a restarted node names a block's scope with."""
         self._queued = 0
         self._in_flight = 0  # writes + invalidations
         self._idle: asyncio.Event | None = None
@@ -155,6 +158,7 @@ class DiskTier:
         """The index from the checkpoint of a clean stop, else from the slot headers."""
         done = rebuild_index(self._file, sb, self._index, self._io_threads, self._local.zero)
         self._sb = done.superblock
+        self.scope_names.update(done.scopes)
         self._opened_from = done.source
         self._rebuild_seconds = done.seconds
         self._c["discarded_at_open"] = done.discarded
@@ -188,6 +192,7 @@ class DiskTier:
             self._c["write_drops"] += 1
             return False
         view = memoryview(data).cast("B")
+        self.scope_names.setdefault(key.scope, key.scope_name)
         res = self._index.reserve(k, view.nbytes, checksum)
         if res is None:
             self._c["write_drops"] += 1
@@ -209,7 +214,8 @@ class DiskTier:
         exc: BaseException | None = None
         if not self._closed:
             try:
-                result = write_slot(self._file, self._local, res, buf, length, checksum)
+                name = self.scope_names.get(res.entry.key[1], b"")
+                result = write_slot(self._file, self._local, res, buf, length, checksum, name)
             except BaseException as e:  # reported on the loop, never lost in a future
                 exc = e
         done.post(self._write_done, res, buf, length, result, exc)
@@ -254,7 +260,7 @@ class DiskTier:
 
     # -- reads ---------------------------------------------------------------
 
-    def run_length(self, namespace: bytes, scope: int, hashes: Sequence[int]) -> int:
+    def run_length(self, namespace: bytes, scope: int, hashes: Sequence[bytes]) -> int:
         """How many leading hashes of the chain are on disk (index only, no I/O)."""
         return self._index.run_length(namespace, scope, hashes)
 
@@ -311,7 +317,10 @@ class DiskTier:
             for i, e in enumerate(entries):
                 if e is not None:
                     r = index.region(e.region)
-                    want = SlotHeader(r.slot_bytes, r.epoch, *e.key, e.length, e.checksum, e.seq)
+                    name = self.scope_names.get(e.key[1], b"")
+                    want = SlotHeader(
+                        r.slot_bytes, r.epoch, *e.key, e.length, e.checksum, e.seq, name
+                    )
                     self._pool.submit(
                         self._read_task, done, batch, i, want, index.offset_of(e), dests[i]
                     )
@@ -476,7 +485,9 @@ class DiskTier:
         try:
             if checkpoint and not self._degraded:
                 snap = self._index.snapshot()  # on the loop: the index is the loop's
-                await asyncio.to_thread(write_checkpoint, self._file, self._sb, snap)
+                await asyncio.to_thread(
+                    write_checkpoint, self._file, self._sb, snap, self.scope_names
+                )
         except OSError as exc:
             log.warning(
                 "disk tier: no checkpoint written (%s): the next start scans the headers", exc
