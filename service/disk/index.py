@@ -147,6 +147,11 @@ class DiskIndex:
     def per_namespace(self) -> dict[bytes, int]:
         return dict(self._per_namespace)
 
+    def ready_keys(self, namespace: bytes) -> list[Key]:
+        """The keys of a namespace's READY blocks (a directory resync lists them)."""
+        entries = self._entries.items()
+        return [k for k, e in entries if k[0] == namespace and e.state is EntryState.READY]
+
     def offset_of(self, e: Entry) -> int:
         region = self._regions[e.region]
         return slot_offset(e.region, e.slot, self.region_bytes, region.slot_bytes)

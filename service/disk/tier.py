@@ -56,7 +56,7 @@ from service.disk.jobs import (
     write_slot,
 )
 from service.disk.rebuild import rebuild_index
-from service.disk.stats import TIER_COUNTERS, DiskEvent, DiskEventKind, DiskStats
+from service.disk.stats import TIER_COUNTERS, DiskEvent, DiskEventKind, DiskEvents, DiskStats
 
 __all__ = ["DiskEvent", "DiskEventKind", "DiskKey", "DiskStats", "DiskTier", "DiskTierError"]
 
@@ -90,7 +90,8 @@ class DiskTier:
         self._done: Completions | None = None
         # As many as the queue holds: a fresh buffer faults a page per 4 KiB on first use.
         self._buffers = WriteBuffers(keep=queue_blocks)
-        self._events: list[DiskEvent] = []
+        self.events = DiskEvents()
+        """Blocks stored and removed (`take_events`; a listener may be told of each)."""
         self.scope_names: dict[int, bytes] = {}
         """Tenant scope names by their u64 digest (`DiskKey.scope_name`), from offers and
         the file: what a restarted node names a block's scope with."""
@@ -240,7 +241,7 @@ class DiskTier:
             if self._index.committed(e):
                 self._c["writes"] += 1
                 self._c["write_bytes"] += length
-                self._events.append(DiskEvent(DiskEventKind.STORED, DiskKey(*e.key)))
+                self.events.add(DiskEventKind.STORED, DiskKey(*e.key))
         self._collect()
         self._end()
 
@@ -388,10 +389,13 @@ class DiskTier:
         self._collect()
         return n
 
+    def keys_of(self, namespace: bytes) -> list[Key]:
+        """The keys of a namespace's blocks on disk (index only)."""
+        return self._index.ready_keys(namespace)
+
     def take_events(self) -> list[DiskEvent]:
         """The blocks stored and removed since the last call, in order."""
-        out, self._events = self._events, []
-        return out
+        return self.events.take()
 
     def stats(self) -> DiskStats:
         """A snapshot of the counters and occupancy."""
@@ -420,7 +424,7 @@ class DiskTier:
     def _collect(self) -> None:
         """Side effects the index left: removal events, header pages to zero."""
         for k in self._index.take_removed():
-            self._events.append(DiskEvent(DiskEventKind.REMOVED, DiskKey(*k)))
+            self.events.add(DiskEventKind.REMOVED, DiskKey(*k))
         jobs = self._index.take_invalidations()
         if not jobs or self._done is None:
             return
