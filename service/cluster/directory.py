@@ -33,12 +33,13 @@ from service.cluster.keys import Keys, member
 from service.cluster.redis_link import LuaScript
 
 _HELD = """
--- held(key, disk): how many leading chain members (ARGV[4..]) the set at key
--- holds, or with disk (a node's disk set, skipped when absent) either set holds;
--- SMISMEMBER in chunks of 1,000, stopping at the first miss.
-local function held(key, disk)
-  local n = 0
-  local first = 4
+-- held(key, disk, known): how many leading chain members (ARGV[4..]) the set at
+-- key holds, or with disk (a node's disk set, skipped when absent) either set
+-- holds; the first known members are taken as held. SMISMEMBER in chunks of
+-- 1,000, stopping at the first miss.
+local function held(key, disk, known)
+  local n = known or 0
+  local first = 4 + n
   if disk and redis.call('EXISTS', disk) == 0 then disk = nil end
   while first <= #ARGV do
     local last = math.min(first + 999, #ARGV)
@@ -110,8 +111,10 @@ for _, id in ipairs(redis.call('ZRANGEBYSCORE', KEYS[1], now, '+inf')) do
   alive[id] = true
   local n = held(ARGV[1] .. id)
   if n > 0 then add(id, n, '', '') end
-  local d = held(ARGV[1] .. id, ARGV[3] .. id)
-  if d > n then add(id, d, '', 'disk') end
+  if redis.call('EXISTS', ARGV[3] .. id) == 1 then
+    local d = held(ARGV[1] .. id, ARGV[3] .. id, n)
+    if d > n then add(id, d, '', 'disk') end
+  end
 end
 local engines = redis.call('HGETALL', KEYS[3])
 for i = 1, #engines, 2 do

@@ -89,7 +89,8 @@ def scope_key(scope: TenantId) -> int:
 
 
 def scope_name_of(scope: TenantId) -> bytes:
-    """The tenant scope's name as a slot header keeps it (`DiskKey.scope_name`)."""
+    """The tenant scope's name as a slot header keeps it (`DiskKey.scope_name`): tenant
+    names are 1-128 ASCII characters (`service.tenancy`), so it always fits."""
     return scope.encode()
 
 

@@ -85,3 +85,19 @@ def test_a_file_of_the_previous_version_is_refused_in_one_line(tmp_path: Path) -
     with pytest.raises(DiskTierError, match=r"^disk_path .* is a version 1 disk tier file") as err:
         DiskTier.open(path, CAP)
     assert "\n" not in str(err.value) and "remove it" in str(err.value)
+
+
+async def test_more_scopes_than_a_checkpoint_holds_rebuild_from_the_headers(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr("service.disk.checkpoint.CHECKPOINT_SCOPES", 1)
+    path = str(tmp_path / "tier.disk")
+    tier = DiskTier.open(path, CAP, region_bytes=REGION)
+    for i, name in enumerate((b"t1", b"t2")):
+        assert tier.offer(DiskKey(NS, i + 1, full_hash(i), name), DATA, 0)
+    assert await tier.flush(10)
+    await tier.close()  # two scope names, room for one: no checkpoint, never a torn one
+    again = DiskTier.open(path, CAP)
+    assert again.stats().opened_from == "headers"
+    assert again.scope_names == {1: b"t1", 2: b"t2"} and again.stats().blocks == 2
+    await again.close()
