@@ -9,10 +9,10 @@ tier file: its memory is empty, its disk holds the prompt, and only the disk
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
+from collections.abc import AsyncIterator
 from typing import Any
-
-import pytest
 
 from kvstore.v1 import kvstore_pb2 as pb
 from service.cluster.keys import Keys, member
@@ -60,15 +60,15 @@ async def store_then_restart(nodes, rclient, tmp_path, **more: Any):
     return a, ra, ns, chain, want
 
 
-@pytest.fixture
-async def restarted(nodes, rclient, tmp_path):
+@contextlib.asynccontextmanager
+async def restarted(nodes, client, tmp_path) -> AsyncIterator[tuple[Any, ...]]:
     """Node a restarted with prompt 1 on its disk only, and node b, both registered."""
-    a, ra, ns, chain, want = await store_then_restart(nodes, rclient, tmp_path)
+    a, ra, ns, chain, want = await store_then_restart(nodes, client, tmp_path)
     b = await nodes.start("node-b")
     rb = Rpc(b.address)
     try:
         await rb.register()
-        yield a, ra, rb, ns, chain, want
+        yield a, rb, ns, chain, want
     finally:
         await ra.close()
         await rb.close()
@@ -78,33 +78,54 @@ async def _equal(got, want) -> bool:
     return await got == want
 
 
-async def test_a_restarted_node_lists_its_disk_in_the_directory(restarted, rclient):
-    _a, _ra, rb, ns, _chain, want = restarted
-    # Registered again after the restart: its disk blocks are named again, and
-    # only there (its memory is empty).
-    assert await rclient.smembers(KEYS.ns_node(ns, "node-a")) == set()
-    await until(
-        lambda: _equal(disk_members(rclient, ns, "node-a"), want),
-        what="the disk set rewritten after the restart",
-    )
-    request = pb.QueryPrefixRequest(model="cluster-model", token_ids=prompt(1, BLOCKS))
+async def lists_its_disk(nodes, client, tmp_path) -> None:
+    async with restarted(nodes, client, tmp_path) as (_a, rb, ns, _chain, want):
+        # Registered again after the restart: its disk blocks are named again, and
+        # only there (its memory is empty).
+        assert await client.smembers(KEYS.ns_node(ns, "node-a")) == set()
+        await until(
+            lambda: _equal(disk_members(client, ns, "node-a"), want),
+            what="the disk set rewritten after the restart",
+        )
+        request = pb.QueryPrefixRequest(model="cluster-model", token_ids=prompt(1, BLOCKS))
 
-    async def disk_holder() -> bool:
-        resp = await rb.stub.QueryPrefix(request, metadata=rb.md, timeout=5)
-        assert resp.source == "directory"
-        return ("node-a", "disk", "", BLOCKS, BLOCKS * BLOCK_SIZE) in holders(resp)
+        async def disk_holder() -> bool:
+            resp = await rb.stub.QueryPrefix(request, metadata=rb.md, timeout=5)
+            held = ("node-a", "disk", "", BLOCKS, BLOCKS * BLOCK_SIZE) in holders(resp)
+            return resp.source == "directory" and held
 
-    await until(disk_holder, what="the directory's answer naming node a's disk")
+        await until(disk_holder, what="the directory's answer naming node a's disk")
 
 
-async def test_a_peer_fetch_is_served_from_the_holders_disk(restarted, rclient):
-    a, _ra, rb, ns, chain, want = restarted
-    await until(lambda: _equal(disk_members(rclient, ns, "node-a"), want), what="a's disk set")
-    assert a.node.store.lookup(ns, "default", chain, a.node.now(), peek=True).hit_blocks == 0
-    hit = await rb.lookup(seed=1, blocks=BLOCKS, remote=True)
-    assert hit.hit_blocks == BLOCKS, "fetched from a, which read them from its disk"
-    assert await rb.read(seed=1, blocks=BLOCKS) == [block_bytes(1, i) for i in range(BLOCKS)]
-    assert a.node.promoter is not None and a.node.promoter.promoted_blocks == BLOCKS
+async def serves_a_peer_from_disk(nodes, client, tmp_path) -> None:
+    async with restarted(nodes, client, tmp_path) as (a, rb, ns, chain, want):
+        await until(lambda: _equal(disk_members(client, ns, "node-a"), want), what="disk set")
+        assert a.node.store.lookup(ns, "default", chain, a.node.now(), peek=True).hit_blocks == 0
+
+        async def fetched() -> bool:  # b's agent may still be connecting (a Redis Cluster)
+            hit = await rb.lookup(seed=1, blocks=BLOCKS, remote=True)
+            return hit.hit_blocks == BLOCKS  # fetched from a, which read them from its disk
+
+        await until(fetched, what="a peer fetch served from a's disk")
+        want_bytes = [block_bytes(1, i) for i in range(BLOCKS)]
+        assert await rb.read(seed=1, blocks=BLOCKS) == want_bytes
+        assert a.node.promoter is not None and a.node.promoter.promoted_blocks == BLOCKS
+
+
+async def test_a_restarted_node_lists_its_disk_in_the_directory(nodes, rclient, tmp_path):
+    await lists_its_disk(nodes, rclient, tmp_path)
+
+
+async def test_the_disk_holder_on_redis_cluster(cnodes, rc, tmp_path):
+    await lists_its_disk(cnodes, rc, tmp_path)  # the scripts read disk sets in the ns's slot
+
+
+async def test_a_peer_fetch_is_served_from_the_holders_disk(nodes, rclient, tmp_path):
+    await serves_a_peer_from_disk(nodes, rclient, tmp_path)
+
+
+async def test_a_peer_fetch_from_disk_on_redis_cluster(cnodes, rc, tmp_path):
+    await serves_a_peer_from_disk(cnodes, rc, tmp_path)
 
 
 async def test_removed_from_disk_leaves_the_disk_set(nodes, rclient, tmp_path):
