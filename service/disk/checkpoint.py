@@ -9,7 +9,7 @@ crash after that leaves a stamp of 0, and the open after it scans the
 headers (`service.disk.rebuild`). A block the checkpoint names is still
 verified (header and payload checksum) when it is read.
 
-Reading 64 bytes a block instead of a page: 100k blocks load in well
+Reading 88 bytes a block instead of a page: 100k blocks load in well
 under a second where the scan reads every slot header (see
 benchmarks/README.md, "bench_disk").
 """

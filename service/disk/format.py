@@ -6,7 +6,8 @@ The file (preallocated once, never grown past the cap)::
                                     so regions start 1 MiB-aligned)
     [1 MiB + i * R, ... + R)        region i (R = region_bytes, 64 MiB by default)
     [1 MiB + n * R, end)            the checkpoint area: the index as a clean stop
-                                    left it (64 bytes a slot at most: 0.8% of the file)
+                                    left it (88 bytes a slot at most: 1.1% of the file,
+                                    and 137 KiB of tenant scope names)
 
 A region belongs to one slot size while it holds blocks::
 
