@@ -19,10 +19,11 @@ ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
 ENV PIP_DISABLE_PIP_VERSION_CHECK=1 PYTHONUNBUFFERED=1
 # Nodes and runners run as one unprivileged user, so pool files (mode 0600, or
 # 0660 with KVSTORE_POOL_FILE_GROUP=10001) open in every container; the pool
-# volumes of docker-compose.yml are tmpfs owned by this uid.
+# volumes of docker-compose.yml are tmpfs owned by this uid. /kvstore/disk is where
+# a node's disk-tier volume mounts: a new named volume takes this folder's owner.
 RUN groupadd --gid 10001 kvstore \
  && useradd --uid 10001 --gid 10001 --create-home kvstore \
- && mkdir -p /kvstore/pools && chown kvstore:kvstore /kvstore/pools
+ && mkdir -p /kvstore/pools /kvstore/disk && chown kvstore:kvstore /kvstore/pools /kvstore/disk
 WORKDIR /app
 # Dependencies first, from pyproject.toml alone (an empty README and packages
 # stand in for the rest), so a change to the code or README rebuilds only the

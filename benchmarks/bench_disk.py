@@ -61,6 +61,11 @@ WAIT = 0.0005
 """Seconds the writer sleeps when the queue is full (a spin would take the loop's core)."""
 
 
+def hb(h: int) -> bytes:
+    """The 32-byte block hash block ``h`` is keyed by."""
+    return h.to_bytes(32, "little")
+
+
 def _capacity(blocks: int, block: int) -> int:
     slot = slot_bytes_for(block)
     per_region = (REGION - 4096) // slot
@@ -80,7 +85,7 @@ async def _tier_rw(
     start = time.perf_counter()
     h = 0
     while h < blocks:
-        if tier.offer(DiskKey(NS, 0, h), views[h % 64], sums[h % 64]):
+        if tier.offer(DiskKey(NS, 0, hb(h)), views[h % 64], sums[h % 64]):
             h += 1
         else:
             await asyncio.sleep(WAIT)  # the queue is full: let writes complete
@@ -94,7 +99,7 @@ async def _tier_rw(
     async def reader(lane: int) -> None:
         dest = memoryview(dests[lane])
         for i in range(lane, blocks, lanes):
-            if not await tier.read_into(DiskKey(NS, 0, i), dest):
+            if not await tier.read_into(DiskKey(NS, 0, hb(i)), dest):
                 raise RuntimeError(f"block {i} did not read back")
 
     start = time.perf_counter()
@@ -109,7 +114,7 @@ async def _tier_rw(
     async def promoter(lane: int) -> None:
         dst = [views[lane][j * block : (j + 1) * block] for j in range(chain)]
         for first in range(lane * chain, blocks, 2 * chain):
-            keys = [DiskKey(NS, 0, h) for h in range(first, min(first + chain, blocks))]
+            keys = [DiskKey(NS, 0, hb(h)) for h in range(first, min(first + chain, blocks))]
             if not all(await tier.read_many(keys, dst[: len(keys)])):
                 raise RuntimeError(f"chain at {first} did not read back")
 
@@ -158,7 +163,7 @@ async def _rebuild(path: str, blocks: int, block: int, threads: int) -> dict[str
     checksum = block_checksum(data)
     h = 0
     while h < blocks:
-        if tier.offer(DiskKey(NS, 0, h), data, checksum):
+        if tier.offer(DiskKey(NS, 0, hb(h)), data, checksum):
             h += 1
         else:
             await asyncio.sleep(WAIT)
@@ -173,7 +178,7 @@ async def _rebuild(path: str, blocks: int, block: int, threads: int) -> dict[str
         tier = await asyncio.to_thread(DiskTier.open, path, cap, io_threads=threads)
         opened = time.perf_counter() - start
         dest = memoryview(mmap.mmap(-1, block))
-        if not await tier.read_into(DiskKey(NS, 0, blocks - 1), dest):
+        if not await tier.read_into(DiskKey(NS, 0, hb(blocks - 1)), dest):
             raise RuntimeError("no disk hit after the rebuild")
         first_hit = time.perf_counter() - start
         s = tier.stats()

@@ -18,6 +18,7 @@ from typing import TypeVar
 import kvstore
 from kvstore.block_table import BlockTable
 from kvstore.errors import PermissionDenied, UnknownNamespace
+from kvstore.events import CacheEvent
 from kvstore.layout import NamespaceSpec
 from kvstore.ops.plural import plural
 from kvstore.pool.base import BlockPool
@@ -32,6 +33,7 @@ from service.cluster.lookup import LookupCall, lookup
 from service.cluster.nixl_transport import NixlTransport
 from service.cluster.peer_fetch import PeerFetcher
 from service.config import Config, ConfigError
+from service.disk.holdings import DISK_MEDIUM
 from service.disk.node_tier import NodeDisk
 from service.disk.promote import DiskPromoter
 from service.disk.wiring import disk_stats, start_disk
@@ -131,6 +133,8 @@ class Node:
             start_disk(self, self.disk, self.metrics.registry, self.on_loop) if self.disk else None
         )
         """Reads the blocks a lookup missed back from disk (with `disk`)."""
+        if self.disk is not None:
+            self.disk.on_events = self.publish_disk_events
 
     @property
     def epoch(self) -> int:
@@ -273,6 +277,8 @@ class Node:
                     stamps=stamps,
                 ),
             )
+            if self.disk is not None:  # what the disk holds of it is this node's too
+                self.disk.registered(spec)
             return table, True
 
     async def make_room(
@@ -391,6 +397,14 @@ class Node:
                 self.cluster.publish(ev, self.to_unix(ev.at))
         if taken:
             self.kv_events.publish(taken)
+
+    def publish_disk_events(self, events: list[CacheEvent]) -> None:
+        """The disk tier's stored and removed blocks: to the directory's disk sets and as
+        KV events with the disk medium (`service.disk.holdings`)."""
+        if self.cluster is not None:
+            for ev in events:
+                self.cluster.publish_disk(ev)
+        self.kv_events.publish(events, DISK_MEDIUM)
 
     def _block_size_of(self, namespace: NamespaceId) -> int | None:
         """Tokens per block of a namespace (None once it is dropped)."""

@@ -11,6 +11,14 @@ copied in the same synchronous step, so a block evicted mid-stream is never
 read; the stream simply ends there. The lookup is a peek: it counts in no
 tenant's hit statistics and does not refresh the blocks in the LRU.
 
+A chain whose run in memory stops where this node's disk tier goes on (the
+directory names a node for blocks in its pool or on its disk) is served
+from the disk too: those blocks are promoted into the pool first
+(`service.disk.promote`, the lookup's own path: slot header and checksum
+verified, within ``disk_promote_timeout``), then streamed like any READY
+block, with the checksum the promotion committed them with, which the
+fetching node checks again.
+
 OfferBlocks / EndOffer are the same read over NIXL (`service.cluster.nixl_offers`):
 the same token check, tenant scope and peek, but the blocks are named by
 address in the node's registered memory for the peer's NIXL READ, and
@@ -24,12 +32,15 @@ import hmac
 from collections.abc import AsyncIterator, Iterable
 
 from kvstore.errors import FailedPrecondition, PermissionDenied, StaleSlot
+from kvstore.results import LookupResult, MissReason
+from kvstore.types import BlockHash, NamespaceId, TenantId
 from kvstore.v1 import kvstore_pb2 as pb
 from service.api import validate
 from service.api.base import ServicerBase
 from service.api.decode import Context
 from service.api.errors import Unauthenticated, guard_stream_out, guard_unary
 from service.cluster.peer_fetch import PEER_TOKEN_HEADER
+from service.node import Node
 from service.tenancy.callers import TENANT_HEADER
 
 
@@ -58,6 +69,20 @@ def check_peer_token(
     raise Unauthenticated(f"FetchBlocks is for peer nodes: send {PEER_TOKEN_HEADER}")
 
 
+async def peek_with_disk(
+    node: Node, namespace: NamespaceId, tenant: TenantId, chain: list[BlockHash]
+) -> LookupResult:
+    """A peek lookup of ``chain``, after promoting what this node's disk tier holds
+    past the run in memory (nothing without a disk tier)."""
+    result = node.store.lookup(namespace, tenant, chain, node.now(), peek=True)
+    promoter = node.promoter
+    if promoter is None or result.miss_reason is not MissReason.ABSENT:
+        return result
+    if not await promoter.promote(namespace, tenant, chain, result.hit_blocks):
+        return result
+    return node.store.lookup(namespace, tenant, chain, node.now(), peek=True)
+
+
 class PeerRpcs(ServicerBase):
     """The node-to-node RPCs of the KVStore service."""
 
@@ -75,7 +100,7 @@ class PeerRpcs(ServicerBase):
         chain = validate.block_hashes(request.hashes, node.config.max_chain_blocks)
         # A peek: a peer's read is not the tenant's use of this node's cache,
         # so it moves nothing in the LRU and counts in no hit statistics.
-        result = node.store.lookup(namespace, tenant, chain, node.now(), peek=True)
+        result = await peek_with_disk(node, namespace, tenant, chain)
         pool = node.pool(namespace)
         for ref in result.blocks[request.skip :]:
             try:
@@ -100,6 +125,7 @@ class PeerRpcs(ServicerBase):
         tenant = node.tenants.resolve(((TENANT_HEADER, request.tenant),))
         namespace = self.namespace(request.namespace_id, None)
         chain = validate.block_hashes(request.hashes, node.config.max_chain_blocks)
+        await peek_with_disk(node, namespace, tenant, chain)  # promoted: offered from the pool
         return node.nixl.offers.offer(
             namespace,
             tenant,

@@ -29,7 +29,7 @@ import contextlib
 import logging
 from collections import deque
 from collections.abc import AsyncIterator, Callable
-from typing import Any
+from typing import Any, Protocol
 
 from redis.backoff import AbstractBackoff
 
@@ -47,6 +47,14 @@ from service.cluster.redis_link import REDIS_ERRORS, backoff_seconds, reconnect_
 from service.cluster.registry import NodeInfo, Registry
 
 log = logging.getLogger(__name__)
+
+
+class DiskHoldings(Protocol):
+    """What the agent needs of the node's disk tier (`service.disk.node_tier.NodeDisk`)."""
+
+    def members(self) -> dict[NamespaceId, list[bytes]]:
+        """Every block on disk of every registered namespace, as directory members."""
+
 
 FLUSH_BATCH_BLOCKS = 20_000
 """Most blocks of directory changes in one flush pipeline."""
@@ -82,6 +90,8 @@ class RedisAgent:
         self.registry = Registry(self.keys, ttl_ms, config.event_stream_maxlen)
         self.queue = DirectoryQueue(config.directory_queue_blocks)
         self.engine_sets = EngineSets(self.keys, node.node_id, ttl_ms)
+        self.disk: DiskHoldings | None = getattr(node, "disk", None)
+        """The node's disk tier: its blocks go into the directory's disk sets (docs/disk.md)."""
         self.engines: EngineHoldings | None = getattr(node, "engine_index", None)
         """The node's engine index, mirrored like the directory (docs/events.md)."""
         self.backoff = backoff or reconnect_backoff()
@@ -118,6 +128,14 @@ class RedisAgent:
             self._events_shed += 1
             self.events_dropped += 1
         self._events.append(event_stream.fields_of(ev, self.node.node_id, at_unix))
+        self._wake.set()
+
+    def publish_disk(self, ev: CacheEvent) -> None:
+        """Queue one disk-tier event for the directory's disk set; never blocks."""
+        if ev.kind is EventKind.STORED:
+            self.queue.put(Change.ADD, ev.namespace, ev.scope, ev.hashes, disk=True)
+        elif ev.kind is EventKind.REMOVED:
+            self.queue.put(Change.REMOVE, ev.namespace, ev.scope, ev.hashes, disk=True)
         self._wake.set()
 
     # --- life cycle -------------------------------------------------------------
@@ -229,12 +247,13 @@ class RedisAgent:
         # Snapshot and queue reset in one synchronous step: every change after
         # it is queued and flushed after this resync, in order.
         snapshot = self._snapshot()
+        on_disk = self.disk.members() if self.disk is not None else None
         self.queue.clear()
         self.queue.needs_resync = False
         engines = self._engine_snapshot()
         pipe = client.pipeline(transaction=False)
         self.directory.wipe(pipe, known | set(snapshot))
-        self.directory.write_snapshot(pipe, snapshot)
+        self.directory.write_snapshot(pipe, snapshot, disk=on_disk)
         await pipe.execute()
         if engines is not None:
             await self.engine_sets.wipe(client, known | set(snapshot))

@@ -33,17 +33,21 @@ from service.cluster.keys import Keys, member
 from service.cluster.redis_link import LuaScript
 
 _HELD = """
--- held(key): how many leading chain members (ARGV[3..]) the set at key holds,
--- SMISMEMBER in chunks of 1,000, stopping at the first miss.
-local function held(key)
-  local n = 0
-  local first = 3
+-- held(key, disk, known): how many leading chain members (ARGV[4..]) the set at
+-- key holds, or with disk (a node's disk set, skipped when absent) either set
+-- holds; the first known members are taken as held. SMISMEMBER in chunks of
+-- 1,000, stopping at the first miss.
+local function held(key, disk, known)
+  local n = known or 0
+  local first = 4 + n
+  if disk and redis.call('EXISTS', disk) == 0 then disk = nil end
   while first <= #ARGV do
     local last = math.min(first + 999, #ARGV)
     local flags = redis.call('SMISMEMBER', key, unpack(ARGV, first, last))
+    local dflags = disk and redis.call('SMISMEMBER', disk, unpack(ARGV, first, last))
     local run = 0
     for i = 1, #flags do
-      if flags[i] == 1 then run = run + 1 else break end
+      if flags[i] == 1 or (dflags and dflags[i] == 1) then run = run + 1 else break end
     end
     n = n + run
     if run < #flags then break end
@@ -56,18 +60,19 @@ end
 LOCATE = LuaScript(
     """
 -- KEYS[1] ns alive zset, KEYS[2] ns addr hash
--- ARGV[1] node-set key prefix, ARGV[2] node id to skip, ARGV[3..] chain members
+-- ARGV[1] node-set key prefix, ARGV[2] node id to skip, ARGV[3] disk-set key prefix,
+-- ARGV[4..] chain members. A node holds a block in its pool or on its disk.
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 """
     + _HELD
     + """
 local live = redis.call('ZRANGEBYSCORE', KEYS[1], now, '+inf')
-local total = #ARGV - 2
+local total = #ARGV - 3
 local out = {}
 for _, id in ipairs(live) do
   if id ~= ARGV[2] then
-    local n = held(ARGV[1] .. id)
+    local n = held(ARGV[1] .. id, ARGV[3] .. id)
     if n > 0 then
       local addr = redis.call('HGET', KEYS[2], id) or ''
       out[#out + 1] = id
@@ -83,9 +88,12 @@ return {total, out}
 QUERY = LuaScript(
     """
 -- KEYS[1] ns alive zset, KEYS[2] ns addr hash, KEYS[3] ns engines hash
--- ARGV[1] node-set key prefix, ARGV[2] engine-set key prefix, ARGV[3..] chain members
+-- ARGV[1] node-set key prefix, ARGV[2] engine-set key prefix, ARGV[3] disk-set key
+-- prefix, ARGV[4..] chain members
 -- Returns {chain length, {node, address, held, engine, medium, ...}}; engine ''
--- is the node's own pool. Only holders of at least the first block are listed.
+-- is the node's own pool (medium ''), or its pool and disk tier together (medium
+-- 'disk', listed when the disk carries the run past the pool's). Only holders of
+-- at least the first block are listed.
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 """
@@ -103,6 +111,10 @@ for _, id in ipairs(redis.call('ZRANGEBYSCORE', KEYS[1], now, '+inf')) do
   alive[id] = true
   local n = held(ARGV[1] .. id)
   if n > 0 then add(id, n, '', '') end
+  if redis.call('EXISTS', ARGV[3] .. id) == 1 then
+    local d = held(ARGV[1] .. id, ARGV[3] .. id, n)
+    if d > n then add(id, d, '', 'disk') end
+  end
 end
 local engines = redis.call('HGETALL', KEYS[3])
 for i = 1, #engines, 2 do
@@ -118,13 +130,14 @@ for i = 1, #engines, 2 do
     end
   end
 end
-return {#ARGV - 2, out}
+return {#ARGV - 3, out}
 """
 )
 
 NS_HEARTBEAT = LuaScript("""
 -- KEYS[1] ns alive zset, KEYS[2] ns addr hash, KEYS[3] this node's set,
--- KEYS[4] ns engines hash (fields "<node>:<engine>", docs/events.md)
+-- KEYS[4] ns engines hash (fields "<node>:<engine>", docs/events.md), KEYS[5] this
+-- node's disk set
 -- ARGV[1] node id, ARGV[2] address, ARGV[3] ttl ms
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
@@ -132,6 +145,7 @@ local ttl = tonumber(ARGV[3])
 redis.call('ZADD', KEYS[1], now + ttl, ARGV[1])
 redis.call('HSET', KEYS[2], ARGV[1], ARGV[2])
 redis.call('PEXPIRE', KEYS[3], ttl)
+redis.call('PEXPIRE', KEYS[5], ttl)
 local dead = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', '(' .. now)
 for _, id in ipairs(dead) do
   redis.call('ZREM', KEYS[1], id)
@@ -175,7 +189,8 @@ class TierHolder:
     engine: str = ""
     """The engine's name; "" for the node's own pool."""
     medium: str = ""
-    """The engine's medium ("GPU", ...); "" for the node's own pool."""
+    """The engine's medium ("GPU", ...); "" for the node's own pool, "disk" for its pool
+    and disk tier together."""
 
 
 class Change(Enum):
@@ -192,6 +207,8 @@ class QueuedChange:
     change: Change
     namespace: NamespaceId
     members: tuple[bytes, ...]
+    disk: bool = False
+    """The node's disk set (``{P:ns}:d:<node>``), not its pool's."""
 
 
 class _HasMembers(Protocol):
@@ -258,14 +275,21 @@ class DirectoryQueue(ChangeQueue[QueuedChange]):
     """The node's directory changes awaiting a flush (see `ChangeQueue`)."""
 
     def put(
-        self, change: Change, namespace: NamespaceId, scope: TenantId, hashes: Iterable[BlockHash]
+        self,
+        change: Change,
+        namespace: NamespaceId,
+        scope: TenantId,
+        hashes: Iterable[BlockHash],
+        *,
+        disk: bool = False,
     ) -> None:
-        """Queue one change; on overflow drop everything and ask for a resync."""
+        """Queue one change (of the disk set with ``disk``); on overflow drop everything
+        and ask for a resync."""
         if self.needs_resync:
             return  # the resync snapshot will include it
         members = tuple(member(h, scope) for h in hashes)
         if members:
-            self.append(QueuedChange(change, namespace, members))
+            self.append(QueuedChange(change, namespace, members, disk))
 
 
 class Directory:
@@ -278,31 +302,44 @@ class Directory:
 
     def write_changes(self, pipe: Any, changes: Sequence[QueuedChange]) -> None:
         """Queue the commands of ``changes`` on a pipeline (order kept per set)."""
-        touched: set[NamespaceId] = set()
+        touched: set[str] = set()
         for item in changes:
-            key = self.keys.ns_node(item.namespace, self.node_id)
+            if item.disk:
+                key = self.keys.ns_disk(item.namespace, self.node_id)
+            else:
+                key = self.keys.ns_node(item.namespace, self.node_id)
             if item.change is Change.ADD:
                 pipe.sadd(key, *item.members)
-                touched.add(item.namespace)
+                touched.add(key)
             else:
                 pipe.srem(key, *item.members)
-        for namespace in touched:
+        for key in touched:
             # A set created between heartbeats still expires if we die now.
-            pipe.pexpire(self.keys.ns_node(namespace, self.node_id), self.ttl_ms)
+            pipe.pexpire(key, self.ttl_ms)
 
     def wipe(self, pipe: Any, namespaces: Iterable[str]) -> None:
         """Queue the removal of this node's entries in ``namespaces``."""
         for namespace in namespaces:
             pipe.delete(self.keys.ns_node(namespace, self.node_id))
+            pipe.delete(self.keys.ns_disk(namespace, self.node_id))
             pipe.zrem(self.keys.ns_alive(namespace), self.node_id)
             pipe.hdel(self.keys.ns_addr(namespace), self.node_id)
 
     def write_snapshot(
-        self, pipe: Any, snapshot: dict[NamespaceId, list[bytes]], chunk: int = 1000
+        self,
+        pipe: Any,
+        snapshot: dict[NamespaceId, list[bytes]],
+        chunk: int = 1000,
+        *,
+        disk: dict[NamespaceId, list[bytes]] | None = None,
     ) -> None:
-        """Queue this node's full entry (after `wipe`): every READY block it holds."""
-        for namespace, members in snapshot.items():
-            key = self.keys.ns_node(namespace, self.node_id)
+        """Queue this node's full entry (after `wipe`): every READY block it holds, and
+        every block on its disk tier (``disk``)."""
+        sets = [(self.keys.ns_node(ns, self.node_id), ns, m) for ns, m in snapshot.items()]
+        sets += [  # an empty disk set is no set: nothing to expire
+            (self.keys.ns_disk(ns, self.node_id), ns, m) for ns, m in (disk or {}).items() if m
+        ]
+        for key, namespace, members in sets:
             for start in range(0, len(members), chunk):
                 pipe.sadd(key, *members[start : start + chunk])
             pipe.pexpire(key, self.ttl_ms)
@@ -316,6 +353,7 @@ class Directory:
                 self.keys.ns_addr(namespace),
                 self.keys.ns_node(namespace, self.node_id),
                 self.keys.ns_engines(namespace),
+                self.keys.ns_disk(namespace, self.node_id),
             )
             await NS_HEARTBEAT(client, keys, (self.node_id, address, self.ttl_ms))
 
@@ -335,6 +373,7 @@ class Directory:
         args: list[str | bytes] = [
             self.keys.ns_node_prefix(namespace),
             self.node_id if skip_self else "",
+            self.keys.ns_disk_prefix(namespace),
         ]
         args.extend(member(h, scope) for h in chain)
         reply = await LOCATE(client, keys, args)
@@ -359,7 +398,11 @@ class Directory:
             return []
         tag = self.keys.ns_tag(namespace)
         keys = (self.keys.ns_alive(namespace), self.keys.ns_addr(namespace), f"{tag}:engines")
-        args: list[str | bytes] = [self.keys.ns_node_prefix(namespace), f"{tag}:e:"]
+        args: list[str | bytes] = [
+            self.keys.ns_node_prefix(namespace),
+            f"{tag}:e:",
+            self.keys.ns_disk_prefix(namespace),
+        ]
         args.extend(member(h, scope) for h in chain)
         flat = (await QUERY(client, keys, args))[1]
         holders = [

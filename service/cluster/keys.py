@@ -15,6 +15,8 @@ cluster; one Locate touches exactly one slot):
 - ``{P:ns}:alive`` ZSET node_id -> deadline (refreshed by every heartbeat)
 - ``{P:ns}:addr``  HASH node_id -> gRPC address peers fetch from
 - ``{P:ns}:n:<node_id>`` SET of members, one per READY block the node holds
+- ``{P:ns}:d:<node_id>`` SET of members, one per block on the node's disk tier
+  (docs/disk.md); a Locate counts a block in either of the node's sets
 - ``{P:ns}:e:<node_id>:<engine>`` SET of members, one per block an engine of
   the node holds (ingested from the engine's vLLM KV events; docs/events.md)
 - ``{P:ns}:engines`` HASH ``<node_id>:<engine>`` -> JSON {"node", "engine", "medium"}
@@ -81,6 +83,14 @@ class Keys:
     def ns_node(self, namespace: NamespaceId | str, node_id: str) -> str:
         """SET of the members a node holds in a namespace."""
         return self.ns_node_prefix(namespace) + node_id
+
+    def ns_disk_prefix(self, namespace: NamespaceId | str) -> str:
+        """Prefix of the per-node disk-tier sets (the scripts append the node id)."""
+        return f"{self.ns_tag(namespace)}:d:"
+
+    def ns_disk(self, namespace: NamespaceId | str, node_id: str) -> str:
+        """SET of the members on a node's disk tier in a namespace."""
+        return self.ns_disk_prefix(namespace) + node_id
 
     def ns_engines(self, namespace: NamespaceId | str) -> str:
         """HASH ``<node_id>:<engine>`` -> JSON {node, engine, medium}, in the namespace's slot."""

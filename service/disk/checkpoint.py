@@ -9,7 +9,7 @@ crash after that leaves a stamp of 0, and the open after it scans the
 headers (`service.disk.rebuild`). A block the checkpoint names is still
 verified (header and payload checksum) when it is read.
 
-Reading 64 bytes a block instead of a page: 100k blocks load in well
+Reading 88 bytes a block instead of a page: 100k blocks load in well
 under a second where the scan reads every slot header (see
 benchmarks/README.md, "bench_disk").
 """
@@ -24,8 +24,11 @@ import xxhash
 from service.disk.format import (
     CHECKPOINT_ENTRY,
     CHECKPOINT_REGION,
+    CHECKPOINT_SCOPE,
+    CHECKPOINT_SCOPES,
     CHECKPOINT_SLOT,
     PAGE,
+    SCOPE_NAME_BYTES,
     CheckpointHeader,
     Superblock,
     checkpoint_bytes,
@@ -45,12 +48,20 @@ def write_superblock(file: TierFile, sb: Superblock) -> None:
     os.fsync(file.fd)
 
 
-def write_checkpoint(file: TierFile, sb: Superblock, snap: Snapshot) -> Superblock:
-    """Write ``snap`` into the checkpoint area, then stamp the superblock; blocking.
+def write_checkpoint(
+    file: TierFile, sb: Superblock, snap: Snapshot, scopes: dict[int, bytes] | None = None
+) -> Superblock:
+    """Write ``snap`` and the scope names into the checkpoint area, then stamp the
+    superblock; blocking.
 
     Returns the superblock as written. The records must fit the area (they
-    do: it has room for a block in every slot of the smallest size).
+    do: it has room for a block in every slot of the smallest size, and for
+    `CHECKPOINT_SCOPES` scope names; with more, no checkpoint is written and
+    the next open scans the headers).
     """
+    scopes = scopes or {}
+    if len(scopes) > CHECKPOINT_SCOPES:
+        return sb
     records = b"".join(
         [
             *(
@@ -59,6 +70,7 @@ def write_checkpoint(file: TierFile, sb: Superblock, snap: Snapshot) -> Superblo
             ),
             *(CHECKPOINT_SLOT.pack(region, slot) for region, slot in snap.limbo),
             *(CHECKPOINT_REGION.pack(*r) for r in snap.regions),
+            *(CHECKPOINT_SCOPE.pack(s, len(n), n) for s, n in scopes.items()),
         ]
     )
     area = checkpoint_bytes(sb.regions, sb.region_bytes)
@@ -73,6 +85,7 @@ def write_checkpoint(file: TierFile, sb: Superblock, snap: Snapshot) -> Superblo
         snap.next_seq,
         snap.next_epoch,
         xxhash.xxh3_64_intdigest(records),
+        len(scopes),
     )
     buf = aligned(PAGE + round_up(len(records)))
     buf[:PAGE] = header.pack()
@@ -112,9 +125,16 @@ def read_checkpoint(file: TierFile, sb: Superblock) -> Snapshot | None:
         )
     ]
     limbo = [(region, slot) for region, slot in CHECKPOINT_SLOT.iter_unpack(records[at:limbo_end])]
+    regions_end = limbo_end + header.regions * CHECKPOINT_REGION.size
     regions = [
-        (i, size, epoch) for i, size, epoch in CHECKPOINT_REGION.iter_unpack(records[limbo_end:])
+        (i, size, epoch)
+        for i, size, epoch in CHECKPOINT_REGION.iter_unpack(records[limbo_end:regions_end])
     ]
+    scopes = {
+        s: bytes(name[:n])
+        for s, n, name in CHECKPOINT_SCOPE.iter_unpack(records[regions_end:])
+        if n <= SCOPE_NAME_BYTES
+    }
     sizes = {i: size for i, size, _ in regions}
     if any(
         i >= sb.regions or slots_per_region(sb.region_bytes, size) < 1 for i, size in sizes.items()
@@ -125,4 +145,4 @@ def read_checkpoint(file: TierFile, sb: Superblock) -> Snapshot | None:
             return None
     if any(region not in sizes for region, _ in limbo):
         return None
-    return Snapshot(regions, entries, limbo, header.next_seq, header.next_epoch)
+    return Snapshot(regions, entries, limbo, header.next_seq, header.next_epoch, scopes)

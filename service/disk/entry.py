@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from enum import Enum
 
-Key = tuple[bytes, int, int]
+Key = tuple[bytes, int, bytes]
 """(namespace, scope, block_hash): `DiskKey` as a tuple, cheaper to hash in loops."""
 
 
@@ -47,8 +47,8 @@ class LRU:
     __slots__ = ("_head", "_tail", "count")
 
     def __init__(self) -> None:
-        self._head = Entry((b"", 0, 0), -1, -1, 0, 0, 0, EntryState.READY)
-        self._tail = Entry((b"", 0, 0), -1, -1, 0, 0, 0, EntryState.READY)
+        self._head = Entry((b"", 0, b""), -1, -1, 0, 0, 0, EntryState.READY)
+        self._tail = Entry((b"", 0, b""), -1, -1, 0, 0, 0, EntryState.READY)
         self._head.next = self._tail
         self._tail.prev = self._head
         self.count = 0

@@ -6,7 +6,8 @@ The file (preallocated once, never grown past the cap)::
                                     so regions start 1 MiB-aligned)
     [1 MiB + i * R, ... + R)        region i (R = region_bytes, 64 MiB by default)
     [1 MiB + n * R, end)            the checkpoint area: the index as a clean stop
-                                    left it (64 bytes a slot at most: 0.8% of the file)
+                                    left it (88 bytes a slot at most: 1.1% of the file,
+                                    and 137 KiB of tenant scope names)
 
 A region belongs to one slot size while it holds blocks::
 
@@ -27,7 +28,7 @@ from __future__ import annotations
 
 import mmap
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import xxhash
 
@@ -37,7 +38,10 @@ PAGE = 4096
 DATA_START = 1 << 20
 """Where region 0 starts: the superblock's page plus padding to 1 MiB."""
 
-VERSION = 1
+VERSION = 2
+"""2: a slot keeps its block's full 32-byte hash and its tenant scope's name (1 kept
+8 bytes of the hash: too little to name the block to Redis or in KV events). A file
+of another version is refused at open with one line (`service.disk.tier`)."""
 
 FILE_MAGIC = b"KVSTDSK\x01"
 CHECKPOINT_MAGIC = b"KVSTCKP\x01"
@@ -46,17 +50,24 @@ SLOT_MAGIC = b"KVSTSLT\x01"
 
 _SUPER = struct.Struct("<8sIIQQQ")  # magic, version, pad, region_bytes, regions, clean
 _CHECKPOINT = struct.Struct("<8sIIQQQQQQQ")
-# magic, version, pad, stamp, entries, limbo, regions, next_seq, next_epoch, and the xxh3-64
+# magic, version, scopes, stamp, entries, limbo, regions, next_seq, next_epoch, and the xxh3-64
 # of the records that follow the header page
-CHECKPOINT_ENTRY = struct.Struct("<IIQ16sQQQQ")
+CHECKPOINT_ENTRY = struct.Struct("<IIQ16sQ32sQQ")
 """A block in the checkpoint: region, slot, seq, namespace, scope, block_hash, length, checksum."""
 CHECKPOINT_SLOT = struct.Struct("<II")
 """A slot in limbo (its header still to zero): region, slot."""
+CHECKPOINT_SCOPE = struct.Struct("<QB128s")
+"""A tenant scope's name: scope (u64 digest), name length, name (up to `SCOPE_NAME_BYTES`)."""
+CHECKPOINT_SCOPES = 1024
+"""Scope names a checkpoint has room for; a tier with more is rebuilt from headers."""
+SCOPE_NAME_BYTES = 128
+"""Longest tenant scope name a slot keeps (tenant names are 1-128 characters)."""
 CHECKPOINT_REGION = struct.Struct("<IIQ")
 """A region given to a slot size: index, slot_bytes, epoch."""
 _REGION = struct.Struct("<8sIIQQ")  # magic, version, slot_bytes, epoch, region index
-_SLOT = struct.Struct("<8sIIQ16sQQQQQ")
-# magic, version, slot_bytes, epoch, namespace, scope, block_hash, length, checksum, seq
+_SLOT = struct.Struct("<8sIIQ16sQ32sQQQB128s")
+# magic, version, slot_bytes, epoch, namespace, scope, block_hash, length, checksum, seq,
+# scope name length, scope name
 _TAIL = struct.Struct("<Q")  # xxh3-64 of the header's bytes before it
 
 Page = bytes | memoryview | mmap.mmap
@@ -64,6 +75,7 @@ Page = bytes | memoryview | mmap.mmap
 
 U64 = (1 << 64) - 1
 NAMESPACE_BYTES = 16
+HASH_BYTES = 32
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,16 +86,25 @@ class DiskKey:
     """16-byte stable digest of the namespace's identity (name + layout), the caller's."""
     scope: int
     """The tenant scope the block belongs to (u64): same hash, other scope = other block."""
-    block_hash: int
-    """The chained prefix hash (u64)."""
+    block_hash: bytes
+    """The block's full 32-byte chained prefix hash: what names it to Redis and KV events."""
+    scope_name: bytes = field(default=b"", compare=False)
+    """The tenant scope's name that ``scope`` digests (UTF-8), kept in the slot header so a
+    restarted node can name the block's owner; not part of the key (``scope`` is)."""
 
     def __post_init__(self) -> None:
         if len(self.namespace) != NAMESPACE_BYTES:
             raise ValueError(
                 f"DiskKey.namespace is {len(self.namespace)} bytes, not {NAMESPACE_BYTES}"
             )
-        if not (0 <= self.scope <= U64 and 0 <= self.block_hash <= U64):
-            raise ValueError("DiskKey.scope and block_hash are unsigned 64-bit integers")
+        if not 0 <= self.scope <= U64:
+            raise ValueError("DiskKey.scope is an unsigned 64-bit integer")
+        if len(self.scope_name) > SCOPE_NAME_BYTES:
+            raise ValueError(f"DiskKey.scope_name is longer than {SCOPE_NAME_BYTES} bytes")
+        if len(self.block_hash) != HASH_BYTES:
+            raise ValueError(
+                f"DiskKey.block_hash is {len(self.block_hash)} bytes, not {HASH_BYTES}"
+            )
 
 
 def round_up(n: int, unit: int = PAGE) -> int:
@@ -129,6 +150,12 @@ class Superblock:
             _SUPER.pack(FILE_MAGIC, VERSION, 0, self.region_bytes, self.regions, self.clean)
         )
 
+    @staticmethod
+    def version_of(page: Page) -> int | None:
+        """The version a sealed superblock of any version names; None if it is none."""
+        fields = _unseal(page, _SUPER, FILE_MAGIC)
+        return None if fields is None else int(fields[1])  # type: ignore[call-overload]
+
     @classmethod
     def parse(cls, page: Page) -> Superblock | None:
         fields = _unseal(page, _SUPER, FILE_MAGIC)
@@ -168,11 +195,13 @@ class SlotHeader:
     epoch: int
     namespace: bytes
     scope: int
-    block_hash: int
+    block_hash: bytes
     length: int
     checksum: int
     seq: int
     """Write sequence number: the LRU order the rebuild restores."""
+    scope_name: bytes = b""
+    """The tenant scope's name (UTF-8, at most `SCOPE_NAME_BYTES`), which ``scope`` digests."""
 
     def pack(self) -> bytes:
         return _seal(
@@ -187,6 +216,8 @@ class SlotHeader:
                 self.length,
                 self.checksum,
                 self.seq,
+                len(self.scope_name),
+                self.scope_name,
             )
         )
 
@@ -195,8 +226,11 @@ class SlotHeader:
         fields = _unseal(page, _SLOT, SLOT_MAGIC)
         if fields is None or fields[1] != VERSION:
             return None
-        _, _, slot_bytes, epoch, namespace, scope, block_hash, length, checksum, seq = fields
-        return cls(slot_bytes, epoch, namespace, scope, block_hash, length, checksum, seq)  # type: ignore[arg-type]
+        name_len, name = fields[10:]
+        assert isinstance(name_len, int) and isinstance(name, bytes)
+        if name_len > SCOPE_NAME_BYTES:
+            return None
+        return cls(*fields[2:10], name[:name_len])  # type: ignore[arg-type, call-arg]
 
 
 def is_blank(page: Page) -> bool:
@@ -208,14 +242,16 @@ def checkpoint_bytes(regions: int, region_bytes: int) -> int:
     """The checkpoint area of a file of ``regions``: room for every slot of the
     smallest size (8 KiB) as a block record, every region, and its header page."""
     slots = regions * slots_per_region(region_bytes, 2 * PAGE)
-    return PAGE + round_up(slots * CHECKPOINT_ENTRY.size + regions * CHECKPOINT_REGION.size)
+    fixed = CHECKPOINT_SCOPES * CHECKPOINT_SCOPE.size
+    return PAGE + round_up(slots * CHECKPOINT_ENTRY.size + regions * CHECKPOINT_REGION.size + fixed)
 
 
 def data_bytes(capacity_bytes: int, region_bytes: int) -> tuple[int, int]:
     """(regions, file bytes) of the largest file that fits in ``capacity_bytes``."""
     per_region = region_bytes + slots_per_region(region_bytes, 2 * PAGE) * CHECKPOINT_ENTRY.size
     per_region += CHECKPOINT_REGION.size
-    regions = max(0, (capacity_bytes - DATA_START - 2 * PAGE) // per_region)
+    fixed = CHECKPOINT_SCOPES * CHECKPOINT_SCOPE.size
+    regions = max(0, (capacity_bytes - DATA_START - 2 * PAGE - fixed) // per_region)
     # The estimate is off by a region at most (the area rounds up to pages).
     while file_bytes_for(regions + 1, region_bytes) <= capacity_bytes:
         regions += 1
@@ -245,19 +281,22 @@ class CheckpointHeader:
     next_seq: int
     next_epoch: int
     records_checksum: int
+    scopes: int = 0
+    """Scope names (`CHECKPOINT_SCOPE`) after the region records."""
 
     def records_bytes(self) -> int:
         return (
             self.entries * CHECKPOINT_ENTRY.size
             + self.limbo * CHECKPOINT_SLOT.size
             + self.regions * CHECKPOINT_REGION.size
+            + self.scopes * CHECKPOINT_SCOPE.size
         )
 
     def pack(self) -> bytes:
         body = _CHECKPOINT.pack(
             CHECKPOINT_MAGIC,
             VERSION,
-            0,
+            self.scopes,
             self.stamp,
             self.entries,
             self.limbo,
@@ -273,7 +312,7 @@ class CheckpointHeader:
         fields = _unseal(page, _CHECKPOINT, CHECKPOINT_MAGIC)
         if fields is None or fields[1] != VERSION:
             return None
-        return cls(*fields[3:])  # type: ignore[arg-type]
+        return cls(*fields[3:], fields[2])  # type: ignore[arg-type, call-arg]
 
 
 def region_offset(region: int, region_bytes: int) -> int:

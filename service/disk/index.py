@@ -57,6 +57,8 @@ class Snapshot:
     """(region, slot) whose header page is still to be zeroed."""
     next_seq: int
     next_epoch: int
+    scopes: dict[int, bytes] = field(default_factory=dict)
+    """Tenant scope names by u64 digest (`DiskKey.scope_name`): the checkpoint keeps them."""
 
 
 @dataclass(slots=True)
@@ -132,7 +134,7 @@ class DiskIndex:
         e = self._entries.get(key)
         return e if e is not None and e.state is EntryState.READY else None
 
-    def run_length(self, namespace: bytes, scope: int, hashes: Sequence[int]) -> int:
+    def run_length(self, namespace: bytes, scope: int, hashes: Sequence[bytes]) -> int:
         entries = self._entries
         n = 0
         for h in hashes:
@@ -144,6 +146,11 @@ class DiskIndex:
 
     def per_namespace(self) -> dict[bytes, int]:
         return dict(self._per_namespace)
+
+    def ready_keys(self, namespace: bytes) -> list[Key]:
+        """The keys of a namespace's READY blocks (a directory resync lists them)."""
+        entries = self._entries.items()
+        return [k for k, e in entries if k[0] == namespace and e.state is EntryState.READY]
 
     def offset_of(self, e: Entry) -> int:
         region = self._regions[e.region]

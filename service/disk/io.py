@@ -17,7 +17,7 @@ import mmap
 import os
 from typing import Any
 
-from service.disk.format import PAGE, Superblock, data_bytes, file_bytes_for
+from service.disk.format import PAGE, VERSION, Superblock, data_bytes, file_bytes_for
 
 
 class DiskTierError(OSError):
@@ -143,6 +143,12 @@ def _prepare(
         page = aligned(PAGE)
         os.preadv(fd, [page], 0)
         old = Superblock.parse(page)
+        version = Superblock.version_of(page)
+        if old is None and version is not None:
+            raise DiskTierError(
+                f"disk_path {path} is a version {version} disk tier file, this node "
+                f"reads version {VERSION}; remove it (its blocks are lost) or set another disk_path"
+            )
         if old is None:
             raise DiskTierError(
                 f"disk_path {path} exists and is not a kvstore disk tier file; "

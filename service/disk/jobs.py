@@ -65,7 +65,13 @@ class ThreadBuffers(threading.local):
 
 
 def write_slot(
-    file: TierFile, local: ThreadBuffers, res: Reservation, buf: Any, length: int, checksum: int
+    file: TierFile,
+    local: ThreadBuffers,
+    res: Reservation,
+    buf: Any,
+    length: int,
+    checksum: int,
+    scope_name: bytes = b"",
 ) -> int:
     """Header into the buffer's first page, then the writes; the payload's checksum.
 
@@ -77,7 +83,7 @@ def write_slot(
         checksum = block_checksum(mv[PAGE : PAGE + length])
     k = res.entry.key
     mv[:PAGE] = SlotHeader(
-        res.slot_bytes, res.epoch, k[0], k[1], k[2], length, checksum, res.seq
+        res.slot_bytes, res.epoch, k[0], k[1], k[2], length, checksum, res.seq, scope_name
     ).pack()
     if res.region_header is not None:
         offset, header = res.region_header

@@ -2,9 +2,9 @@
 
 The tier's counters live on the event loop, so the node copies them there
 (`DiskFigures`, taken by a callable the node provides) and the metrics
-thread only formats them. The promotion latency histogram is observed by
-`service.disk.promote` directly; checksum failures go to the node's
-``kvstore_checksum_failures_total{tier="disk"}``.
+thread only formats them (`service.ops.figures.FiguresCollector`). The
+promotion latency histogram is observed by `service.disk.promote` directly;
+checksum failures go to the node's ``kvstore_checksum_failures_total{tier="disk"}``.
 """
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
-from prometheus_client.registry import Collector
 
 from service.disk.tier import DiskStats
+from service.ops.figures import FiguresCollector
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,16 +44,10 @@ def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
     return GaugeMetricFamily(f"kvstore_disk_{name}", doc, value=value)
 
 
-class DiskCollector(Collector):
+class DiskCollector(FiguresCollector[DiskFigures]):
     """Exports `DiskFigures` at each scrape as ``kvstore_disk_*``."""
 
-    def __init__(self, figures: Figures) -> None:
-        self._figures = figures
-
-    def collect(self) -> Iterator[Metric]:
-        figures = self._figures()
-        if figures is None:
-            return
+    def metrics(self, figures: DiskFigures) -> Iterator[Metric]:
         s = figures.stats
         yield _gauge(
             "capacity_bytes", "The disk tier's cap (disk_capacity_bytes)", s.capacity_bytes

@@ -5,8 +5,8 @@ decides what goes down and when (docs/disk.md):
 
 - **Keys** are stable across restarts: the namespace's 16-byte digest is the
   first half of `NamespaceSpec.digest` (model id, layout, hash scheme, seed),
-  the scope a u64 digest of the tenant scope, the block its hash's first 8
-  bytes. A namespace registered again after a restart finds its blocks.
+  the scope a u64 digest of the tenant scope (its name kept beside it), the
+  block its full 32-byte hash. A namespace registered again after a restart finds its blocks.
 - **Write-through at commit**: every block that becomes READY (a runner's
   Commit, a peer fetch) is offered to the tier, so a restart keeps every block
   that had time to reach the disk, not only those memory had to evict. Blocks
@@ -37,7 +37,7 @@ import hashlib
 import logging
 import os
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from kvstore.errors import KVStoreError
@@ -48,6 +48,7 @@ from kvstore.stamps import stamp_ident
 from kvstore.types import BlockHash, NamespaceId, TenantId
 from service.cluster.local import LocalNode
 from service.config import Config
+from service.disk.holdings import DiskNames
 from service.disk.tier import DiskKey, DiskStats, DiskTier, DiskTierError
 
 log = logging.getLogger(__name__)
@@ -87,9 +88,10 @@ def scope_key(scope: TenantId) -> int:
     return int.from_bytes(digest, "little")
 
 
-def hash_key(block_hash: BlockHash) -> int:
-    """The u64 a block is keyed by on disk: its hash's first 8 bytes, little-endian."""
-    return int.from_bytes(block_hash[:8], "little")
+def scope_name_of(scope: TenantId) -> bytes:
+    """The tenant scope's name as a slot header keeps it (`DiskKey.scope_name`): tenant
+    names are 1-128 ASCII characters (`service.tenancy`), so it always fits."""
+    return scope.encode()
 
 
 def lock_tier_file(path: str) -> tuple[int, bool]:
@@ -158,6 +160,12 @@ class NodeDisk:
         self._copies: set[asyncio.Future[None]] = set()
         self._thread: concurrent.futures.ThreadPoolExecutor | None = None
         self._stopped = False
+        self.names = DiskNames(tier.scope_names)
+        """The tier's keys back to namespace ids and tenant scopes."""
+        self.on_events: Callable[[list[CacheEvent]], None] | None = None
+        """Takes the tier's stored and removed blocks as the node names them (the node
+        publishes them with the disk medium); None: they are dropped."""
+        self._publishing: asyncio.Handle | None = None
 
     @classmethod
     def open(cls, config: Config) -> NodeDisk | None:
@@ -201,16 +209,70 @@ class NodeDisk:
         """Name the node whose pools blocks are copied out of (once)."""
         assert self.node is None, "bug: NodeDisk.attach called twice"
         self.node = node
+        self.tier.events.listener = self._events_waiting
+
+    # --- the tier's blocks, named ---------------------------------------------------
+
+    def _events_waiting(self) -> None:
+        """The tier has events: publish them in the loop's next step (one per step)."""
+        if self._publishing is None:
+            self._publishing = asyncio.get_running_loop().call_soon(self.publish_events)
+
+    def publish_events(self) -> None:
+        """Hand the tier's events to `on_events` as `CacheEvent`s; call on the loop."""
+        if self._publishing is not None:
+            self._publishing.cancel()
+            self._publishing = None
+        events = self.tier.take_events()
+        if not events or self.node is None:
+            return
+        self._learn_namespaces()
+        named = self.names.cache_events(events, self.node.now())
+        if named and self.on_events is not None:
+            self.on_events(named)
+
+    def _learn_namespaces(self) -> None:
+        assert self.node is not None
+        for table in self.node.store.tables():
+            self.names.learn(namespace_key(table.spec), table.spec)
+
+    def registered(self, spec: NamespaceSpec) -> None:
+        """A namespace is registered: publish what the disk holds of it (as stored)."""
+        key = namespace_key(spec)
+        self.names.learn(key, spec)
+        if self.on_events is None or self.node is None:
+            return
+        by_scope: dict[int, list[BlockHash]] = {}
+        for _, digest, block_hash in self.tier.keys_of(key):
+            by_scope.setdefault(digest, []).append(BlockHash(block_hash))
+        events: list[CacheEvent] = []
+        for digest, hashes in by_scope.items():
+            scope = self.names.scope(digest)
+            if scope is not None:
+                kind = EventKind.STORED
+                events.append(CacheEvent(kind, spec.namespace_id, scope, tuple(hashes)))
+        if events:
+            self.on_events(events)
+
+    def members(self) -> dict[NamespaceId, list[bytes]]:
+        """Every block on disk of every registered namespace as a directory member."""
+        assert self.node is not None
+        out: dict[NamespaceId, list[bytes]] = {}
+        for table in self.node.store.tables():
+            key = namespace_key(table.spec)
+            self.names.learn(key, table.spec)
+            out[table.namespace] = self.names.members(self.tier.keys_of(key))
+        return out
 
     def key(self, spec: NamespaceSpec, scope: TenantId, block_hash: BlockHash) -> DiskKey:
         """The disk key of one block of a namespace and scope."""
-        return DiskKey(namespace_key(spec), scope_key(scope), hash_key(block_hash))
+        return DiskKey(namespace_key(spec), scope_key(scope), block_hash, scope_name_of(scope))
 
     def run_after(
         self, spec: NamespaceSpec, scope: TenantId, chain: Sequence[BlockHash], have: int
     ) -> int:
         """How many blocks of ``chain`` after the first ``have`` are on disk (index only)."""
-        hashes = [hash_key(h) for h in chain[have:]]
+        hashes = chain[have:]
         return self.tier.run_length(namespace_key(spec), scope_key(scope), hashes) if hashes else 0
 
     # --- write-behind -----------------------------------------------------------------
@@ -233,8 +295,9 @@ class NodeDisk:
             except KVStoreError:
                 continue  # dropped meanwhile
             ns_key, scope = namespace_key(table.spec), scope_key(event.scope)
+            name = scope_name_of(event.scope)
             for block_hash in event.hashes:
-                key = DiskKey(ns_key, scope, hash_key(block_hash))
+                key = DiskKey(ns_key, scope, block_hash, name)
                 if key in self.promoting:
                     continue  # read from the disk just now: it is there
                 ref = table.ready_ref(event.scope, block_hash)
@@ -253,7 +316,6 @@ class NodeDisk:
         self._draining = None
         node = self.node
         assert node is not None, "bug: a drain without a node"
-        self.tier.take_events()  # nobody publishes them yet: the tier's list must not grow
         stats = self.tier.stats()
         room = stats.queue_blocks - stats.queue_depth - self._copying
         cuda: list[_Write] = []
@@ -337,8 +399,11 @@ class NodeDisk:
 
     def drop(self, spec: NamespaceSpec) -> int:
         """Forget every block of a dropped namespace on disk; returns how many."""
-        dropped = self.tier.drop_namespace(namespace_key(spec))
-        self.tier.take_events()  # their REMOVED events: nobody publishes them yet
+        key = namespace_key(spec)
+        self.names.learn(key, spec)  # the table is gone: name its blocks' removal
+        dropped = self.tier.drop_namespace(key)
+        self.publish_events()
+        self.names.forget(key)
         log.info("namespace %s: %d blocks dropped from the disk tier", spec.namespace_id, dropped)
         return dropped
 

@@ -48,6 +48,7 @@ class RegionScan:
     header: RegionHeader | None = None
     found: list[Found] = field(default_factory=list)
     discarded: int = 0
+    scopes: dict[int, bytes] = field(default_factory=dict)
 
 
 def _scan_region(file: TierFile, sb: Superblock, index: int) -> RegionScan:
@@ -89,6 +90,7 @@ def _scan_region(file: TierFile, sb: Superblock, index: int) -> RegionScan:
                 continue
             key = (slot.namespace, slot.scope, slot.block_hash)
             out.found.append((slot.seq, first + j, key, slot.length, slot.checksum))
+            out.scopes[slot.scope] = slot.scope_name
     return out
 
 
@@ -109,6 +111,8 @@ class Rebuilt:
     discarded: int
     """Headers found torn or corrupt."""
     seconds: float
+    scopes: dict[int, bytes] = field(default_factory=dict)
+    """Tenant scope names (`DiskKey.scope_name`) by their u64 digest."""
 
 
 def rebuild_index(
@@ -122,11 +126,14 @@ def rebuild_index(
     started = time.perf_counter()
     discarded = 0
     snap = read_checkpoint(file, sb)
+    scopes: dict[int, bytes] = {}
     if snap is not None:
         index.restore(snap)
+        scopes = snap.scopes
     else:
         for r in scan(file, sb, threads):
             discarded += r.discarded
+            scopes.update(r.scopes)
             if r.header is not None:
                 index.adopt_region(r.index, r.header, r.found)
         index.adopted()
@@ -137,4 +144,4 @@ def rebuild_index(
         file.zero_page(offset, zero)
         index.invalidated(region, slot)
     source = "headers" if snap is None else "checkpoint"
-    return Rebuilt(sb, source, discarded, time.perf_counter() - started)
+    return Rebuilt(sb, source, discarded, time.perf_counter() - started, scopes)

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -24,6 +25,29 @@ class DiskEvent:
 
     kind: DiskEventKind
     key: DiskKey
+
+
+class DiskEvents:
+    """The tier's stored and removed blocks, kept until taken (`DiskTier.take_events`).
+
+    ``listener`` (the node's, `service.disk.node_tier`) is called after each
+    event is added, on the loop: it schedules the events' publication.
+    """
+
+    __slots__ = ("_events", "listener")
+
+    def __init__(self) -> None:
+        self._events: list[DiskEvent] = []
+        self.listener: Callable[[], None] | None = None
+
+    def add(self, kind: DiskEventKind, key: DiskKey) -> None:
+        self._events.append(DiskEvent(kind, key))
+        if self.listener is not None:
+            self.listener()
+
+    def take(self) -> list[DiskEvent]:
+        out, self._events = self._events, []
+        return out
 
 
 @dataclass(frozen=True, slots=True)

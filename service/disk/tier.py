@@ -56,7 +56,7 @@ from service.disk.jobs import (
     write_slot,
 )
 from service.disk.rebuild import rebuild_index
-from service.disk.stats import TIER_COUNTERS, DiskEvent, DiskEventKind, DiskStats
+from service.disk.stats import TIER_COUNTERS, DiskEvent, DiskEventKind, DiskEvents, DiskStats
 
 __all__ = ["DiskEvent", "DiskEventKind", "DiskKey", "DiskStats", "DiskTier", "DiskTierError"]
 
@@ -90,7 +90,11 @@ class DiskTier:
         self._done: Completions | None = None
         # As many as the queue holds: a fresh buffer faults a page per 4 KiB on first use.
         self._buffers = WriteBuffers(keep=queue_blocks)
-        self._events: list[DiskEvent] = []
+        self.events = DiskEvents()
+        """Blocks stored and removed (`take_events`; a listener may be told of each)."""
+        self.scope_names: dict[int, bytes] = {}
+        """Tenant scope names by their u64 digest (`DiskKey.scope_name`), from offers and
+        the file: what a restarted node names a block's scope with."""
         self._queued = 0
         self._in_flight = 0  # writes + invalidations
         self._idle: asyncio.Event | None = None
@@ -155,6 +159,7 @@ class DiskTier:
         """The index from the checkpoint of a clean stop, else from the slot headers."""
         done = rebuild_index(self._file, sb, self._index, self._io_threads, self._local.zero)
         self._sb = done.superblock
+        self.scope_names.update(done.scopes)
         self._opened_from = done.source
         self._rebuild_seconds = done.seconds
         self._c["discarded_at_open"] = done.discarded
@@ -188,6 +193,7 @@ class DiskTier:
             self._c["write_drops"] += 1
             return False
         view = memoryview(data).cast("B")
+        self.scope_names.setdefault(key.scope, key.scope_name)
         res = self._index.reserve(k, view.nbytes, checksum)
         if res is None:
             self._c["write_drops"] += 1
@@ -209,7 +215,8 @@ class DiskTier:
         exc: BaseException | None = None
         if not self._closed:
             try:
-                result = write_slot(self._file, self._local, res, buf, length, checksum)
+                name = self.scope_names.get(res.entry.key[1], b"")
+                result = write_slot(self._file, self._local, res, buf, length, checksum, name)
             except BaseException as e:  # reported on the loop, never lost in a future
                 exc = e
         done.post(self._write_done, res, buf, length, result, exc)
@@ -234,7 +241,7 @@ class DiskTier:
             if self._index.committed(e):
                 self._c["writes"] += 1
                 self._c["write_bytes"] += length
-                self._events.append(DiskEvent(DiskEventKind.STORED, DiskKey(*e.key)))
+                self.events.add(DiskEventKind.STORED, DiskKey(*e.key))
         self._collect()
         self._end()
 
@@ -254,7 +261,7 @@ class DiskTier:
 
     # -- reads ---------------------------------------------------------------
 
-    def run_length(self, namespace: bytes, scope: int, hashes: Sequence[int]) -> int:
+    def run_length(self, namespace: bytes, scope: int, hashes: Sequence[bytes]) -> int:
         """How many leading hashes of the chain are on disk (index only, no I/O)."""
         return self._index.run_length(namespace, scope, hashes)
 
@@ -311,7 +318,10 @@ class DiskTier:
             for i, e in enumerate(entries):
                 if e is not None:
                     r = index.region(e.region)
-                    want = SlotHeader(r.slot_bytes, r.epoch, *e.key, e.length, e.checksum, e.seq)
+                    name = self.scope_names.get(e.key[1], b"")
+                    want = SlotHeader(
+                        r.slot_bytes, r.epoch, *e.key, e.length, e.checksum, e.seq, name
+                    )
                     self._pool.submit(
                         self._read_task, done, batch, i, want, index.offset_of(e), dests[i]
                     )
@@ -379,10 +389,13 @@ class DiskTier:
         self._collect()
         return n
 
+    def keys_of(self, namespace: bytes) -> list[Key]:
+        """The keys of a namespace's blocks on disk (index only)."""
+        return self._index.ready_keys(namespace)
+
     def take_events(self) -> list[DiskEvent]:
         """The blocks stored and removed since the last call, in order."""
-        out, self._events = self._events, []
-        return out
+        return self.events.take()
 
     def stats(self) -> DiskStats:
         """A snapshot of the counters and occupancy."""
@@ -411,7 +424,7 @@ class DiskTier:
     def _collect(self) -> None:
         """Side effects the index left: removal events, header pages to zero."""
         for k in self._index.take_removed():
-            self._events.append(DiskEvent(DiskEventKind.REMOVED, DiskKey(*k)))
+            self.events.add(DiskEventKind.REMOVED, DiskKey(*k))
         jobs = self._index.take_invalidations()
         if not jobs or self._done is None:
             return
@@ -476,7 +489,9 @@ class DiskTier:
         try:
             if checkpoint and not self._degraded:
                 snap = self._index.snapshot()  # on the loop: the index is the loop's
-                await asyncio.to_thread(write_checkpoint, self._file, self._sb, snap)
+                await asyncio.to_thread(
+                    write_checkpoint, self._file, self._sb, snap, self.scope_names
+                )
         except OSError as exc:
             log.warning(
                 "disk tier: no checkpoint written (%s): the next start scans the headers", exc

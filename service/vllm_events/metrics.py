@@ -10,7 +10,8 @@
   shows without reading logs.
 
 The scrape runs on the metrics thread; the index lives on the event loop, so
-its figures are copied there (`Figures`, a callable the node provides).
+its figures are copied there (`Figures`, a callable the node provides;
+`service.ops.figures.FiguresCollector`).
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
-from prometheus_client.registry import Collector
+
+from service.ops.figures import FiguresCollector
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,16 +41,10 @@ Figures = Callable[[], EventFigures | None]
 """Returns the figures (None: the node is stopping)."""
 
 
-class EventsCollector(Collector):
+class EventsCollector(FiguresCollector[EventFigures]):
     """Exports `EventFigures` at each scrape."""
 
-    def __init__(self, figures: Figures) -> None:
-        self._figures = figures
-
-    def collect(self) -> Iterator[Metric]:
-        figures = self._figures()
-        if figures is None:
-            return
+    def metrics(self, figures: EventFigures) -> Iterator[Metric]:
         if figures.published is not None:
             yield CounterMetricFamily(
                 "kvstore_kv_events_published_batches",

@@ -6,7 +6,8 @@ tier: it subscribes to ``kv_events_endpoint`` like to an engine.
 
 - Each `Node.publish_events` call with block events becomes one
   ``KVEventBatch`` (`service.vllm_events.wire`): STORED -> BlockStored, REMOVED ->
-  BlockRemoved, both naming ``kv_events_medium``. CLEARED is not sent: a
+  BlockRemoved, both naming ``kv_events_medium``; the disk tier's blocks
+  (`service.disk.holdings`) name ``"disk"``. CLEARED is not sent: a
   namespace clear already sends BlockRemoved for its blocks, and vLLM's
   AllBlocksCleared means "everything this publisher holds".
 - Block hashes are the node's 32-byte chain hashes, as msgpack bin (vLLM's
@@ -100,8 +101,10 @@ class KvEventPublisher:
 
     # --- loop side --------------------------------------------------------------
 
-    def publish(self, events: Iterable[CacheEvent]) -> None:
-        """Convert ``events`` into one batch and queue it; never blocks."""
+    def publish(self, events: Iterable[CacheEvent], medium: str | None = None) -> None:
+        """Convert ``events`` into one batch and queue it; never blocks. ``medium``: the
+        events' medium when not this publisher's (the disk tier's blocks)."""
+        medium = medium or self.medium
         wire_events: list[Any] = []
         for ev in events:
             if ev.kind is EventKind.STORED:
@@ -109,10 +112,10 @@ class KvEventPublisher:
                 if size is None:
                     continue
                 wire_events.append(
-                    wire.stored(ev.hashes, ev.parent, size, self.medium, array=self._array)
+                    wire.stored(ev.hashes, ev.parent, size, medium, array=self._array)
                 )
             elif ev.kind is EventKind.REMOVED and ev.hashes:
-                wire_events.append(wire.removed(ev.hashes, self.medium, array=self._array))
+                wire_events.append(wire.removed(ev.hashes, medium, array=self._array))
         if not wire_events:
             return
         try:

@@ -105,10 +105,11 @@ class KvEvents:
             counts=counts,
         )
 
-    def publish(self, events: Iterable[CacheEvent]) -> None:
-        """Hand the node's block events to the publisher (no-op when off)."""
+    def publish(self, events: Iterable[CacheEvent], medium: str | None = None) -> None:
+        """Hand the node's block events to the publisher (no-op when off); ``medium``:
+        the tier they happened in, when not `kv_events_medium` (the disk tier's)."""
         if self.publisher is not None:
-            self.publisher.publish(events)
+            self.publisher.publish(events, medium)
 
     async def stop(self) -> None:
         """Stop the subscribers and the publisher; idempotent."""

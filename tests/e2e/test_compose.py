@@ -64,8 +64,8 @@ def test_compose_file_declares_the_stack(tmp_path):
 def test_each_node_keeps_its_pool_in_a_tmpfs_volume_its_runners_mount(tmp_path):
     stack = load_stack(tmp_path)
     for node in NODES:
-        (mount,) = stack[node].mounts
-        assert stack[node].env["KVSTORE_SHM_DIR"] == str(stack.local_path(mount.target))
+        shm_dir = stack[node].env["KVSTORE_SHM_DIR"]
+        (mount,) = [m for m in stack[node].mounts if str(stack.local_path(m.target)) == shm_dir]
         opts = stack.volumes[mount.volume]["driver_opts"]
         assert opts["type"] == "tmpfs", f"{mount.volume} must live in memory"
         for runner in RUNNERS:
@@ -73,6 +73,21 @@ def test_each_node_keeps_its_pool_in_a_tmpfs_volume_its_runners_mount(tmp_path):
                 assert mount in stack[runner].mounts, f"{runner} must mount {node}'s pool"
     assert targets_of(stack, "runner") == set(NODES)
     assert targets_of(stack, "chat-runner") == {"node-1"}
+
+
+def test_the_disk_tier_is_opt_in_on_a_named_volume_per_node(tmp_path):
+    stack = load_stack(tmp_path)  # as run with no overrides: memory only
+    volumes = set()
+    for node in NODES:
+        assert stack[node].env["KVSTORE_DISK_PATH"] == "", "the default stays memory only"
+        (disk,) = [m for m in stack[node].mounts if m.target == "/kvstore/disk"]
+        assert stack.volumes[disk.volume] in ({}, None), f"{disk.volume}: on disk, not tmpfs"
+        volumes.add(disk.volume)
+        for runner in RUNNERS:
+            assert disk not in stack[runner].mounts, "runners never read the disk tier's file"
+    assert len(volumes) == len(NODES), "one tier file per node: two nodes on one file stop"
+    with_disk = 'KVSTORE_DISK_PATH: "${KVSTORE_DISK_PATH:-}"'
+    assert with_disk in COMPOSE.read_text(), "KVSTORE_DISK_PATH turns it on"
 
 
 def test_ports_a_person_needs_are_published_on_loopback(tmp_path):

@@ -26,6 +26,16 @@ async def nodes(tmp_path, redis_server) -> AsyncIterator[NodeFactory]:
 
 
 @pytest.fixture
+async def rclient(redis_server) -> AsyncIterator[aioredis.Redis]:
+    """A client of the private redis-server, to look at what the nodes wrote."""
+    client = aioredis.Redis.from_url(redis_server.url)
+    try:
+        yield client
+    finally:
+        await client.aclose()
+
+
+@pytest.fixture
 def redis_cluster(tmp_path) -> Iterator[RedisClusterServers]:
     cluster = RedisClusterServers(tmp_path / "rc").start()
     try:

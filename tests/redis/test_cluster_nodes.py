@@ -5,9 +5,6 @@ from __future__ import annotations
 import asyncio
 import time
 
-import pytest
-import redis.asyncio as aioredis
-
 from kvstore.v1 import kvstore_pb2 as pb
 from service.cluster.directory import Directory
 from service.cluster.keys import Keys, member
@@ -16,15 +13,6 @@ from tests.redis.rpc import Rpc, block_bytes
 from tests.waiting import until
 
 KEYS = Keys("kvt")
-
-
-@pytest.fixture
-async def rclient(redis_server):
-    client = aioredis.Redis.from_url(redis_server.url)
-    try:
-        yield client
-    finally:
-        await client.aclose()
 
 
 async def live_ids(rclient) -> list[str]:

@@ -10,7 +10,6 @@ import urllib.request
 
 import grpc
 import pytest
-import redis.asyncio as aioredis
 
 from kvstore.v1 import kvstore_pb2 as pb
 from service.cluster.keys import Keys, member
@@ -20,15 +19,6 @@ from tests.redis.server import free_port
 from tests.waiting import until
 
 KEYS = Keys("kvt")
-
-
-@pytest.fixture
-async def rclient(redis_server):
-    client = aioredis.Redis.from_url(redis_server.url)
-    try:
-        yield client
-    finally:
-        await client.aclose()
 
 
 @pytest.fixture

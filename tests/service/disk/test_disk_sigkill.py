@@ -40,13 +40,13 @@ async def main(path):
     h = int(sys.argv[4])
     while True:
         data = payload(h)
-        if tier.offer(DiskKey(b"k" * 16, 0, h), data, 0):
+        if tier.offer(DiskKey(b"k" * 16, 0, h.to_bytes(32, "little")), data, 0):
             h += 1
         else:
             await asyncio.sleep(0.0005)
         for e in tier.take_events():
             if e.kind is DiskEventKind.STORED:
-                print(e.key.block_hash, flush=True)
+                print(int.from_bytes(e.key.block_hash, "little"), flush=True)
 
 asyncio.run(main(sys.argv[1]))
 """
@@ -86,7 +86,7 @@ async def check_reopened(path: str, round_: int) -> None:
     tier = DiskTier.open(path, CAP)
     served = failed = 0
     for h in range(1000 * (round_ + 1)):
-        key = DiskKey(NS, 0, h)
+        key = DiskKey(NS, 0, h.to_bytes(32, "little"))
         length = tier.length_of(key)
         if length is None:
             continue

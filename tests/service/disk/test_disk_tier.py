@@ -28,8 +28,17 @@ def payload(seed: int, size: int = 64 << 10) -> bytes:
     return np.random.default_rng(seed).integers(0, 256, size=size, dtype=np.uint8).tobytes()
 
 
+def hb(h: int) -> bytes:
+    """The 32-byte block hash the tests name block ``h`` by."""
+    return h.to_bytes(32, "little")
+
+
 def k(h: int, ns: bytes = NS, scope: int = 0) -> DiskKey:
-    return DiskKey(ns, scope, h)
+    return DiskKey(ns, scope, hb(h))
+
+
+def run(tier: DiskTier, scope: int, hashes: list[int]) -> int:
+    return tier.run_length(NS, scope, [hb(h) for h in hashes])
 
 
 async def read(tier: DiskTier, key: DiskKey, size: int) -> bytes | None:
@@ -60,8 +69,8 @@ async def test_write_read_and_reopen_byte_exact(path: str) -> None:
     tier = DiskTier.open(path, CAP, region_bytes=REGION)
     blocks = {h: payload(h, 64 << 10) for h in range(20)}
     await fill(tier, blocks)
-    assert tier.run_length(NS, 0, [*range(20), 99]) == 20
-    assert tier.run_length(NS, 1, [0]) == 0, "another scope is another block"
+    assert run(tier, 0, [*range(20), 99]) == 20
+    assert run(tier, 1, [0]) == 0, "another scope is another block"
     for h, data in blocks.items():
         assert await read(tier, k(h), len(data)) == data
     events = tier.take_events()
@@ -74,7 +83,7 @@ async def test_write_read_and_reopen_byte_exact(path: str) -> None:
     assert (s.rebuilt_blocks, s.blocks, s.discarded_at_open) == (20, 20, 0)
     assert s.opened_from == "checkpoint"
     assert s.blocks_by_namespace == {NS: 20}
-    assert tier.run_length(NS, 0, list(range(20))) == 20
+    assert run(tier, 0, list(range(20))) == 20
     for h, data in blocks.items():
         assert await read(tier, k(h), len(data)) == data
     await tier.close()
@@ -130,7 +139,7 @@ async def test_torn_header_is_discarded_at_open(path: str) -> None:
     tier = DiskTier.open(path, CAP)
     s = tier.stats()
     assert (s.blocks, s.discarded_at_open) == (2, 1)
-    assert tier.run_length(NS, 0, [0, 1, 2]) == 1
+    assert run(tier, 0, [0, 1, 2]) == 1
     assert await read(tier, k(2), 64 << 10) == payload(2)
     await tier.close()
 
@@ -187,8 +196,12 @@ async def test_lru_evicts_the_least_recently_used_block(path: str) -> None:
     assert await read(tier, k(0), size) == payload(0, size)  # 0 is now the most recent
     tier.take_events()
     await fill(tier, {100: payload(100, size)})
-    assert tier.run_length(NS, 0, [0]) == 1 and tier.run_length(NS, 0, [1]) == 0
-    removed = [e.key.block_hash for e in tier.take_events() if e.kind is DiskEventKind.REMOVED]
+    assert run(tier, 0, [0]) == 1 and run(tier, 0, [1]) == 0
+    removed = [
+        int.from_bytes(e.key.block_hash, "little")
+        for e in tier.take_events()
+        if e.kind is DiskEventKind.REMOVED
+    ]
     assert removed == [1]
     await tier.close()
 
@@ -232,7 +245,7 @@ async def test_write_failure_degrades_the_tier_reads_go_on(
     s = tier.stats()
     # The block's write failed, then the zeroing of its slot's header did too.
     assert s.degraded and s.write_errors == 2 and s.enospc == (2 if err == errno.ENOSPC else 0)
-    assert tier.run_length(NS, 0, [1, 2]) == 1, "a failed write leaves no entry"
+    assert run(tier, 0, [1, 2]) == 1, "a failed write leaves no entry"
     assert not tier.offer(k(3), bad, block_checksum(bad)), "degraded: no more writes"
     assert await read(tier, k(1), len(good)) == good
     assert sum("degraded" in r.message for r in caplog.records) == 1
@@ -341,13 +354,13 @@ async def test_checkpoint_keeps_the_lru_order_and_goes_stale_once_opened(path: s
     tier = DiskTier.open(path, file_bytes_for(1, REGION), io_threads=1)
     assert tier.stats().opened_from == "checkpoint"
     await fill(tier, {100: payload(100, size)})  # evicts 1, not 0 (reads count after a restart)
-    assert tier.run_length(NS, 0, [0]) == 1 and tier.run_length(NS, 0, [1]) == 0
+    assert run(tier, 0, [0]) == 1 and run(tier, 0, [1]) == 0
     # Not closed (a crash): the next open must not believe the old checkpoint.
     await tier.flush(10)
     crashed = DiskTier.open(path, file_bytes_for(1, REGION))
     s = crashed.stats()
     assert s.opened_from == "headers" and s.blocks == 15
-    assert crashed.run_length(NS, 0, [100, 0, 2]) == 3 and crashed.run_length(NS, 0, [1]) == 0
+    assert run(crashed, 0, [100, 0, 2]) == 3 and run(crashed, 0, [1]) == 0
     assert await read(crashed, k(100), size) == payload(100, size)
     await crashed.close()
     await tier.close(checkpoint=False)
@@ -375,7 +388,7 @@ async def test_reopened_with_another_capacity(path: str) -> None:
     await tier.close()
     tier = DiskTier.open(path, file_bytes_for(1, REGION))  # shrunk: region 1 is gone
     assert on_disk(path)[0] == file_bytes_for(1, REGION)
-    assert tier.run_length(NS, 0, list(range(8))) == 5
+    assert run(tier, 0, list(range(8))) == 5
     assert await read(tier, k(4), big) == payload(4, big)
     await tier.close()
 
