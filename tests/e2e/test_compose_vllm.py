@@ -44,7 +44,8 @@ def test_each_engine_uses_its_own_node_and_pool() -> None:
         assert node in BASE and port in BASE[node]["expose"], f"{name} targets {settings.target}"
         assert engine["depends_on"] == {node: {"condition": "service_healthy"}}
         shm_dir = BASE[node]["environment"]["KVSTORE_SHM_DIR"]
-        assert engine["volumes"] == BASE[node]["volumes"] == [f"pool-{node}:{shm_dir}"]
+        pool = f"pool-{node}:{shm_dir}"  # the engine maps its node's pool, not its disk tier
+        assert engine["volumes"] == [pool] and pool in BASE[node]["volumes"]
         nodes_used.add(node)
     assert nodes_used == {"node-1", "node-2"}  # two hosts, one engine each
 
