@@ -3,7 +3,7 @@ and vLLM's own in-process prefix-cache hit (the limit), in one run.
 
     KVSTORE_VLLM_PYTHON=... python -m benchmarks.bench_vllm [--lengths 1024,2048,4096,8192]
         [--layers 6 --hidden 768] [--repeats 3] [--settle 2] [--quick] [--cluster]
-        [--verify-checksums peer|all]
+        [--verify-checksums peer|all] [--disk] [--max-tokens 1]
 
 Makes a random Llama offline (float32), starts a cache node and two vLLM
 engines with the kvstore connector (`tests/integrations/vllm/driver.py`):
@@ -18,11 +18,25 @@ redis-server, A saves into node 1 and B looks up node 2, so B's first request
 it, and B's second (``kvstore``, its prefix cache emptied again) loads it from
 its own node, where the fetch left it (`docs/cluster.md`).
 
-Each request is the system prompt plus a 16-token user prompt and one
-generated token. Prints one JSON object: per length, the median time to
-first token (vLLM's ``first_token_latency``) and the request's wall time, and
-the ratios the goals are stated in (kvstore / local, cold / kvstore; with
-``--cluster`` also cold / remote and remote / kvstore).
+With ``--disk`` the node has a disk tier (a file in the run's temp folder) and a
+third engine without the connector (``R``) is the reference. Per repeat, after
+``cold``, B loads the system prompt from memory (``kvstore``), R computes the
+same prompt from scratch (``reference``: recompute without the connector) and
+again from its own prefix cache (``reference_local``); then the node is stopped
+cleanly (which flushes the tier's write-behind) and started on the same disk
+file with empty memory, so the prefix is only on disk, and B loads the same
+prompt again (``disk``): the lookup promotes the blocks from disk. Per length
+the JSON adds ``exact`` (B's outputs from memory and from disk against R's:
+tokens equal, largest logprob difference, and R's own prefix-cache hit's
+difference as the yardstick) and ``node_disk``, the restarted node's /metrics
+deltas around the disk request (blocks promoted, promotion seconds).
+
+Each request is the system prompt plus a 16-token user prompt and
+``--max-tokens`` generated tokens (1 by default). Prints one JSON object: per
+length, the median time to first token (vLLM's ``first_token_latency``) and
+the request's wall time, and the ratios the goals are stated in (kvstore /
+local, cold / kvstore; with ``--cluster`` also cold / remote and remote /
+kvstore; with ``--disk`` disk / kvstore, cold / disk, reference / disk).
 """
 
 from __future__ import annotations
@@ -30,10 +44,13 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import re
+import socket
 import statistics
 import sys
 import tempfile
 import time
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +64,10 @@ def prompt(seed: int, n: int) -> list[int]:
     return [rng.randrange(3, 1024) for _ in range(n)]
 
 
+MAX_TOKENS = 1
+"""Tokens each measured request generates (``--max-tokens``)."""
+
+
 def one(engine: Engine, tokens: list[int], *, cold: bool, settle: float = 0.0) -> dict[str, Any]:
     if cold:
         engine.command(reset_prefix_cache=True)
@@ -54,21 +75,96 @@ def one(engine: Engine, tokens: list[int], *, cold: bool, settle: float = 0.0) -
     # 1 s, OpenMP threads spin): on a small host the engine that ran last would slow
     # the next measured request down. Let every engine go idle first.
     time.sleep(settle)
-    answer = engine.generate([tokens], max_tokens=1)
-    return {**answer["results"][0], "external_hits": answer["external_hits"]}
+    answer = engine.generate([tokens], max_tokens=MAX_TOKENS)
+    counts = ("external_hits", "kvstore_loaded", "kvstore_load_errors")
+    return {**answer["results"][0], **{k: answer[k] for k in counts}}
 
 
-def start_node(workdir: Path, redis: RedisServer | None, verify: str = "peer") -> Node:
+def start_node(
+    workdir: Path, redis: RedisServer | None, verify: str = "peer", disk: tuple[str, ...] = ()
+) -> Node:
     """A node with a 1 GiB namespace; in the cluster on ``redis`` when given; ``verify``:
-    its ``verify_checksums`` ("all": every local load's bytes are checked too)."""
+    its ``verify_checksums`` ("all": every local load's bytes are checked too); ``disk``:
+    more flags (the disk tier's)."""
     workdir.mkdir(parents=True, exist_ok=True)
-    flags: tuple[str, ...] = ("--verify-checksums", verify)
+    flags: tuple[str, ...] = ("--verify-checksums", verify, *disk)
     if redis is not None:
         flags += (
             "--redis-url", redis.url, "--node-id", workdir.name, "--cluster-token", "bench",
             "--heartbeat-seconds", "0.5", "--directory-flush-seconds", "0.01",
         )  # fmt: skip
     return Node(workdir, namespace_capacity="1GiB", extra_args=flags).start()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def disk_metrics(port: int) -> dict[str, float]:
+    """The node's ``kvstore_disk_*`` samples on /metrics (labels kept in the name)."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
+        page = resp.read().decode()
+    return {
+        m.group(1): float(m.group(2))
+        for m in re.finditer(r"^(kvstore_disk_\S+) (\S+)$", page, re.M)
+        if not m.group(1).endswith("_created")
+    }
+
+
+DISK_DELTAS = {
+    "promoted_blocks": "kvstore_disk_hits_total",
+    "reads": "kvstore_disk_reads_total",
+    "promotions": "kvstore_disk_promotion_seconds_count",
+    "promotion_s": "kvstore_disk_promotion_seconds_sum",
+    "promotion_timeouts": "kvstore_disk_promotion_timeouts_total",
+}
+
+
+def wait_written(node: Node, at_least: int, timeout: float = 60) -> int:
+    """Wait until the node's disk tier has written ``at_least`` blocks (its write-behind
+    runs after the commits); returns the count, short of ``at_least`` after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while (written := int(node.stats().disk.written_blocks)) < at_least:
+        if time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    return written
+
+
+def reconnect(a: Engine, b: Engine, timeout: float = 120) -> int:
+    """After a node restart, until B loads a prompt A just stored: B computes (and saves) a
+    prompt of its own, so that its worker process meets the new node too, A stores another
+    and B loads it. Returns the attempts.
+
+    B's own save was needed before the worker followed the lookup's pool epoch (a worker
+    that only loaded never noticed the restart, and its loads failed on the old pool
+    mapping: benchmarks/README.md, "A prefix only on disk"); the figures there were
+    measured this way, and it is kept so that runs stay comparable.
+    """
+    deadline = time.monotonic() + timeout
+    attempts = 0
+    while True:
+        attempts += 1
+        one(b, prompt(500_000 + attempts, 256), cold=True)
+        warm = prompt(600_000 + attempts, 256)
+        one(a, warm, cold=True)
+        time.sleep(1.5)
+        if one(b, warm, cold=True)["kvstore_loaded"] > 0:
+            return attempts
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the engines did not reach the restarted node in {timeout} s")
+        time.sleep(1.0)
+
+
+def exactness(got: dict[str, Any], ref: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "tokens_equal": got["tokens"] == ref["tokens"],
+        "max_logprob_diff": max(
+            abs(p - q) for p, q in zip(got["logprobs"], ref["logprobs"], strict=True)
+        ),
+    }
 
 
 def wait_published(redis: RedisServer, node_id: str, at_least: int, timeout: float = 60) -> int:
@@ -104,9 +200,21 @@ def main(argv: list[str] | None = None) -> int:
         default="peer",
         help="the nodes' verify_checksums: 'all' checks every local load's bytes too",
     )
+    parser.add_argument(
+        "--disk",
+        action="store_true",
+        help="a disk tier too: loads of a prefix only on disk (node restarted), and a "
+        "reference engine without the connector",
+    )
+    parser.add_argument("--disk-capacity", default="2GiB", help="the disk tier's size (--disk)")
+    parser.add_argument("--max-tokens", type=int, default=1, help="tokens each request generates")
     args = parser.parse_args(argv)
     if args.quick:
         args.lengths, args.repeats, args.layers, args.hidden = "1024", 1, 2, 256
+    if args.disk and args.cluster:
+        parser.error("--disk runs on one node: leave out --cluster")
+    global MAX_TOKENS
+    MAX_TOKENS = args.max_tokens
     python = vllm_python()
     if python is None:
         print(json.dumps({"error": "no python with vLLM (set KVSTORE_VLLM_PYTHON)"}))
@@ -118,36 +226,58 @@ def main(argv: list[str] | None = None) -> int:
         kv_heads=max(1, args.hidden // 256), max_positions=max(lengths) + 256,
     )  # fmt: skip
     redis = RedisServer(work / "redis").start() if args.cluster else None
+    metrics_port = free_port() if args.disk else 0
+    disk = (
+        ("--disk-path", str(work / "kvstore.disk"), "--disk-capacity-bytes", args.disk_capacity,
+         "--metrics-port", str(metrics_port))
+        if args.disk else ()
+    )  # fmt: skip
     nodes = [
-        start_node(work / name, redis, args.verify_checksums)
+        start_node(work / name, redis, args.verify_checksums, disk)
         for name in (("host-1", "host-2") if redis else ("n",))
     ]
-    spec = {"max_model_len": max(lengths) + 256, "max_num_batched_tokens": max(lengths) + 256}
+    spec: dict[str, Any] = {
+        "max_model_len": max(lengths) + 256,
+        "max_num_batched_tokens": max(lengths) + 256,
+    }
+    # With --disk the node restarts: a connector that met the stopped node leaves it alone
+    # for retry_interval (5 s by default); 1 s shortens the wait for the reconnection.
+    extra = {"retry_interval": 1.0} if args.disk else {}
     engines = [
-        Engine(python, model, connector={"target": node.target, "tenant": "bench"},
+        Engine(python, model, connector={"target": node.target, "tenant": "bench", **extra},
                block_size=args.block_size, log_dir=work, name=name, **spec)
         for name, node in zip(("a", "b"), (nodes[0], nodes[-1]), strict=True)
     ]  # fmt: skip
+    if args.disk:  # the reference: the same engine without the connector
+        engines.append(
+            Engine(python, model, connector=None, block_size=args.block_size, log_dir=work,
+                   name="r", **spec)
+        )  # fmt: skip
     out: dict[str, Any] = {
         "model": {"layers": args.layers, "hidden": args.hidden, "dtype": "float32"},
         "block_size": args.block_size,
         "settle_s": args.settle,
         "cluster": args.cluster,
         "verify_checksums": args.verify_checksums,
+        "max_tokens": args.max_tokens,
+        "disk": args.disk,
         "lengths": {},
     }
     try:
-        a, b = (e.wait_ready() for e in engines)
-        one(a, prompt(0, 64), cold=True)  # warm-up of both engines' kernels
-        one(b, prompt(1, 64), cold=True)
+        a, b, *rest = (e.wait_ready() for e in engines)
+        ref = rest[0] if rest else None
+        for i, engine in enumerate(engines):  # warm-up of the engines' kernels
+            one(engine, prompt(i, 64), cold=True)
         listed = 0  # blocks of host-1 in the directory
         for length in lengths:
-            ways = (
-                ("cold", "remote", "kvstore", "local")
-                if args.cluster
-                else ("cold", "kvstore", "local")
-            )
+            ways: tuple[str, ...] = ("cold", "kvstore", "local")
+            if args.cluster:
+                ways = ("cold", "remote", "kvstore", "local")
+            elif args.disk:
+                ways = ("cold", "reference", "kvstore", "local", "reference_local", "disk")
             rows: dict[str, list[dict[str, Any]]] = {way: [] for way in ways}
+            node_disk: list[dict[str, float]] = []
+            reconnects: list[int] = []
             for r in range(args.repeats):
                 system = prompt(10_000 + 100 * length + r, length)
                 settle = args.settle
@@ -160,8 +290,36 @@ def main(argv: list[str] | None = None) -> int:
                     rows["remote"].append(
                         one(b, system + prompt(4 + r, 16), cold=True, settle=settle)
                     )
+                if ref is not None:
+                    # R computes B's prompt without the connector: the reference output and
+                    # the recompute's TTFT; later its own hit on it (the yardstick).
+                    rows["reference"].append(
+                        one(ref, system + prompt(2 + r, 16), cold=True, settle=settle)
+                    )
                 rows["kvstore"].append(one(b, system + prompt(2 + r, 16), cold=True, settle=settle))
                 rows["local"].append(one(a, system + prompt(3 + r, 16), cold=False, settle=settle))
+                if ref is not None:
+                    rows["reference_local"].append(
+                        one(ref, system + prompt(2 + r, 16), cold=False, settle=settle)
+                    )
+                    # Only on disk: every block written, a clean stop (which flushes the
+                    # write-behind anyway), a new process on the same file, empty memory.
+                    node = nodes[0]
+                    written = wait_written(node, length // args.block_size)
+                    node.stop()
+                    node.start()
+                    reconnects.append(reconnect(a, b))
+                    before = disk_metrics(metrics_port)
+                    rows["disk"].append(
+                        one(b, system + prompt(2 + r, 16), cold=True, settle=settle)
+                    )
+                    after = disk_metrics(metrics_port)
+                    node_disk.append(
+                        {"written_before_restart": written,
+                         "rebuilt_blocks": after.get("kvstore_disk_rebuilt_blocks", 0.0),
+                         **{k: after.get(m, 0.0) - before.get(m, 0.0)
+                            for k, m in DISK_DELTAS.items()}}
+                    )  # fmt: skip
             summary: dict[str, Any] = {}
             for way, results in rows.items():
                 summary[way] = {
@@ -169,6 +327,8 @@ def main(argv: list[str] | None = None) -> int:
                     "wall_s": statistics.median(x["wall"] for x in results),
                     "external_hit_tokens": statistics.median(x["external_hits"] for x in results),
                     "cached_tokens": statistics.median(x["cached_tokens"] for x in results),
+                    "loaded_blocks": [x["kvstore_loaded"] for x in results],
+                    "load_error_blocks": [x["kvstore_load_errors"] for x in results],
                 }
             summary["kvstore_over_local"] = (
                 summary["kvstore"]["ttft_s"] / summary["local"]["ttft_s"]
@@ -178,6 +338,23 @@ def main(argv: list[str] | None = None) -> int:
                 remote = summary["remote"]["ttft_s"]
                 summary["cold_over_remote"] = summary["cold"]["ttft_s"] / remote
                 summary["remote_over_kvstore"] = remote / summary["kvstore"]["ttft_s"]
+            if args.disk:
+                from_disk = summary["disk"]["ttft_s"]
+                summary["disk_over_kvstore"] = from_disk / summary["kvstore"]["ttft_s"]
+                summary["cold_over_disk"] = summary["cold"]["ttft_s"] / from_disk
+                summary["reference_over_disk"] = summary["reference"]["ttft_s"] / from_disk
+                summary["exact"] = {
+                    way: [
+                        exactness(x, y) for x, y in zip(rows[way], rows["reference"], strict=True)
+                    ]
+                    for way in ("kvstore", "disk", "reference_local")
+                }
+                summary["exact"]["disk_equals_kvstore"] = all(
+                    x["tokens"] == y["tokens"] and x["logprobs"] == y["logprobs"]
+                    for x, y in zip(rows["disk"], rows["kvstore"], strict=True)
+                )
+                summary["node_disk"] = node_disk
+                summary["reconnect_attempts"] = reconnects
             out["lengths"][str(length)] = summary
     finally:
         for engine in engines:
@@ -186,6 +363,7 @@ def main(argv: list[str] | None = None) -> int:
             node.stop()
         if redis is not None:
             redis.stop()
+        (work / "kvstore.disk").unlink(missing_ok=True)  # preallocated: --disk-capacity
     print(json.dumps(out, indent=2))
     return 0
 

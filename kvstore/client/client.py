@@ -306,6 +306,26 @@ class Client(PrefixQueries):
             return
         await self._session.refresh_arenas(ns, version, timeout)
 
+    async def follow_epoch(
+        self, ns: Namespace, epoch: int, *, timeout: float | None = None
+    ) -> None:
+        """Remap ``ns`` when another process's lookup saw the node at another pool ``epoch``.
+
+        For a process that reads slots another process looked up (the vLLM
+        worker, with its scheduler's `Hit.epoch`): a node restart is seen by
+        the process whose call meets it; this one asks the node for its epoch
+        (Stats), and after a change registers ``ns`` again and maps the new
+        pool. Nothing to do when ``ns`` is mapped at ``epoch`` already. The
+        caller checks ``ns.epoch`` afterwards: it may still differ (the node
+        restarted again since that lookup), and then the lookup's slots must
+        not be read.
+        """
+        if ns.epoch == epoch:
+            return
+        resp = await self._rpc.call(methods.STATS, pb.StatsRequest(), timeout, idempotent=True)
+        self._session.observe_epoch(resp.pool_epoch)
+        await self._session.ensure_ready(ns, timeout)
+
     async def _guarded_lookup(
         self,
         ns: Namespace,

@@ -151,6 +151,10 @@ class SyncClient:
         """See `Client.follow_pool`."""
         self._run(self._client.follow_pool(ns, version, timeout=timeout))
 
+    def follow_epoch(self, ns: Namespace, epoch: int, *, timeout: float | None = None) -> None:
+        """See `Client.follow_epoch`."""
+        self._run(self._client.follow_epoch(ns, epoch, timeout=timeout))
+
     def release(
         self, hit: Hit, *, streams: Sequence[Any] | None = None, timeout: float | None = None
     ) -> int:

@@ -14,6 +14,7 @@ from kvstore.client.methods import Unary
 from kvstore.errors import AlreadyExists, FailedPrecondition, InvalidArgument
 from kvstore.layout import KVLayout
 from kvstore.results import MissReason
+from kvstore.types import SlotId
 from service.server import Server
 from tests.client.blocks import LAYOUT, TOKENS, block
 
@@ -178,6 +179,41 @@ async def test_epoch_change_drops_mappings(kv_server: Server) -> None:
             await kv.release(hit)
         finally:
             await kv.close()
+            await restarted.stop(0.1)
+
+
+async def test_a_reader_follows_the_epoch_another_clients_lookup_saw(kv_server: Server) -> None:
+    """The vLLM worker's case: it only reads what its scheduler looked up, so no call of its
+    own meets a node restart; given the lookup's epoch it registers and maps again."""
+    async with (
+        Client(kv_server.address, tenant="acme", timeout=5.0) as writer,
+        Client(kv_server.address, tenant="acme", timeout=5.0) as reader,
+    ):
+        ns_w = await writer.register_namespace("m", LAYOUT)
+        ns_r = await reader.register_namespace("m", LAYOUT)
+        old_mapping = ns_r.mapping
+        assert old_mapping is not None
+        await reader.follow_epoch(ns_r, old_mapping.descriptor.epoch)  # mapped at it: no-op
+        assert ns_r.mapping is old_mapping
+
+        port = kv_server.port
+        await kv_server.stop(0.1)
+        restarted = Server(dataclasses.replace(kv_server.config, port=port))
+        await restarted.start()
+        try:
+            assert (await writer.lookup(ns_w, TOKENS)).hit_blocks == 0  # re-registers
+            assert (await writer.store(ns_w, TOKENS, [block(i) for i in range(5)])).committed == 5
+            hit = await writer.lookup(ns_w, TOKENS, pin=True)
+            assert hit.epoch != old_mapping.descriptor.epoch
+            await reader.follow_epoch(ns_r, hit.epoch)
+            assert old_mapping.closed and ns_r.epoch == hit.epoch and not ns_r.stale
+            assert ns_r.mapping is not None
+            # The reader reads the writer's block through its new mapping.
+            assert bytes(ns_r.mapping.buffer(SlotId(int(hit.slots[4])))) == block(4).tobytes()
+            await writer.release(hit)
+        finally:
+            await writer.close()
+            await reader.close()
             await restarted.stop(0.1)
 
 

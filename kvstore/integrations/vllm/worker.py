@@ -229,6 +229,15 @@ class WorkerSide:
         ns = self.link.wait_namespace(self.link.config.connect_timeout)
         if ns is None:
             raise LoadFailed("the node is unreachable")
+        if ns.epoch != load.epoch and self.link.client is not None:
+            # The scheduler looked up on a node that restarted since this process mapped its
+            # pool (a worker that only loads makes no call that would notice): remap first.
+            try:
+                self.link.client.follow_epoch(
+                    ns, load.epoch, timeout=self.link.config.lookup_timeout
+                )
+            except KVStoreError as exc:
+                raise LoadFailed(f"the pool could not be mapped again ({exc})") from exc
         mapping = ns.mapping
         if mapping is None or mapping.closed or ns.epoch != load.epoch:
             raise LoadFailed(f"the pool mapping is at epoch {ns.epoch}, the lookup at {load.epoch}")

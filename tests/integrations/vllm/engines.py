@@ -175,8 +175,8 @@ class Engine:
                 with self._cond:
                     if line.startswith("@@READY"):
                         self._ready = True
-                    elif line.startswith("@@RESULT "):
-                        self._results.append(line[len("@@RESULT ") :])
+                    elif "@@RESULT " in line:  # a log line may share it (see `answer`)
+                        self._results.append(line[line.index("@@RESULT ") + len("@@RESULT ") :])
                     self._cond.notify_all()
         with self._cond:
             self._cond.notify_all()
@@ -213,7 +213,10 @@ class Engine:
     def answer(self, ticket: int, timeout: float = 300.0) -> dict[str, Any]:
         """The answer of a `send`, waiting up to ``timeout`` seconds."""
         self._wait(lambda: len(self._results) > ticket, timeout, f"answer command {ticket}")
-        return dict(json.loads(self._results[ticket]))
+        # vLLM's engine-core process logs to the same pipe: a log line can land on the end
+        # of the answer's line before its newline. The answer is the JSON object up front.
+        answer, _ = json.JSONDecoder().raw_decode(self._results[ticket])
+        return dict(answer)
 
     def pause(self) -> None:
         """SIGSTOP every process of the engine (a stalled host, swapped out, debugged)."""

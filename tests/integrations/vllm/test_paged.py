@@ -257,6 +257,56 @@ def test_cpu_loads_copy_runs_of_adjacent_slots_into_adjacent_blocks(tmp_path, or
         pool.close()
 
 
+class _FollowingClient:
+    """A client whose `follow_epoch` finds the node restarted: the namespace is mapped anew."""
+
+    def __init__(self, mapping: HostMapping, epoch: int) -> None:
+        self.mapping, self.epoch = mapping, epoch
+        self.follows: list[int] = []
+
+    def follow_epoch(self, ns: _Namespace, epoch: int, *, timeout: float | None = None) -> None:
+        self.follows.append(epoch)
+        ns.mapping, ns.epoch = self.mapping, self.epoch
+
+
+def test_a_load_from_a_restarted_node_remaps_the_pool_before_its_copy(tmp_path) -> None:
+    """A worker that only loads makes no call that meets a node restart: the scheduler's
+    lookup carries the new epoch, and the worker maps the new pool before it copies."""
+    old = HostPool.create(
+        NamespaceId("00112233aabbccdd"), LAYOUT.block_bytes, 8, 0xE1, directory=str(tmp_path)
+    )
+    new = HostPool.create(
+        NamespaceId("00112233aabbccdd"), LAYOUT.block_bytes, 8, 0xE2, directory=str(tmp_path)
+    )
+    old_mapping, new_mapping = HostMapping.open(old.descriptor), HostMapping.open(new.descriptor)
+    worker = mapped_worker(old_mapping, "cpu")
+    client = _FollowingClient(new_mapping, 0xE2)
+    worker.link.client = client  # type: ignore[attr-defined]
+    try:
+        worker.register_kv_caches({f"layer.{i}": t for i, t in enumerate(cpu_layers())})
+        stored = torch.randn(2, *stored_shape(LAYOUT, "cpu"))
+        for slot, block in zip((3, 5), stored, strict=True):
+            new.write(slot, block.numpy().tobytes())
+        load = LoadSpec("r", (0, 1), (3, 5), 0xE2, HELD, stamps=stamped(new, (3, 5)))
+        meta = KVStoreConnectorMetadata(loads=[load])
+        meta.idle = True
+        worker.start_load(meta)
+        assert worker.take_finished() == {"r"} and worker.take_load_errors() == set()
+        assert client.follows == [0xE2]
+        want = as_canonical(stored, LAYOUT, "cpu")
+        assert torch.equal(gather_blocks(worker.layers, [0, 1], LAYOUT), want)
+        # A lookup of an epoch the node no longer has (it restarted again): recompute.
+        client.epoch = 0xE2
+        stale = KVStoreConnectorMetadata(loads=[LoadSpec("s", (2,), (3,), 0xE3, HELD)])
+        stale.idle = True
+        worker.start_load(stale)
+        assert worker.take_finished() == {"s"} and worker.take_load_errors() == {2}
+    finally:
+        worker.shutdown()
+        for closing in (old_mapping, new_mapping, old, new):
+            closing.close()
+
+
 def unreachable_worker(max_pending_save_bytes: int) -> tuple[WorkerSide, list[torch.Tensor]]:
     """A worker over CPU paged layers (registered) whose node cannot be reached."""
     cache = cpu_layers()
