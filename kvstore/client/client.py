@@ -18,11 +18,9 @@ Rules the client keeps:
 * **Release after the reads.** On a CUDA pool, `release` sends ``Release``
   only once the GPU reads queued on the caller's streams are done (a
   released slot may be rewritten by another runner at once).
-* **Nothing leaks on cancellation.** A pinned lookup or a reservation that is
-  cancelled mid-flight is finished in the background and its pins released
-  or its slots aborted; a failing or cancelled `store` aborts what it
-  reserved (``except BaseException: abort; raise``); a cancelled `release`
-  still goes out, from the background.
+* **Nothing leaks on cancellation.** A cancelled pinned lookup or reservation
+  is finished in the background (pins released, slots aborted), a failing
+  `store` aborts what it reserved, a cancelled `release` still goes out.
 * **Pins are dropped once per hit.** A pinned lookup names its pins with a
   fresh random id (``LookupRequest.release_id``) and the hit's release
   carries it: the node drops exactly the pins that lookup took, once, so a
@@ -296,10 +294,8 @@ class Client(PrefixQueries):
     ) -> None:
         """Map the pool's arenas as of ``version`` at least (0: nothing to do).
 
-        For a process that reads slots another process looked up (the vLLM
-        worker, with its scheduler's `Hit.pool_version`): the pins keep every
-        arena up to theirs in place, so any mapping of this version or later
-        addresses them.
+        For a process reading slots another one looked up (the vLLM worker, with
+        its scheduler's `Hit.pool_version`): any mapping as new addresses them.
         """
         mapping = ns.mapping
         if not version or (mapping is not None and mapping.descriptor.version >= version):
@@ -309,22 +305,8 @@ class Client(PrefixQueries):
     async def follow_epoch(
         self, ns: Namespace, epoch: int, *, timeout: float | None = None
     ) -> None:
-        """Remap ``ns`` when another process's lookup saw the node at another pool ``epoch``.
-
-        For a process that reads slots another process looked up (the vLLM
-        worker, with its scheduler's `Hit.epoch`): a node restart is seen by
-        the process whose call meets it; this one asks the node for its epoch
-        (Stats), and after a change registers ``ns`` again and maps the new
-        pool. Nothing to do when ``ns`` is mapped at ``epoch`` already. The
-        caller checks ``ns.epoch`` afterwards: it may still differ (the node
-        restarted again since that lookup), and then the lookup's slots must
-        not be read.
-        """
-        if ns.epoch == epoch:
-            return
-        resp = await self._rpc.call(methods.STATS, pb.StatsRequest(), timeout, idempotent=True)
-        self._session.observe_epoch(resp.pool_epoch)
-        await self._session.ensure_ready(ns, timeout)
+        """Remap ``ns`` when another process's lookup saw the pool at ``epoch`` (`NodeSession`)."""
+        await self._session.follow_epoch(ns, epoch, timeout)
 
     async def _guarded_lookup(
         self,

@@ -298,6 +298,23 @@ class NodeSession:
         mapping.close()
         ns.mapping = await asyncio.to_thread(attach, descriptor, device=device)
 
+    async def follow_epoch(self, ns: Namespace, epoch: int, timeout: float | None) -> None:
+        """Remap ``ns`` when another process's lookup saw the node at another pool ``epoch``.
+
+        For a process that reads slots another process looked up (the vLLM
+        worker, with its scheduler's `Hit.epoch`): a node restart is seen by
+        the process whose call meets it; this one asks the node for its epoch
+        (Stats), and after a change registers ``ns`` again and maps the new
+        pool. The caller checks ``ns.epoch`` afterwards: it may still differ
+        (the node restarted again since that lookup), and then the lookup's
+        slots must not be read.
+        """
+        if ns.epoch == epoch:
+            return
+        resp = await self.rpc.call(methods.STATS, pb.StatsRequest(), timeout, idempotent=True)
+        self.observe_epoch(resp.pool_epoch)
+        await self.ensure_ready(ns, timeout)
+
     async def ensure_ready(
         self,
         ns: Namespace,
