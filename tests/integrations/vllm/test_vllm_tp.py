@@ -126,8 +126,15 @@ def test_tp1_and_tp2_engines_never_share(engines, node) -> None:
 
 def rank_pins(node: Node, rank: int) -> int:
     """Pins held in tensor-parallel rank ``rank``'s namespace."""
+    return rank_count(node, rank, "pinned")
+
+
+def rank_count(node: Node, rank: int, field: str) -> int:
+    """A figure (``pinned``, ``ready``) of tensor-parallel rank ``rank``'s namespace."""
     return sum(
-        int(ns.pinned) for ns in node.stats().namespaces if ns.model_id.endswith(f"#tp-2.{rank}")
+        int(getattr(ns, field))
+        for ns in node.stats().namespaces
+        if ns.model_id.endswith(f"#tp-2.{rank}")
     )
 
 
@@ -137,7 +144,18 @@ def test_a_slow_rank_keeps_its_pins_until_it_has_copied(engines, node, faults) -
     another tenant could rewrite the slots under its copy); the answer is exact."""
     a2, ref2 = engines["a2"], engines["ref2"]
     prompt = system(77) + USER_2
+    ready = [rank_count(node, rank, "ready") for rank in (0, 1)]
     run(a2, system(77) + USER_1)  # the node holds the system prompt, rank by rank
+    # A request's answer can come before its saves land (they are written behind):
+    # the held load below needs both ranks' blocks on the node, so wait for them.
+    wait_until(
+        lambda: all(
+            rank_count(node, rank, "ready") >= ready[rank] + SYSTEM_HIT // BLOCK for rank in (0, 1)
+        ),
+        what="both ranks' saves of the system prompt",
+        within=60,
+        tail=a2.tail,
+    )
     a2.command(reset_prefix_cache=True)
     hold, reached = faults / "hold-loads-rank-1", faults / "hold-loads-rank-1.reached"
     reached.unlink(missing_ok=True)
