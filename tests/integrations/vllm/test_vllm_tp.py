@@ -154,6 +154,7 @@ def test_a_slow_rank_keeps_its_pins_until_it_has_copied(engines, node, faults) -
         ),
         what="both ranks' saves of the system prompt",
         within=60,
+        interval=0.5,
         tail=a2.tail,
     )
     a2.command(reset_prefix_cache=True)
@@ -164,7 +165,11 @@ def test_a_slow_rank_keeps_its_pins_until_it_has_copied(engines, node, faults) -
         ticket = a2.send(prompts=[prompt], max_tokens=8)
         wait_until(reached.exists, what="rank 1's load", within=300, tail=a2.tail)
         wait_until(
-            lambda: rank_pins(node, 0) == 0, what="rank 0's pins to go", within=60, tail=a2.tail
+            lambda: rank_pins(node, 0) == 0,
+            what="rank 0's pins to go",
+            within=60,
+            interval=0.5,
+            tail=a2.tail,
         )
         assert rank_pins(node, 1) == 3, "rank 1's pins went with rank 0's report"
     finally:
