@@ -1,4 +1,5 @@
-"""The serverless benchmarks still run: each prints its JSON on a --quick run.
+"""The benchmarks that need no vLLM still run: each prints its JSON on a --quick run
+(`bench_disk_restart` starts its own node processes, the others need no server).
 
 They import the SDK's and the node's internals (a lazy `Hit`, the wire
 converters), so a refactor that breaks them shows here, not in a user's
@@ -25,6 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
         ("benchmarks.bench_checksum", "sizes"),
         ("benchmarks.bench_verify", "lengths"),
         ("benchmarks.bench_disk", "sizes"),
+        ("benchmarks.bench_disk_restart", "runs"),
     ],
 )
 def test_a_quick_run_prints_its_figures(module: str, key: str) -> None:
