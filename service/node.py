@@ -16,6 +16,7 @@ from collections.abc import Callable, Sequence
 from typing import TypeVar
 
 import kvstore
+from kvstore.api.wire import EVENT_TIER_DISK
 from kvstore.block_table import BlockTable
 from kvstore.errors import PermissionDenied, UnknownNamespace
 from kvstore.events import CacheEvent
@@ -399,11 +400,15 @@ class Node:
             self.kv_events.publish(taken)
 
     def publish_disk_events(self, events: list[CacheEvent]) -> None:
-        """The disk tier's stored and removed blocks: to the directory's disk sets and as
-        KV events with the disk medium (`service.disk.holdings`)."""
-        if self.cluster is not None:
-            for ev in events:
-                self.cluster.publish_disk(ev)
+        """The disk tier's stored and removed blocks, as the pool's are published (tier
+        "disk"): to watchers, the directory's disk sets and the cluster stream, and as KV
+        events with the disk medium (`service.disk.holdings`)."""
+        for ev in events:
+            self.events.publish(
+                ev.namespace, translate.event(ev, self.node_id, self.to_unix, EVENT_TIER_DISK)
+            )
+            if self.cluster is not None:
+                self.cluster.publish_disk(ev, self.to_unix(ev.at))
         self.kv_events.publish(events, DISK_MEDIUM)
 
     def _block_size_of(self, namespace: NamespaceId) -> int | None:

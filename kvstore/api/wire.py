@@ -1,5 +1,5 @@
 """Wire forms of the values both sides of the API exchange: layouts, hash schemes,
-and the packed forms of chains (docs/api.md, "Wire forms").
+the packed forms of chains (docs/api.md, "Wire forms") and the tier of an event.
 
 One module owns this mapping so that the client and the service cannot
 drift apart. It imports the generated protobuf messages but not grpc.
@@ -46,6 +46,25 @@ _SCHEME_PROTO: dict[HashScheme, pb.HashScheme.ValueType] = {
     HashScheme.KVSTORE_SHA256: pb.HASH_SCHEME_KVSTORE_SHA256,
     HashScheme.VLLM_SHA256_CBOR: pb.HASH_SCHEME_VLLM_SHA256_CBOR,
 }
+
+
+EVENT_TIER_MEMORY = "memory"
+"""`Event.tier` of a node's pool; a block event with "" (from an older node) means the same."""
+
+EVENT_TIER_DISK = "disk"
+"""`Event.tier` of a node's disk tier (docs/disk.md)."""
+
+_BLOCK_EVENTS = frozenset({pb.EVENT_KIND_STORED, pb.EVENT_KIND_REMOVED, pb.EVENT_KIND_CLEARED})
+
+
+def event_tier(event: pb.Event) -> str:
+    """Where ``event``'s blocks are: "memory" or "disk"; "" for a node joined / left.
+
+    A node older than `Event.tier` sends "" on every event, and had only its pool.
+    """
+    if event.tier or event.kind not in _BLOCK_EVENTS:
+        return event.tier
+    return EVENT_TIER_MEMORY
 
 
 def layout_to_proto(layout: KVLayout) -> pb.KVLayout:

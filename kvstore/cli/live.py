@@ -10,6 +10,7 @@ from typing import Annotated, Any
 import grpc
 import typer
 
+from kvstore.api.wire import event_tier
 from kvstore.cli.common import (
     DEFAULT_TARGET,
     EXIT_NOT_CONFIGURED,
@@ -47,7 +48,19 @@ def event_json(ev: pb.Event) -> dict[str, Any]:
         "at": ev.at,
         "node_id": ev.node_id,
         "tenant": ev.tenant,
+        "tier": event_tier(ev),
     }
+
+
+def event_line(doc: dict[str, Any]) -> str:
+    """One event of ``kvstore watch`` (`event_json`'s fields): time, node, kind, tier
+    (``-`` for a node event), namespace, blocks, first hash, tenant."""
+    at = datetime.datetime.fromtimestamp(doc["at"]).strftime("%H:%M:%S.%f")[:-3]
+    first = doc["hashes"][0][:12] if doc["hashes"] else ""
+    return (
+        f"{at} {doc['node_id']} {doc['kind']:<8} {doc['tier'] or '-':<6} {doc['namespace'][:12]} "
+        f"{plural(len(doc['hashes']), 'block')} {first} {doc['tenant']}"
+    )
 
 
 def watch(
@@ -61,7 +74,8 @@ def watch(
     count: Annotated[int, typer.Option(min=0, help="Stop after this many events (0: never).")] = 0,
     duration: Annotated[float, typer.Option(min=0, help="Stop after seconds (0: never).")] = 0,
 ) -> None:
-    """Stream cache events (stored, removed, cleared, nodes joining and leaving)."""
+    """Stream cache events (stored, removed, cleared, nodes joining and leaving), each with
+    the tier of its blocks: memory (the pool) or disk (the disk tier)."""
     with connect(target, duration or 5.0, token) as node:
         ns_id = node.resolve_namespace(namespace).namespace_id if namespace else ""
         call = node.stub.WatchEvents(
@@ -83,12 +97,7 @@ def watch(
                     sys.stdout.write(jsonlib.dumps(doc) + "\n")
                     sys.stdout.flush()
                 else:
-                    at = datetime.datetime.fromtimestamp(doc["at"]).strftime("%H:%M:%S.%f")[:-3]
-                    first = doc["hashes"][0][:12] if doc["hashes"] else ""
-                    console.print(
-                        f"{at} {doc['node_id']} {doc['kind']:<8} {doc['namespace'][:12]} "
-                        f"{plural(len(doc['hashes']), 'block')} {first} {doc['tenant']}"
-                    )
+                    console.print(event_line(doc))
                 if count and seen >= count:
                     break
         except grpc.RpcError as exc:

@@ -1703,6 +1703,7 @@ class Event(_message.Message):
     AT_FIELD_NUMBER: _builtins.int
     NODE_ID_FIELD_NUMBER: _builtins.int
     TENANT_FIELD_NUMBER: _builtins.int
+    TIER_FIELD_NUMBER: _builtins.int
     kind: Global___EventKind.ValueType
     namespace_id: _builtins.str
     parent: _builtins.bytes
@@ -1710,6 +1711,12 @@ class Event(_message.Message):
     """unix seconds"""
     node_id: _builtins.str
     tenant: _builtins.str
+    tier: _builtins.str
+    """Where the blocks are (stored / removed / cleared): "memory" (the node's
+    pool) or "disk" (its disk tier, docs/disk.md). "" on node joined / left,
+    and on every event of a node older than this field: read "" on a block
+    event as "memory".
+    """
     @_builtins.property
     def hashes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bytes]: ...
     def __init__(
@@ -1722,10 +1729,11 @@ class Event(_message.Message):
         at: _builtins.float = ...,
         node_id: _builtins.str = ...,
         tenant: _builtins.str = ...,
+        tier: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["at", b"at", "hashes", b"hashes", "kind", b"kind", "namespace_id", b"namespace_id", "node_id", b"node_id", "parent", b"parent", "tenant", b"tenant"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["at", b"at", "hashes", b"hashes", "kind", b"kind", "namespace_id", b"namespace_id", "node_id", b"node_id", "parent", b"parent", "tenant", b"tenant", "tier", b"tier"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -168,8 +168,10 @@ def block_info(info: BlockInfo, to_unix: ToUnix, engines: Sequence[str] = ()) ->
     )
 
 
-def event(ev: CacheEvent, node_id: str, to_unix: ToUnix) -> pb.Event:
-    """The wire form of a cache event."""
+def event(
+    ev: CacheEvent, node_id: str, to_unix: ToUnix, tier: str = wire.EVENT_TIER_MEMORY
+) -> pb.Event:
+    """The wire form of a cache event of the pool's blocks, or of ``tier``'s."""
     return pb.Event(
         kind=_EVENT_KINDS[ev.kind],
         namespace_id=ev.namespace,
@@ -178,6 +180,7 @@ def event(ev: CacheEvent, node_id: str, to_unix: ToUnix) -> pb.Event:
         at=to_unix(ev.at),
         node_id=node_id,
         tenant=ev.scope,
+        tier=tier,
     )
 
 

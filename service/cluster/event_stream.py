@@ -1,8 +1,9 @@
 """The cluster-wide event stream on Redis: encoding, appending, reading.
 
 One Redis stream (``{P}:events``, bounded by ``MAXLEN ~``) carries every
-node's block events (stored / removed / cleared) and the registry's node
-joined / left. Entries are flat fields, readable from any language:
+node's block events (stored / removed / cleared), of its pool and of its disk
+tier, and the registry's node joined / left. Entries are flat fields,
+readable from any language:
 
     kind    stored | removed | cleared | node_joined | node_left
     node    node id
@@ -11,6 +12,8 @@ joined / left. Entries are flat fields, readable from any language:
     tenant  scope               (block events; "" in shared namespaces)
     parent  32-byte hash        (stored, when the chain has a parent)
     hashes  concatenated 32-byte hashes, in chain order
+    tier    "disk" (stored / removed on the node's disk tier); absent on the
+            pool's events, as older nodes write them: no tier means memory
 
 `watch` follows the stream from "now" for ``WatchEvents(cluster=true)``,
 reconnecting with backoff when Redis goes away (events appended meanwhile
@@ -26,6 +29,7 @@ from typing import Any
 
 from redis.backoff import AbstractBackoff
 
+from kvstore.api.wire import EVENT_TIER_MEMORY, event_tier
 from kvstore.events import CacheEvent, EventKind
 from kvstore.v1 import kvstore_pb2 as pb
 from service.cluster.keys import HASH_BYTES
@@ -45,8 +49,15 @@ READ_BLOCK_MS = 500
 """Longest a blocking ``XREAD`` waits (a stopping watcher notices within it)."""
 
 
-def fields_of(ev: CacheEvent, node_id: str, at_unix: float) -> dict[str, bytes]:
-    """The stream fields of one cache event."""
+def fields_of(
+    ev: CacheEvent, node_id: str, at_unix: float, tier: str = EVENT_TIER_MEMORY
+) -> dict[str, bytes]:
+    """The stream fields of one cache event of the pool's blocks, or of ``tier``'s.
+
+    The pool's entries carry no ``tier`` field: they stay exactly what every
+    node version writes, and a reader of the stream needs one rule (no tier:
+    memory) whichever node wrote an entry.
+    """
     fields = {
         "kind": ev.kind.value.encode(),
         "node": node_id.encode(),
@@ -57,16 +68,19 @@ def fields_of(ev: CacheEvent, node_id: str, at_unix: float) -> dict[str, bytes]:
     }
     if ev.kind is EventKind.STORED and ev.parent is not None:
         fields["parent"] = bytes(ev.parent)
+    if tier != EVENT_TIER_MEMORY:
+        fields["tier"] = tier.encode()
     return fields
 
 
 def event_of(fields: dict[bytes, bytes]) -> pb.Event | None:
-    """The wire event of a stream entry (None for a kind this version does not know)."""
+    """The wire event of a stream entry (None for a kind this version does not know);
+    its tier is "memory" on a block entry without one."""
     kind = _KINDS.get(fields.get(b"kind", b"").decode(errors="replace"))
     if kind is None:
         return None
     raw = fields.get(b"hashes", b"")
-    return pb.Event(
+    event = pb.Event(
         kind=kind,
         namespace_id=fields.get(b"ns", b"").decode(),
         hashes=[raw[i : i + HASH_BYTES] for i in range(0, len(raw), HASH_BYTES)],
@@ -74,7 +88,10 @@ def event_of(fields: dict[bytes, bytes]) -> pb.Event | None:
         at=float(fields.get(b"at", b"0") or 0),
         node_id=fields.get(b"node", b"").decode(),
         tenant=fields.get(b"tenant", b"").decode(),
+        tier=fields.get(b"tier", b"").decode(errors="replace"),
     )
+    event.tier = event_tier(event)  # an entry without one is the pool's
+    return event
 
 
 def append(pipe: Any, stream: str, fields: dict[str, bytes], maxlen: int) -> None:

@@ -246,11 +246,12 @@ class NodeDisk:
         for _, digest, block_hash in self.tier.keys_of(key):
             by_scope.setdefault(digest, []).append(BlockHash(block_hash))
         events: list[CacheEvent] = []
+        now = self.node.now()  # the events' time (the cluster stream's `at`)
         for digest, hashes in by_scope.items():
             scope = self.names.scope(digest)
             if scope is not None:
                 kind = EventKind.STORED
-                events.append(CacheEvent(kind, spec.namespace_id, scope, tuple(hashes)))
+                events.append(CacheEvent(kind, spec.namespace_id, scope, tuple(hashes), at=now))
         if events:
             self.on_events(events)
 

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from kvstore.cli.live import event_json, event_line
 from kvstore.v1 import kvstore_pb2 as pb
 from tests.cli.conftest import BLOCK_SIZE, free_port, kvstore
 from tests.replies import entries_of
@@ -123,6 +124,17 @@ def test_watch_streams_events(live_node):
     event = json.loads(out.splitlines()[0])
     assert event["kind"] == "stored" and event["namespace"] == live_node.namespace
     assert event["hashes"] == [h.hex() for h in hashes] and event["node_id"] == "cli-node"
+    assert event["tier"] == "memory"  # no disk tier on this node
+
+
+def test_watch_shows_each_events_tier():
+    disk = event_json(pb.Event(kind=pb.EVENT_KIND_STORED, hashes=[b"\x01" * 32], tier="disk"))
+    older = event_json(pb.Event(kind=pb.EVENT_KIND_REMOVED))  # a node older than Event.tier
+    joined = event_json(pb.Event(kind=pb.EVENT_KIND_NODE_JOINED, node_id="node-b"))
+    assert (disk["tier"], older["tier"], joined["tier"]) == ("disk", "memory", "")
+    assert " stored   disk   " in event_line(disk) and "1 block 010101010101" in event_line(disk)
+    assert " removed  memory " in event_line(older)
+    assert " node_joined - " in event_line(joined)
 
 
 def test_nodes_without_redis_says_so():

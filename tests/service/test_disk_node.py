@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import re
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
@@ -257,3 +258,48 @@ async def test_a_second_node_on_the_same_disk_file_stops_at_start(disk_config: C
             Server(disk_config)
     async with started(disk_config, ManualClock()):  # free again once the first stopped
         pass
+
+
+async def events_until(
+    watch: grpc.aio.UnaryStreamCall[pb.WatchEventsRequest, pb.Event],
+    done: Callable[[list[pb.Event]], bool],
+) -> list[pb.Event]:
+    """Events read from ``watch`` until ``done(all read so far)`` (10 s at most)."""
+    got: list[pb.Event] = []
+    async with asyncio.timeout(10):
+        while not done(got):
+            event = await watch.read()
+            assert isinstance(event, pb.Event), "the watch ended"
+            got.append(event)
+    return got
+
+
+def hashes_of(events: list[pb.Event], kind: pb.EventKind.ValueType, tier: str) -> set[bytes]:
+    return {h for e in events if e.kind == kind and e.tier == tier for h in e.hashes}
+
+
+async def test_watchers_see_the_disk_tiers_blocks_with_tier_disk(disk_config: Config) -> None:
+    async with (
+        started(disk_config, ManualClock()) as server,
+        Client(server.address, tenant="a") as kv,
+        grpc.aio.insecure_channel(server.address) as channel,
+    ):
+        stub = kvstore_pb2_grpc.KVStoreStub(channel)
+        watch = stub.WatchEvents(pb.WatchEventsRequest(), timeout=30)  # no filter: both tiers
+        await watch.initial_metadata()
+        ns = await kv.register_namespace("disk-model", LAYOUT)
+        assert (await kv.store(ns, TOKENS, random_blocks(4))).committed == BLOCKS
+        stored, disk = pb.EVENT_KIND_STORED, "disk"
+        got = await events_until(watch, lambda g: len(hashes_of(g, stored, disk)) == BLOCKS)
+        chain = hashes_of(got, stored, "memory")
+        assert len(chain) == BLOCKS and hashes_of(got, stored, disk) == chain
+        assert {e.tier for e in got} == {"memory", "disk"}
+        assert all(e.node_id == "test-node" and e.namespace_id == ns.id for e in got)
+        on_disk = next(e for e in got if e.tier == disk)
+        assert on_disk.parent == b"" and on_disk.at > 0  # the tier writes in any order
+
+        await stub.DropNamespace(pb.DropNamespaceRequest(namespace_id=ns.id), timeout=5)
+        removed = pb.EVENT_KIND_REMOVED
+        got = await events_until(watch, lambda g: hashes_of(g, removed, disk) == chain)
+        assert hashes_of(got, removed, "memory") == chain  # the pool's, as before
+        watch.cancel()
