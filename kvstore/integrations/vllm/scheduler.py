@@ -439,6 +439,10 @@ class SchedulerSide:
             return False
         chains = self._chains.extend(request, tracked.chains, full)
         if chains is None:
+            if self.link.namespaces() is None:
+                # Not registered right now (the node restarted: its namespace is being
+                # registered again; or it is down): plan in a later step, once it is.
+                return False
             tracked.poisoned = True  # cannot be keyed: never saved
             return False
         tracked.chains = chains

@@ -224,3 +224,36 @@ async def test_a_tensor_parallel_engine_looks_up_every_ranks_namespace_and_loads
             side.shutdown()
 
     await asyncio.to_thread(scenario)
+
+
+async def test_a_save_planned_while_the_node_restarts_waits_for_it_instead_of_being_lost(
+    kv_server: Server,
+) -> None:
+    """After a node restart the client marks its namespaces stale and registers them
+    again; a request whose save falls in that window must be saved once the namespace
+    is back, not dropped for good (it was: the request was marked unkeyable)."""
+    address = kv_server.address
+
+    def scenario() -> None:
+        side = scheduler_side(address)
+        link = side.link
+        try:
+            req = request("restart", [*range(700, 700 + 2 * BS), 5])
+            assert answer(side, req) == 0
+            side.after_alloc(req, [3, 4], 0)
+            client = link.client
+            assert client is not None
+            # What a reply from a restarted node does: a new epoch, the namespaces stale.
+            assert client.client.session.observe_epoch(client.client.epoch + 1)
+            assert side.build_meta(prefill_step(req, [3, 4])).saves == []
+            # The link registers the namespace again (its next use starts it).
+            wait_until(lambda: link.namespaces() is not None, what="the namespace registered again")
+            sample(req, 6)
+            meta = side.build_meta(decode_step(req, 2 * BS + 1))
+            (save,) = meta.saves
+            assert (save.first_new, save.block_ids) == (0, (3, 4))
+            assert list(save.hashes) == link.namespace().hash(req.all_token_ids)[:2]  # type: ignore[union-attr]
+        finally:
+            side.shutdown()
+
+    await asyncio.to_thread(scenario)
