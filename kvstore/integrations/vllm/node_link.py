@@ -159,8 +159,7 @@ class NodeLink:
                 return
             self._namespaces = tuple(namespaces)
             if self._warned:
-                log.warning("kvstore node %s is back; reusing cached prefixes", self.config.target)
-                self._warned = False
+                self._back()
             else:
                 log.info(
                     "kvstore: %s registered namespace %s on node %s",
@@ -218,6 +217,20 @@ class NodeLink:
             self.config.retry_interval,
         )
         self._warned = True
+
+    def succeeded(self) -> None:
+        """A call went through: after failures were warned about, say once that the node
+        is back (later failures are warned about again, not hidden at DEBUG)."""
+        if not self._warned:
+            return
+        with self._lock:
+            if self._warned:
+                self._back()
+
+    def _back(self) -> None:
+        """The node answers again after warned failures (lock held): say so, once."""
+        self._warned = False
+        log.warning("kvstore node %s is back; reusing cached prefixes", self.config.target)
 
     @property
     def down(self) -> bool:

@@ -420,6 +420,7 @@ class WorkerSide:
                 ready.synchronize()  # the copy-out, queued on the forward's stream
             blocks = self._store(save, staged)
             end = SaveEnd.SAVED
+            self.link.succeeded()
         except _Unstaged:
             end = SaveEnd.RESTAGE
         except _NotAllStored as exc:

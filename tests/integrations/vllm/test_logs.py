@@ -106,3 +106,36 @@ def test_nothing_when_vllm_does_not_configure_logging(
     follow_vllm_logging()
     assert ours.handlers == []
     assert ours.propagate
+
+
+def test_a_link_that_recovers_says_so_and_warns_of_the_next_failure_again(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A worker's link is never registered by itself (its saves register through the SDK):
+    a save that goes through after failures must still end the quiet spell, or every
+    later failure of that worker stays at DEBUG."""
+    from kvstore.integrations.vllm.config import ConnectorConfig
+    from kvstore.integrations.vllm.node_link import NodeLink
+    from tests.client.blocks import LAYOUT
+
+    link = NodeLink(
+        ConnectorConfig(target="127.0.0.1:1", tenant="acme", retry_interval=0.0),
+        "vllm:test-logs",
+        LAYOUT,
+        client_name="test",
+        map_pool=False,
+    )
+    failure = ConnectionRefusedError("refused")
+    caplog.set_level(logging.DEBUG, logger="kvstore")
+    link.failed("store on", failure)
+    link.failed("store on", failure)  # the same spell: not warned again
+    link.succeeded()
+    link.succeeded()  # said once
+    link.failed("store on", failure)
+    levels = [(r.levelno, r.getMessage().split(" (")[0]) for r in caplog.records]
+    assert levels == [
+        (logging.WARNING, "kvstore: could not store on node 127.0.0.1:1"),
+        (logging.DEBUG, "kvstore: could not store on node 127.0.0.1:1"),
+        (logging.WARNING, "kvstore node 127.0.0.1:1 is back; reusing cached prefixes"),
+        (logging.WARNING, "kvstore: could not store on node 127.0.0.1:1"),
+    ]
