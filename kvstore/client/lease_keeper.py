@@ -20,7 +20,9 @@ import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
-from kvstore.client.errors import ServerUnavailable
+import grpc
+
+from kvstore.client.errors import ServerError, ServerUnavailable
 from kvstore.client.retry import Backoff
 from kvstore.errors import FailedPrecondition, KVStoreError, NotFound
 from kvstore.types import LeaseId
@@ -146,8 +148,11 @@ class LeaseKeeper:
             except ServerUnavailable:
                 failures += 1
                 continue
-            except KVStoreError:
-                log.exception("renewing lease %x failed", grant.lease_id)
+            except KVStoreError as exc:
+                if _node_going_away(exc):
+                    log.debug("renewing lease %x: the node is stopping (%s)", grant.lease_id, exc)
+                else:
+                    log.exception("renewing lease %x failed", grant.lease_id)
                 failures += 1
                 continue
             failures = 0
@@ -176,3 +181,9 @@ class LeaseKeeper:
                 log.info(
                     "could not close lease %x; it expires in %.0f s", grant.lease_id, grant.ttl
                 )
+
+
+def _node_going_away(exc: KVStoreError) -> bool:
+    """A renewal the node cancelled as it stopped (CANCELLED): like an unreachable node,
+    retried with back-off, not a bug worth a traceback."""
+    return isinstance(exc, ServerError) and exc.code == grpc.StatusCode.CANCELLED

@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import asyncio
 
+import grpc
+import pytest
+
 from kvstore.client import LeaseGrant, LeaseKeeper
+from kvstore.client.errors import ServerError
 from kvstore.errors import NotFound
 from kvstore.types import LeaseId
 from tests.waiting import until
@@ -49,3 +53,26 @@ async def test_open_once_renew_and_replace() -> None:
     await keeper.close()
     await keeper.close()
     assert node.closed == [2]
+
+
+async def test_a_renewal_the_stopping_node_cancels_is_retried_quietly(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A KeepAlive in flight while the node stops ends CANCELLED: retried like an
+    unreachable node, with no ERROR and no traceback in the runner's log."""
+    node = FakeNode()
+    cancelled = 2
+
+    async def renew(lease: LeaseId) -> float:
+        nonlocal cancelled
+        if cancelled:
+            cancelled -= 1
+            raise ServerError("CANCELLED: Cancelled", grpc.StatusCode.CANCELLED)
+        return await node.renew(lease)
+
+    keeper = LeaseKeeper(node.open, renew, node.close)
+    await keeper.current()
+    await until(lambda: node.renewals >= 1, within=5.0, what="a renewal after the cancelled ones")
+    await keeper.close()
+    assert cancelled == 0
+    assert not [r for r in caplog.records if r.levelname == "ERROR"]
