@@ -35,6 +35,7 @@ from __future__ import annotations
 import asyncio
 import errno
 import logging
+import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -52,9 +53,9 @@ from service.disk.jobs import (
     ReadResult,
     ThreadBuffers,
     WriteBuffers,
-    read_slot,
     write_slot,
 )
+from service.disk.reads import VERIFY_THREADS, SlotRead, SlotReader
 from service.disk.rebuild import rebuild_index
 from service.disk.stats import TIER_COUNTERS, DiskEvent, DiskEventKind, DiskEvents, DiskStats
 
@@ -85,8 +86,16 @@ class DiskTier:
         self._capacity = capacity_bytes
         self._queue_blocks = queue_blocks
         self._io_threads = io_threads
+        # io_threads I/Os in flight in all (the semaphore): writes in their own pool (one
+        # thread completes them in order), reads with VERIFY_THREADS more threads, so that a
+        # read's check runs while the next read holds the I/O slot it freed.
         self._pool = ThreadPoolExecutor(io_threads, thread_name_prefix="kvstore-disk")
+        self._read_pool = ThreadPoolExecutor(
+            io_threads + VERIFY_THREADS, thread_name_prefix="kvstore-disk-read"
+        )
+        self._io_slots = threading.Semaphore(io_threads)
         self._local = ThreadBuffers()
+        self._reader = SlotReader(file, self._read_pool, io_threads, self._io_slots, self._local)
         self._done: Completions | None = None
         # As many as the queue holds: a fresh buffer faults a page per 4 KiB on first use.
         self._buffers = WriteBuffers(keep=queue_blocks)
@@ -216,7 +225,8 @@ class DiskTier:
         if not self._closed:
             try:
                 name = self.scope_names.get(res.entry.key[1], b"")
-                result = write_slot(self._file, self._local, res, buf, length, checksum, name)
+                with self._io_slots:
+                    result = write_slot(self._file, self._local, res, buf, length, checksum, name)
             except BaseException as e:  # reported on the loop, never lost in a future
                 exc = e
         done.post(self._write_done, res, buf, length, result, exc)
@@ -315,6 +325,7 @@ class DiskTier:
             [None] * len(keys), sum(e is not None for e in entries), loop.create_future()
         )
         try:
+            reads: list[SlotRead] = []
             for i, e in enumerate(entries):
                 if e is not None:
                     r = index.region(e.region)
@@ -322,9 +333,9 @@ class DiskTier:
                     want = SlotHeader(
                         r.slot_bytes, r.epoch, *e.key, e.length, e.checksum, e.seq, name
                     )
-                    self._pool.submit(
-                        self._read_task, done, batch, i, want, index.offset_of(e), dests[i]
-                    )
+                    reads.append(SlotRead.of(i, want, index.offset_of(e), dests[i]))
+            if reads:
+                self._reader.submit(done, batch, reads)
             if batch.left:
                 try:
                     await asyncio.shield(batch.done)
@@ -342,31 +353,6 @@ class DiskTier:
                     )
             self._collect()
         return [self._count_read(e, r) for e, r in zip(entries, batch.results, strict=True)]
-
-    def _read_task(
-        self,
-        done: Completions,
-        batch: ReadBatch,
-        i: int,
-        want: SlotHeader,
-        offset: int,
-        dest: memoryview,
-    ) -> None:
-        """On an I/O thread: one block of a batch; the last one wakes the loop."""
-        try:
-            result = read_slot(self._file, self._local, want, offset, dest)
-        except OSError as exc:
-            log.warning("disk tier: reading block %#x failed (%s)", want.block_hash, exc)
-            result = ReadResult.ERROR
-        except BaseException:
-            log.exception("disk tier: bug in a read")
-            result = ReadResult.ERROR
-        batch.results[i] = result
-        with batch.lock:
-            batch.left -= 1
-            last = batch.left == 0
-        if last:
-            done.post(batch.finish)
 
     def _count_read(self, e: Entry | None, result: ReadResult | None) -> bool:
         if e is None or result is None:
@@ -438,7 +424,8 @@ class DiskTier:
             if self._closed:
                 raise OSError(errno.ECANCELED, "the tier is closing")
             for offset, _, _ in jobs:
-                self._file.zero_page(offset, self._local.zero)
+                with self._io_slots:
+                    self._file.zero_page(offset, self._local.zero)
         except BaseException as e:
             exc = e
         done.post(self._invalidated, jobs, exc)
@@ -485,6 +472,7 @@ class DiskTier:
             return
         self._closed = True
         await asyncio.to_thread(self._pool.shutdown, wait=True)  # queued writes skip their I/O
+        await asyncio.to_thread(self._read_pool.shutdown, wait=True)
         await asyncio.sleep(0)  # the done callbacks of the last jobs
         try:
             if checkpoint and not self._degraded:
