@@ -49,6 +49,25 @@ class ReadBatch:
             self.done.set_result(None)
 
 
+@dataclass(slots=True, eq=False)
+class PendingWrite:
+    """A slot reserved for a block whose bytes the caller copies (`DiskTier.reserve_write`)."""
+
+    done: Completions
+    res: Reservation
+    buf: Any
+    """The slot's page-aligned buffer: header page, then the payload."""
+    length: int
+    checksum: int
+    handed: bool = False
+    """Submitted or cancelled (once)."""
+
+    @property
+    def payload(self) -> memoryview:
+        """Where the block's ``length`` bytes go (writable from any thread until handed)."""
+        return memoryview(self.buf)[PAGE : PAGE + self.length]
+
+
 class ThreadBuffers(threading.local):
     """Each I/O thread's header page, zero page and bounce buffer, reused."""
 

@@ -34,7 +34,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvstore.checksum import block_checksum
-from service.disk.format import PAGE, SlotHeader, round_up
+from service.disk.entry import Entry
+from service.disk.format import PAGE, DiskKey, SlotHeader, round_up
 from service.disk.io import TierFile, address_of, aligned
 from service.disk.jobs import Completions, ReadBatch, ReadResult, ThreadBuffers
 
@@ -243,3 +244,23 @@ class SlotReader:
             last = batch.left == 0
         if last:
             done.post(batch.finish)
+
+
+_FAILURE_COUNTER = {
+    ReadResult.IDENTITY: "read_failures_identity",
+    ReadResult.CHECKSUM: "read_failures_checksum",
+    ReadResult.ERROR: "read_errors",
+}
+
+
+def count_read(counters: dict[str, int], e: Entry | None, result: ReadResult | None) -> bool:
+    """Count a block's read in the tier's counters (a failure logged); whether it is OK."""
+    if e is None or result is None:
+        return False
+    if result is ReadResult.OK:
+        counters["reads"] += 1
+        counters["read_bytes"] += e.length
+        return True
+    counters[_FAILURE_COUNTER[result]] += 1
+    log.warning("disk tier: block %s discarded (%s)", DiskKey(*e.key), _FAILURE_COUNTER[result])
+    return False
