@@ -1,20 +1,26 @@
 """Disk tier benchmark: the tier's write and read GB/s against fio, and its rebuild time.
 
-For each block size, in one run and in the same folder (same file system):
+For each block size, ``--repeat`` paired turns in one folder (same file
+system). A turn opens a fresh tier and runs each phase right beside its own
+fio job (fio first on odd turns):
 
 - **tier write**: ``offer`` blocks as fast as the queue (`QUEUE`) takes
   them, timed from the first offer until `flush` returns; payload bytes /
-  time; ``io_threads`` writes in flight.
+  time; ``io_threads`` writes in flight. Beside ``fio --rw=write``.
 - **tier read**: ``read_into`` every block, ``2 * io_threads`` asked for at
-  once (as a promotion asks for a chain), ``io_threads`` in flight,
-  into page-aligned buffers (as pool slots are: the O_DIRECT path), each
-  verified (header and xxh3-64 of the payload).
+  once, ``io_threads`` in flight, into page-aligned buffers (as pool slots
+  are: the O_DIRECT path), each verified (header and xxh3-64 of the
+  payload). Beside ``fio --rw=read``.
 - **tier read, chains**: `read_many` of 16 blocks at a time (a promotion
-  reads a chain so), two chains asked for at once; ``io_threads`` in flight.
+  reads a chain so; adjacent slots are one preadv), two chains asked for at
+  once; ``io_threads`` in flight. Beside another ``fio --rw=read``.
 - **fio**: the same block size, ``--iodepth io_threads`` with libaio and
-  ``--direct=1``, sequential write then read of a file of the same size.
-  The tier's blocks are laid out in slot order, so its I/O is nearly
-  sequential too.
+  ``--direct=1``, sequential. The tier's blocks are laid out in slot order,
+  so its I/O is nearly sequential too.
+
+The disk here is shared and drifts within seconds: the figure is the median
+of the per-pair ratios (``ratio``; ``ratio_paired``: median, min, max, every
+turn), and ``met`` uses it. ``tier_gbps``/``fio_gbps`` are best-of-turns.
 
 Then the **rebuild**: a tier holding N blocks of 16 KiB is closed and
 reopened, twice: after a clean stop (the index from its checkpoint) and
@@ -25,7 +31,7 @@ Goal: at most 2 s per 100k blocks.
 Goals (issue #33): reads >= 0.9x fio, writes >= 0.8x fio.
 
     python -m benchmarks.bench_disk [--dir /path/on/ssd] [--block-kib 1024,256]
-        [--total-mib 512] [--repeat 3] [--io-threads 4] [--rebuild-blocks 10000,100000]
+        [--total-mib 256] [--repeat 6] [--io-threads 4] [--rebuild-blocks 10000,100000]
 """
 
 from __future__ import annotations
