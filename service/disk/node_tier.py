@@ -414,8 +414,7 @@ class NodeDisk:
                     self.tier.cancel_write(pending)
                 raise
             for write, _, pending in writes:
-                # The stamp again, after the copy (a seqlock on the node's record): a slot
-                # evicted and reused meanwhile is a torn copy, never written.
+                # The stamp again, after the copy (a seqlock): a slot reused meanwhile is torn.
                 if self._intact(write):
                     self.tier.submit_write(pending)
                 else:
