@@ -69,6 +69,8 @@ _SLOT = struct.Struct("<8sIIQ16sQ32sQQQB128s")
 # magic, version, slot_bytes, epoch, namespace, scope, block_hash, length, checksum, seq,
 # scope name length, scope name
 _TAIL = struct.Struct("<Q")  # xxh3-64 of the header's bytes before it
+SLOT_HEADER_BYTES = _SLOT.size + _TAIL.size
+"""The bytes of a slot header page that count (the rest of the page is zero)."""
 
 Page = bytes | memoryview | mmap.mmap
 """A header page as read: any buffer."""
@@ -220,6 +222,14 @@ class SlotHeader:
                 self.scope_name,
             )
         )
+
+    def matches(self, page: Page) -> bool:
+        """Whether ``page`` holds exactly this header (a read's identity check).
+
+        The bytes a writer packs are compared, its own checksum included: one
+        ``memcmp`` instead of a parse (equal bytes parse to an equal header;
+        the tier's writers only ever write `pack`'s bytes)."""
+        return bytes(page[:SLOT_HEADER_BYTES]) == self.pack()[:SLOT_HEADER_BYTES]
 
     @classmethod
     def parse(cls, page: Page) -> SlotHeader | None:

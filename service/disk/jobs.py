@@ -1,6 +1,6 @@
 """What the disk tier's I/O threads run, and how their results reach the loop.
 
-The thread side of `DiskTier`: `write_slot` and `read_slot` touch only the
+The thread side of `DiskTier`: `write_slot` (and `service.disk.reads`) touch only the
 file, the buffers and the values they are given (never the index), and
 `Completions` carries results back to the event loop's thread with one
 wake-up for however many completed meanwhile: a ``call_soon_threadsafe`` per
@@ -19,9 +19,9 @@ from enum import IntEnum
 from typing import Any
 
 from kvstore.checksum import NOT_COMPUTED, block_checksum
-from service.disk.format import PAGE, SlotHeader, round_up
+from service.disk.format import PAGE, SlotHeader
 from service.disk.index import Reservation
-from service.disk.io import TierFile, address_of, aligned
+from service.disk.io import TierFile, aligned
 
 
 class ReadResult(IntEnum):
@@ -47,6 +47,25 @@ class ReadBatch:
         """On the loop: every read of the batch has landed."""
         if not self.done.done():
             self.done.set_result(None)
+
+
+@dataclass(slots=True, eq=False)
+class PendingWrite:
+    """A slot reserved for a block whose bytes the caller copies (`DiskTier.reserve_write`)."""
+
+    done: Completions
+    res: Reservation
+    buf: Any
+    """The slot's page-aligned buffer: header page, then the payload."""
+    length: int
+    checksum: int
+    handed: bool = False
+    """Submitted or cancelled (once)."""
+
+    @property
+    def payload(self) -> memoryview:
+        """Where the block's ``length`` bytes go (writable from any thread until handed)."""
+        return memoryview(self.buf)[PAGE : PAGE + self.length]
 
 
 class ThreadBuffers(threading.local):
@@ -93,36 +112,6 @@ def write_slot(
         file.zero_page(res.offset, local.zero)
     file.write([mv[: res.slot_bytes]], res.offset)
     return checksum
-
-
-def read_slot(
-    file: TierFile,
-    local: ThreadBuffers,
-    want: SlotHeader,
-    offset: int,
-    dest: memoryview,
-) -> ReadResult:
-    """Header page and payload, then both checks: the header must be ``want``
-    (identity, length, epoch, write sequence, checksum), the payload must have
-    the checksum. Straight into ``dest`` when it is page-aligned whole pages."""
-    length = want.length
-    padded = round_up(length) if length else PAGE
-    dest = dest.cast("B")
-    direct = length % PAGE == 0 and length > 0 and address_of(dest) % PAGE == 0
-    if direct:
-        got = file.read_into([local.page, dest], offset)
-        payload: Any = dest
-    else:
-        bounce = memoryview(local.bounce_of(padded))[:padded]
-        got = file.read_into([local.page, bounce], offset)
-        payload = bounce[:length]
-    if got < PAGE + length or SlotHeader.parse(local.page) != want:
-        return ReadResult.IDENTITY
-    if block_checksum(payload) != want.checksum:
-        return ReadResult.CHECKSUM
-    if not direct:
-        dest[:] = payload
-    return ReadResult.OK
 
 
 class WriteBuffers:

@@ -5,18 +5,19 @@ space and eviction: `service.disk.index`). The file is sized once to fit
 the cap and never grown, so the bytes on disk never exceed it.
 
 - **Writes are behind and bounded.** `offer` copies the block into a
-  page-aligned buffer, reserves a slot and hands the write to one of
-  ``io_threads`` threads; a full queue, a degraded tier or no slot to be
-  had is a refusal, counted, never a wait. The block becomes visible
-  (`run_length`, `read_into`) only once its write completed. A write that
+  page-aligned buffer (`reserve_write` lends it to a caller that copies off
+  the loop), reserves a slot and hands the write to an I/O thread; a full
+  queue, a degraded tier or no slot to be had is a refusal, counted, never a
+  wait. The block becomes visible (`run_length`, `read_into`) only once its
+  write completed. A write that
   fails (ENOSPC, EIO) leaves no entry and degrades the tier: one log line, a
   flag and a counter; reads go on.
-- **Reads are checked.** `read_into` (`read_many` for a chain) reads the
-  header page and the payload
-  (straight into the caller's buffer when it is page-aligned and whole pages,
-  else through a bounce buffer) off the loop, then checks that the header
-  names the block and the payload has its checksum; a mismatch discards the
-  slot and is a miss, counted.
+- **Reads are checked.** `read_into` (`read_many` for a chain; scheduled by
+  `service.disk.reads`) reads the header page and the payload (straight into
+  the caller's buffer when it is page-aligned and whole pages, else through a
+  bounce buffer) off the loop, then checks that the header names the block
+  and the payload has its checksum; a mismatch discards the slot and is a
+  miss, counted.
 - **Crash safety.** A reused slot's header is zeroed before the new block
   goes in; header and payload checksums catch any torn write; removed
   blocks' headers are zeroed before their slot is free (a restart never
@@ -35,6 +36,7 @@ from __future__ import annotations
 import asyncio
 import errno
 import logging
+import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -42,31 +44,26 @@ from typing import Any
 import numpy as np
 
 from service.disk.checkpoint import write_checkpoint
-from service.disk.entry import Entry, Key
-from service.disk.format import PAGE, DiskKey, SlotHeader, Superblock
+from service.disk.entry import Key
+from service.disk.format import DiskKey, SlotHeader, Superblock
 from service.disk.index import DiskIndex, Reservation
 from service.disk.io import DiskTierError, TierFile, open_tier_file
 from service.disk.jobs import (
     Completions,
+    PendingWrite,
     ReadBatch,
     ReadResult,
     ThreadBuffers,
     WriteBuffers,
-    read_slot,
     write_slot,
 )
+from service.disk.reads import VERIFY_THREADS, SlotRead, SlotReader, count_read
 from service.disk.rebuild import rebuild_index
 from service.disk.stats import TIER_COUNTERS, DiskEvent, DiskEventKind, DiskEvents, DiskStats
 
 __all__ = ["DiskEvent", "DiskEventKind", "DiskKey", "DiskStats", "DiskTier", "DiskTierError"]
 
 log = logging.getLogger(__name__)
-
-_FAILURE_COUNTER = {
-    ReadResult.IDENTITY: "read_failures_identity",
-    ReadResult.CHECKSUM: "read_failures_checksum",
-    ReadResult.ERROR: "read_errors",
-}
 
 
 class DiskTier:
@@ -85,8 +82,16 @@ class DiskTier:
         self._capacity = capacity_bytes
         self._queue_blocks = queue_blocks
         self._io_threads = io_threads
+        # io_threads I/Os in flight in all (the semaphore): writes in their own pool (one
+        # thread completes them in order), reads with VERIFY_THREADS more threads, so that a
+        # read's check runs while the next read holds the I/O slot it freed.
         self._pool = ThreadPoolExecutor(io_threads, thread_name_prefix="kvstore-disk")
+        self._read_pool = ThreadPoolExecutor(
+            io_threads + VERIFY_THREADS, thread_name_prefix="kvstore-disk-read"
+        )
+        self._io_slots = threading.Semaphore(io_threads)
         self._local = ThreadBuffers()
+        self._reader = SlotReader(file, self._read_pool, io_threads, self._io_slots, self._local)
         self._done: Completions | None = None
         # As many as the queue holds: a fresh buffer faults a page per 4 KiB on first use.
         self._buffers = WriteBuffers(keep=queue_blocks)
@@ -184,28 +189,54 @@ class DiskTier:
         degraded, no slot can be had, or the block is already on disk or queued.
         Must be called on the event loop's thread (a running loop).
         """
+        view = memoryview(data).cast("B")
+        pending = self.reserve_write(key, view.nbytes, checksum)
+        if pending is None:
+            return False
+        # numpy's copy lets go of the GIL (a memoryview's does not): I/O goes on meanwhile.
+        np.copyto(np.frombuffer(pending.payload, np.uint8), np.frombuffer(view, np.uint8))
+        self.submit_write(pending)
+        return True
+
+    def reserve_write(self, key: DiskKey, length: int, checksum: int) -> PendingWrite | None:
+        """`offer` in two steps, for a caller that copies the block itself (off the loop):
+        a slot and a page-aligned buffer (``payload``: ``length`` bytes to fill, from any
+        thread), then `submit_write` or `cancel_write`, on the loop. Refused (None,
+        counted) as `offer` is; a reservation takes a place in the queue until then."""
         done = self._completions()
         k: Key = (key.namespace, key.scope, key.block_hash)
         if k in self._index:
             self._c["write_present"] += 1
-            return False
+            return None
         if self._closed or self._degraded or self._queued >= self._queue_blocks:
             self._c["write_drops"] += 1
-            return False
-        view = memoryview(data).cast("B")
+            return None
         self.scope_names.setdefault(key.scope, key.scope_name)
-        res = self._index.reserve(k, view.nbytes, checksum)
+        res = self._index.reserve(k, length, checksum)
         if res is None:
             self._c["write_drops"] += 1
-            return False
+            return None
         buf = self._buffers.take(res.slot_bytes)
-        # numpy's copy lets go of the GIL (a memoryview's does not): I/O goes on meanwhile.
-        np.copyto(np.frombuffer(buf, np.uint8, view.nbytes, PAGE), np.frombuffer(view, np.uint8))
         self._queued += 1
         self._begin()
-        self._pool.submit(self._write_task, done, res, buf, view.nbytes, checksum)
+        return PendingWrite(done, res, buf, length, checksum)
+
+    def submit_write(self, pending: PendingWrite) -> None:
+        """Hand a reserved block, its payload filled, to an I/O thread; on the loop."""
+        assert not pending.handed, "bug: a pending write handed twice"
+        pending.handed = True
+        if self._closed:  # the pool is gone: as if it had been dropped
+            self._write_done(pending.res, pending.buf, pending.length, None, None)
+            return
+        p = pending
+        self._pool.submit(self._write_task, p.done, p.res, p.buf, p.length, p.checksum)
         self._collect()
-        return True
+
+    def cancel_write(self, pending: PendingWrite) -> None:
+        """Give a reservation back unwritten (its copy was torn); on the loop."""
+        assert not pending.handed, "bug: a pending write handed twice"
+        pending.handed = True
+        self._write_done(pending.res, pending.buf, pending.length, None, None)
 
     def _write_task(
         self, done: Completions, res: Reservation, buf: Any, length: int, checksum: int
@@ -216,7 +247,8 @@ class DiskTier:
         if not self._closed:
             try:
                 name = self.scope_names.get(res.entry.key[1], b"")
-                result = write_slot(self._file, self._local, res, buf, length, checksum, name)
+                with self._io_slots:
+                    result = write_slot(self._file, self._local, res, buf, length, checksum, name)
             except BaseException as e:  # reported on the loop, never lost in a future
                 exc = e
         done.post(self._write_done, res, buf, length, result, exc)
@@ -315,6 +347,7 @@ class DiskTier:
             [None] * len(keys), sum(e is not None for e in entries), loop.create_future()
         )
         try:
+            reads: list[SlotRead] = []
             for i, e in enumerate(entries):
                 if e is not None:
                     r = index.region(e.region)
@@ -322,9 +355,9 @@ class DiskTier:
                     want = SlotHeader(
                         r.slot_bytes, r.epoch, *e.key, e.length, e.checksum, e.seq, name
                     )
-                    self._pool.submit(
-                        self._read_task, done, batch, i, want, index.offset_of(e), dests[i]
-                    )
+                    reads.append(SlotRead.of(i, want, index.offset_of(e), dests[i]))
+            if reads:
+                self._reader.submit(done, batch, reads)
             if batch.left:
                 try:
                     await asyncio.shield(batch.done)
@@ -341,43 +374,7 @@ class DiskTier:
                         discard=result not in (None, ReadResult.OK),
                     )
             self._collect()
-        return [self._count_read(e, r) for e, r in zip(entries, batch.results, strict=True)]
-
-    def _read_task(
-        self,
-        done: Completions,
-        batch: ReadBatch,
-        i: int,
-        want: SlotHeader,
-        offset: int,
-        dest: memoryview,
-    ) -> None:
-        """On an I/O thread: one block of a batch; the last one wakes the loop."""
-        try:
-            result = read_slot(self._file, self._local, want, offset, dest)
-        except OSError as exc:
-            log.warning("disk tier: reading block %#x failed (%s)", want.block_hash, exc)
-            result = ReadResult.ERROR
-        except BaseException:
-            log.exception("disk tier: bug in a read")
-            result = ReadResult.ERROR
-        batch.results[i] = result
-        with batch.lock:
-            batch.left -= 1
-            last = batch.left == 0
-        if last:
-            done.post(batch.finish)
-
-    def _count_read(self, e: Entry | None, result: ReadResult | None) -> bool:
-        if e is None or result is None:
-            return False
-        if result is ReadResult.OK:
-            self._c["reads"] += 1
-            self._c["read_bytes"] += e.length
-            return True
-        self._c[_FAILURE_COUNTER[result]] += 1
-        log.warning("disk tier: block %s discarded (%s)", DiskKey(*e.key), _FAILURE_COUNTER[result])
-        return False
+        return [count_read(self._c, e, r) for e, r in zip(entries, batch.results, strict=True)]
 
     # -- removal, events, figures ----------------------------------------------
 
@@ -426,8 +423,8 @@ class DiskTier:
         for k in self._index.take_removed():
             self.events.add(DiskEventKind.REMOVED, DiskKey(*k))
         jobs = self._index.take_invalidations()
-        if not jobs or self._done is None:
-            return
+        if not jobs or self._done is None or self._closed:
+            return  # closed: they stay in limbo, zeroed at the next open
         self._begin()
         self._pool.submit(self._invalidate_task, self._done, jobs)
 
@@ -438,7 +435,8 @@ class DiskTier:
             if self._closed:
                 raise OSError(errno.ECANCELED, "the tier is closing")
             for offset, _, _ in jobs:
-                self._file.zero_page(offset, self._local.zero)
+                with self._io_slots:
+                    self._file.zero_page(offset, self._local.zero)
         except BaseException as e:
             exc = e
         done.post(self._invalidated, jobs, exc)
@@ -485,6 +483,7 @@ class DiskTier:
             return
         self._closed = True
         await asyncio.to_thread(self._pool.shutdown, wait=True)  # queued writes skip their I/O
+        await asyncio.to_thread(self._read_pool.shutdown, wait=True)
         await asyncio.sleep(0)  # the done callbacks of the last jobs
         try:
             if checkpoint and not self._degraded:

@@ -8,7 +8,9 @@ empty, so every hit is a block promoted from disk.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import re
+import threading
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
@@ -303,3 +305,36 @@ async def test_watchers_see_the_disk_tiers_blocks_with_tier_disk(disk_config: Co
         got = await events_until(watch, lambda g: hashes_of(g, removed, disk) == chain)
         assert hashes_of(got, removed, "memory") == chain  # the pool's, as before
         watch.cancel()
+
+
+async def test_a_slot_reused_during_its_copy_is_not_written(disk_config: Config) -> None:
+    async with (
+        started(disk_config, ManualClock()) as server,
+        Client(server.address, tenant="a") as kv,
+    ):
+        ns = await kv.register_namespace("disk-model", LAYOUT)
+        node, disk = server.node, server.node.disk
+        assert disk is not None
+        # The copying thread is held busy: the copies wait behind it, their stamps
+        # checked once (before) and their slots reserved on the tier.
+        gate = threading.Event()
+        disk._thread = concurrent.futures.ThreadPoolExecutor(1, "test-disk-copy")
+        disk._thread.submit(gate.wait, 10)
+        chain = [BlockHash(bytes([i]) * 32) for i in range(2)]
+        lease = LeaseId(12345)
+        node.store.open_lease(lease, TenantId("a"), 60.0, node.now())
+        node.store.reserve(ns.id, TenantId("a"), lease, chain, node.now())
+        assert node.commit(ns.id, TenantId("a"), lease, chain) == 2
+        node.publish_events()
+        await until(lambda: disk.stats().queue_depth == 2, what="the copies to be under way")
+        node.store.clear(ns.id, node.now())  # the slots are freed mid-copy
+        gate.set()
+        await until(lambda: disk.skipped["moved"] == 2, what="the copies to see the slots moved")
+        assert await disk.tier.flush(5)
+        stats = disk.stats()
+        assert (stats.blocks, stats.writes, stats.queue_depth) == (0, 0, 0)
+        # The next commit is copied and written as ever.
+        tokens = list(range(2000, 2000 + 2 * LAYOUT.block_size))
+        payload = [bytes([7 + i]) * LAYOUT.block_bytes for i in range(2)]
+        assert (await kv.store(ns, tokens, payload)).committed == 2
+        await until(lambda: disk.stats().blocks == 2, what="2 blocks on disk")

@@ -410,3 +410,27 @@ async def test_read_many_reads_a_chain_and_reports_each_block(path: str) -> None
     assert tier.stats().reads == 5, "a bad destination reads nothing"
     assert await tier.read_many([], []) == []
     await tier.close()
+
+
+async def test_reserve_write_then_submit_or_cancel(path: str) -> None:
+    tier = DiskTier.open(path, CAP, region_bytes=REGION, queue_blocks=2)
+    a, b = payload(21), payload(22)
+    first = tier.reserve_write(k(1), len(a), block_checksum(a))
+    second = tier.reserve_write(k(2), len(b), 0)
+    assert first is not None and second is not None
+    assert tier.reserve_write(k(3), len(b), 0) is None, "the queue holds reservations"
+    first.payload[:] = a
+    second.payload[:] = b  # copied, but torn: given back
+    tier.submit_write(first)
+    tier.cancel_write(second)
+    assert await tier.flush(10)
+    s = tier.stats()
+    assert (s.blocks, s.writes, s.queue_depth, s.write_drops) == (1, 1, 0, 1)
+    assert await read(tier, k(1), len(a)) == a and tier.length_of(k(2)) is None
+    late = tier.reserve_write(k(4), len(a), 0)
+    assert late is not None
+    await tier.close()
+    tier.submit_write(late)  # after close: dropped, never written
+    tier = DiskTier.open(path, CAP)
+    assert tier.length_of(k(1)) == len(a) and tier.length_of(k(4)) is None
+    await tier.close()
