@@ -1,7 +1,7 @@
 """What the disk tier's I/O threads run, and how their results reach the loop.
 
-The thread side of `DiskTier`: `write_slot` (and `service.disk.reads`) touch only the
-file, the buffers and the values they are given (never the index), and
+The thread side of `DiskTier`: `service.disk.writes` and `service.disk.reads` touch only
+the file, the buffers and the values they are given (never the index), and
 `Completions` carries results back to the event loop's thread with one
 wake-up for however many completed meanwhile: a ``call_soon_threadsafe`` per
 I/O cost more loop time than the rest of a 256 KiB read.
@@ -18,10 +18,9 @@ from dataclasses import dataclass, field
 from enum import IntEnum
 from typing import Any
 
-from kvstore.checksum import NOT_COMPUTED, block_checksum
-from service.disk.format import PAGE, SlotHeader
+from service.disk.format import PAGE
 from service.disk.index import Reservation
-from service.disk.io import TierFile, aligned
+from service.disk.io import aligned
 
 
 class ReadResult(IntEnum):
@@ -81,37 +80,6 @@ class ThreadBuffers(threading.local):
             self.bounce.close()
             self.bounce = aligned(nbytes)
         return self.bounce
-
-
-def write_slot(
-    file: TierFile,
-    local: ThreadBuffers,
-    res: Reservation,
-    buf: Any,
-    length: int,
-    checksum: int,
-    scope_name: bytes = b"",
-) -> int:
-    """Header into the buffer's first page, then the writes; the payload's checksum.
-
-    Order: the region's header (a region just given to this size), the old
-    header zeroed (a reused slot), then header and payload in one write.
-    """
-    mv = memoryview(buf)
-    if checksum == NOT_COMPUTED:
-        checksum = block_checksum(mv[PAGE : PAGE + length])
-    k = res.entry.key
-    mv[:PAGE] = SlotHeader(
-        res.slot_bytes, res.epoch, k[0], k[1], k[2], length, checksum, res.seq, scope_name
-    ).pack()
-    if res.region_header is not None:
-        offset, header = res.region_header
-        local.page[:] = header.pack()
-        file.write([local.page], offset)
-    if res.invalidate:
-        file.zero_page(res.offset, local.zero)
-    file.write([mv[: res.slot_bytes]], res.offset)
-    return checksum
 
 
 class WriteBuffers:

@@ -39,14 +39,13 @@ import logging
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
 
 import numpy as np
 
 from service.disk.checkpoint import write_checkpoint
 from service.disk.entry import Key
 from service.disk.format import DiskKey, SlotHeader, Superblock
-from service.disk.index import DiskIndex, Reservation
+from service.disk.index import DiskIndex
 from service.disk.io import DiskTierError, TierFile, open_tier_file
 from service.disk.jobs import (
     Completions,
@@ -55,11 +54,11 @@ from service.disk.jobs import (
     ReadResult,
     ThreadBuffers,
     WriteBuffers,
-    write_slot,
 )
 from service.disk.reads import VERIFY_THREADS, SlotRead, SlotReader, count_read
 from service.disk.rebuild import rebuild_index
 from service.disk.stats import TIER_COUNTERS, DiskEvent, DiskEventKind, DiskEvents, DiskStats
+from service.disk.writes import WriteLanes
 
 __all__ = ["DiskEvent", "DiskEventKind", "DiskKey", "DiskStats", "DiskTier", "DiskTierError"]
 
@@ -82,9 +81,9 @@ class DiskTier:
         self._capacity = capacity_bytes
         self._queue_blocks = queue_blocks
         self._io_threads = io_threads
-        # io_threads I/Os in flight in all (the semaphore): writes in their own pool (one
-        # thread completes them in order), reads with VERIFY_THREADS more threads, so that a
-        # read's check runs while the next read holds the I/O slot it freed.
+        # io_threads I/Os in flight in all (the semaphore): writes in their own pool (adjacent
+        # slots in one pwritev, `service.disk.writes`), reads with VERIFY_THREADS more
+        # threads, so that a read's check runs while the next read holds the I/O slot it freed.
         self._pool = ThreadPoolExecutor(io_threads, thread_name_prefix="kvstore-disk")
         self._read_pool = ThreadPoolExecutor(
             io_threads + VERIFY_THREADS, thread_name_prefix="kvstore-disk-read"
@@ -100,6 +99,15 @@ class DiskTier:
         self.scope_names: dict[int, bytes] = {}
         """Tenant scope names by their u64 digest (`DiskKey.scope_name`), from offers and
         the file: what a restarted node names a block's scope with."""
+        self._writes = WriteLanes(
+            file,
+            self._pool,
+            io_threads,
+            self._io_slots,
+            self._local,
+            self.scope_names,
+            self._write_done,
+        )
         self._queued = 0
         self._in_flight = 0  # writes + invalidations
         self._idle: asyncio.Event | None = None
@@ -222,47 +230,28 @@ class DiskTier:
         return PendingWrite(done, res, buf, length, checksum)
 
     def submit_write(self, pending: PendingWrite) -> None:
-        """Hand a reserved block, its payload filled, to an I/O thread; on the loop."""
+        """Hand a reserved block, its payload filled, to the write lanes; on the loop."""
         assert not pending.handed, "bug: a pending write handed twice"
         pending.handed = True
         if self._closed:  # the pool is gone: as if it had been dropped
-            self._write_done(pending.res, pending.buf, pending.length, None, None)
+            self._write_done(pending, None, None)
             return
-        p = pending
-        self._pool.submit(self._write_task, p.done, p.res, p.buf, p.length, p.checksum)
+        self._writes.put(pending)
         self._collect()
 
     def cancel_write(self, pending: PendingWrite) -> None:
         """Give a reservation back unwritten (its copy was torn); on the loop."""
         assert not pending.handed, "bug: a pending write handed twice"
         pending.handed = True
-        self._write_done(pending.res, pending.buf, pending.length, None, None)
-
-    def _write_task(
-        self, done: Completions, res: Reservation, buf: Any, length: int, checksum: int
-    ) -> None:
-        """On an I/O thread (skipped once the tier is closing)."""
-        result: int | None = None
-        exc: BaseException | None = None
-        if not self._closed:
-            try:
-                name = self.scope_names.get(res.entry.key[1], b"")
-                with self._io_slots:
-                    result = write_slot(self._file, self._local, res, buf, length, checksum, name)
-            except BaseException as e:  # reported on the loop, never lost in a future
-                exc = e
-        done.post(self._write_done, res, buf, length, result, exc)
+        self._write_done(pending, None, None)
 
     def _write_done(
-        self,
-        res: Reservation,
-        buf: Any,
-        length: int,
-        checksum: int | None,
-        exc: BaseException | None,
+        self, pending: PendingWrite, checksum: int | None, exc: BaseException | None
     ) -> None:
+        """On the loop, per block: written (its checksum), or not (None; ``exc`` failed it)."""
         self._queued -= 1
-        self._buffers.give_back(res.slot_bytes, buf)
+        res = pending.res
+        self._buffers.give_back(res.slot_bytes, pending.buf)
         e = res.entry
         if checksum is None:
             self._index.write_failed(e)
@@ -272,7 +261,7 @@ class DiskTier:
             e.checksum = checksum
             if self._index.committed(e):
                 self._c["writes"] += 1
-                self._c["write_bytes"] += length
+                self._c["write_bytes"] += pending.length
                 self.events.add(DiskEventKind.STORED, DiskKey(*e.key))
         self._collect()
         self._end()
@@ -481,7 +470,7 @@ class DiskTier:
         closed."""
         if self._closed:
             return
-        self._closed = True
+        self._closed = self._writes.closed = True
         await asyncio.to_thread(self._pool.shutdown, wait=True)  # queued writes skip their I/O
         await asyncio.to_thread(self._read_pool.shutdown, wait=True)
         await asyncio.sleep(0)  # the done callbacks of the last jobs
