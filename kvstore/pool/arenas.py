@@ -132,6 +132,11 @@ class ArenaPool(BlockPool):
         part, local = self._part(slot)
         return part.read(local)
 
+    def read_into(self, slot: SlotId, dest: memoryview) -> None:
+        """Copy one slot's bytes into ``dest`` (its arena's own copy: host or device)."""
+        part, local = self._part(slot)
+        part.read_into(local, dest)
+
     def write(self, slot: SlotId, data: bytes | bytearray | memoryview) -> None:
         """Copy ``data`` (exactly ``block_bytes`` long) into ``slot``."""
         part, local = self._part(slot)

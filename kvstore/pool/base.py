@@ -215,6 +215,16 @@ class BlockPool(ABC):
         """A copy of one slot's bytes."""
         return bytes(self.view(slot))
 
+    def read_into(self, slot: SlotId, dest: memoryview) -> None:
+        """Copy one slot's bytes into ``dest`` (writable, ``block_bytes`` long); from any
+        thread (the copy lets go of the GIL).
+
+        Raises:
+            InvalidArgument: ``dest`` is not ``block_bytes`` long, or the slot is out of range.
+        """
+        out = _destination(dest, self.descriptor.block_bytes, slot)
+        np.copyto(np.frombuffer(out, np.uint8), np.frombuffer(self.view(slot), np.uint8))
+
     def checksum(self, slot: SlotId) -> int:
         """The checksum of one slot's bytes as they lie now (`kvstore.checksum`)."""
         return block_checksum(self.view(slot))
@@ -247,6 +257,14 @@ class BlockPool(ABC):
         tb: TracebackType | None,
     ) -> None:
         self.close()
+
+
+def _destination(dest: memoryview, block_bytes: int, slot: SlotId) -> memoryview:
+    """``dest`` as bytes, checked to hold one block (`BlockPool.read_into`)."""
+    out = memoryview(dest).cast("B")
+    if out.nbytes != block_bytes:
+        raise InvalidArgument(f"a block is {block_bytes} bytes, not {out.nbytes} (slot {slot})")
+    return out
 
 
 class PoolMapping(ABC):

@@ -289,6 +289,22 @@ class CudaPool(BlockPool):
             self._runtime.memcpy(host, self.slot_pointer(slot), len(out))
         return bytes(out)
 
+    def read_into(self, slot: SlotId, dest: memoryview) -> None:
+        """Copy one slot's bytes straight into ``dest`` (device to host ``cudaMemcpy``; a
+        writable host buffer, ``block_bytes`` long, e.g. the disk tier's write buffer).
+
+        Raises:
+            InvalidArgument: ``dest`` is not ``block_bytes`` long.
+            PoolUnavailable: the pool is closed.
+        """
+        out = memoryview(dest).cast("B")
+        if out.nbytes != self.descriptor.block_bytes:
+            raise InvalidArgument(
+                f"a block is {self.descriptor.block_bytes} bytes, not {out.nbytes} (slot {slot})"
+            )
+        with self._lock, on_device(self._runtime, self.device.ordinal):
+            self._runtime.memcpy(_host_address(out), self.slot_pointer(slot), out.nbytes)
+
     def write(self, slot: SlotId, data: bytes | bytearray | memoryview) -> None:
         """Copy ``data`` into ``slot`` and wait for the copy, so a Commit after it is safe.
 
@@ -343,8 +359,8 @@ def _malloc(runtime: CudaRuntime, size: int, gpu: CudaDevice) -> int:
         raise
 
 
-def _host_address(buffer: bytearray) -> int:
-    """Address of a bytearray's bytes (valid while it is neither resized nor freed)."""
+def _host_address(buffer: bytearray | memoryview) -> int:
+    """Address of a writable buffer's bytes (valid while it is neither resized nor freed)."""
     import ctypes
 
     return ctypes.addressof((ctypes.c_char * len(buffer)).from_buffer(buffer))

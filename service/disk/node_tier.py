@@ -19,10 +19,10 @@ decides what goes down and when (docs/disk.md):
   the node's record) is checked before and after its copy, on the loop (a
   seqlock): a block evicted and its slot reused before or during its copy is
   skipped and counted (``moved``), never written under another block's key.
-- **Host pools**: the worker copies the slot straight into the tier's
-  aligned buffer (`DiskTier.reserve_write`), then the loop submits or
-  cancels it. **CUDA pools**: the worker copies to the host
-  (`BlockPool.read`), the loop offers the intact copies.
+- **One copy**: the worker copies the slot straight into the tier's aligned
+  buffer (`DiskTier.reserve_write`, `BlockPool.read_into`: a memcpy from a
+  host pool, a device-to-host ``cudaMemcpy`` from a CUDA pool), then the loop
+  submits or cancels it.
 """
 
 from __future__ import annotations
@@ -40,11 +40,10 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-import numpy as np
-
 from kvstore.errors import KVStoreError
 from kvstore.events import CacheEvent, EventKind
 from kvstore.layout import NamespaceSpec
+from kvstore.pool.base import BlockPool
 from kvstore.results import BlockRef
 from kvstore.stamps import stamp_ident
 from kvstore.types import BlockHash, NamespaceId, TenantId
@@ -70,7 +69,7 @@ blocks at once; the tier's queue holds copies, so it is the small one)."""
 
 SKIP_REASONS = ("backlog", "moved", "dropped", "error")
 """Why a committed block was not offered: the node's queue was full; its slot was
-reused before its turn; its namespace was dropped; a copy out of a CUDA pool failed."""
+reused before its turn; its namespace was dropped; the copy out of its pool failed."""
 
 
 @functools.lru_cache(maxsize=256)
@@ -158,7 +157,6 @@ class NodeDisk:
         self.offered = 0
         """Blocks handed to the tier (it may still drop them: `DiskStats.write_drops`)."""
         self._pending: collections.deque[_Write] = collections.deque()
-        self._copying = 0
         self._draining: asyncio.Handle | None = None
         self._copies: set[asyncio.Future[None]] = set()
         self._thread: concurrent.futures.ThreadPoolExecutor | None = None
@@ -307,7 +305,7 @@ class NodeDisk:
                 ref = table.ready_ref(event.scope, block_hash)
                 if ref is None:
                     self.skipped["moved"] += 1
-                elif len(self._pending) + self._copying >= limit:
+                elif len(self._pending) >= limit:
                     self.skipped["backlog"] += 1
                 else:
                     self._pending.append(_Write(event.namespace, key, ref))
@@ -321,9 +319,8 @@ class NodeDisk:
         node = self.node
         assert node is not None, "bug: a drain without a node"
         stats = self.tier.stats()
-        room = stats.queue_blocks - stats.queue_depth - self._copying
-        cuda: list[_Write] = []
-        host: list[tuple[_Write, memoryview, PendingWrite]] = []
+        room = stats.queue_blocks - stats.queue_depth
+        writes: list[tuple[_Write, BlockPool, PendingWrite]] = []
         while self._pending and budget > 0 and (room > 0 or stats.degraded):
             write = self._pending.popleft()
             try:
@@ -336,20 +333,15 @@ class NodeDisk:
             if table.stamp_of(ref.slot) != (ref.generation, stamp_ident(ref.hash)):
                 self.skipped["moved"] += 1  # evicted and reused before its turn
                 continue
-            budget -= pool.descriptor.block_bytes
+            size = pool.descriptor.block_bytes
+            budget -= size
             room -= 1
-            if pool.descriptor.kind == "cuda":
-                cuda.append(write)
-            else:
-                view = pool.view(ref.slot)
-                pending = self.tier.reserve_write(write.key, view.nbytes, ref.checksum)
-                self.offered += 1
-                if pending is not None:  # else refused, and counted, by the tier
-                    host.append((write, view, pending))
-        if cuda:
-            self._copy_from_device(cuda)
-        if host:
-            self._copy_from_host(host)
+            pending = self.tier.reserve_write(write.key, size, ref.checksum)
+            self.offered += 1
+            if pending is not None:  # else refused, and counted, by the tier
+                writes.append((write, pool, pending))
+        if writes:
+            self._copy_then_write(writes)
         if self._pending and again:
             loop = asyncio.get_running_loop()
             if room > 0 or stats.degraded:
@@ -357,56 +349,25 @@ class NodeDisk:
             else:  # the disk is behind: wait for its queue, the commits do not
                 self._draining = loop.call_later(ROOM_WAIT, self._drain)
 
-    def _copy_from_device(self, writes: list[_Write]) -> None:
-        """Copy CUDA slots to the host in a worker thread, then offer the intact ones."""
-        node = self.node
-        assert node is not None
+    def _copy_then_write(self, writes: list[tuple[_Write, BlockPool, PendingWrite]]) -> None:
+        """Copy slots into the tier's buffers in a worker thread, then write the intact."""
         if self._thread is None:
             self._thread = concurrent.futures.ThreadPoolExecutor(1, "kvstore-disk-copy")
-        pools = [node.pool(w.namespace) for w in writes]
 
-        def copy() -> list[bytes | None]:
-            out: list[bytes | None] = []
-            for pool, write in zip(pools, writes, strict=True):
-                try:
-                    out.append(pool.read(write.ref.slot))
+        def copy() -> list[bool]:
+            copied = []
+            for write, pool, pending in writes:
+                try:  # a host pool's copy lets go of the GIL, a CUDA one waits on the device
+                    pool.read_into(write.ref.slot, pending.payload)
+                    copied.append(True)
                 except Exception:  # the pool closed (namespace dropped): skipped
-                    out.append(None)
-            return out
-
-        async def copy_then_offer() -> None:
-            try:
-                copies = await asyncio.get_running_loop().run_in_executor(self._thread, copy)
-            finally:
-                self._copying -= len(writes)
-            for write, data in zip(writes, copies, strict=True):
-                if data is None:
-                    self.skipped["error"] += 1
-                elif not self._intact(write):
-                    self.skipped["moved"] += 1  # reused while it was copied: a torn copy
-                else:
-                    self.tier.offer(write.key, data, write.ref.checksum)
-                    self.offered += 1
-
-        self._copying += len(writes)
-        task = asyncio.ensure_future(copy_then_offer())
-        self._copies.add(task)
-        task.add_done_callback(self._copies.discard)
-
-    def _copy_from_host(self, writes: list[tuple[_Write, memoryview, PendingWrite]]) -> None:
-        """Copy host slots into the tier's buffers in a worker thread, then write the intact."""
-        if self._thread is None:
-            self._thread = concurrent.futures.ThreadPoolExecutor(1, "kvstore-disk-copy")
-
-        def copy() -> None:
-            for _, view, pending in writes:
-                # numpy's copy lets go of the GIL: the loop runs meanwhile.
-                np.copyto(np.frombuffer(pending.payload, np.uint8), np.frombuffer(view, np.uint8))
+                    copied.append(False)
+            return copied
 
         async def copy_then_write() -> None:
             done = asyncio.get_running_loop().run_in_executor(self._thread, copy)
             try:
-                await asyncio.shield(done)
+                copied = await asyncio.shield(done)
             except BaseException:
                 # Cancelled (a stop): the thread may still be copying into the buffers.
                 with contextlib.suppress(BaseException):
@@ -414,13 +375,13 @@ class NodeDisk:
                 for _, _, pending in writes:
                     self.tier.cancel_write(pending)
                 raise
-            for write, _, pending in writes:
+            for (write, _, pending), ok in zip(writes, copied, strict=True):
                 # The stamp again, after the copy (a seqlock): a slot reused meanwhile is torn.
-                if self._intact(write):
+                if ok and self._intact(write):
                     self.tier.submit_write(pending)
-                else:
-                    self.skipped["moved"] += 1
-                    self.tier.cancel_write(pending)
+                    continue
+                self.skipped["moved" if ok else "error"] += 1
+                self.tier.cancel_write(pending)
 
         task = asyncio.ensure_future(copy_then_write())
         self._copies.add(task)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import mmap
 import sys
 
 import pytest
@@ -111,6 +112,22 @@ def test_server_read_write_round_trip_and_checks(rt):
     pool.close()
     with pytest.raises(PoolUnavailable, match="closed"):
         pool.read(SlotId(0))
+
+
+def test_read_into_copies_a_slot_straight_into_a_host_buffer(rt):
+    """One device-to-host copy into the caller's buffer (the disk tier's write buffer)."""
+    pool = make_pool(rt)
+    data = bytes(range(256)) * (BLOCK // 256)
+    pool.write(SlotId(5), data)
+    page = mmap.mmap(-1, 4096 + BLOCK)
+    calls = len(rt.calls)
+    pool.read_into(SlotId(5), memoryview(page)[4096:])
+    assert rt.calls[calls:] == ["memcpy"] and page[4096:] == data and page[:4096] == bytes(4096)
+    with pytest.raises(InvalidArgument, match="bytes"):
+        pool.read_into(SlotId(5), memoryview(bytearray(BLOCK - 1)))
+    pool.close()
+    with pytest.raises(PoolUnavailable, match="closed"):
+        pool.read_into(SlotId(0), memoryview(bytearray(BLOCK)))
 
 
 def test_a_slots_checksum_is_of_its_bytes_copied_to_the_host(rt):

@@ -69,6 +69,15 @@ def test_write_read_roundtrip_and_isolation(pool: HostPool) -> None:
     assert pool.read(SlotId(4)) == b"\x04" * 256
 
 
+def test_read_into_copies_a_slot_into_a_buffer(pool: HostPool) -> None:
+    pool.write(SlotId(3), bytes(range(256)))
+    out = bytearray(256)
+    pool.read_into(SlotId(3), memoryview(out))
+    assert out == bytes(range(256))
+    with pytest.raises(InvalidArgument, match="256 bytes"):
+        pool.read_into(SlotId(3), memoryview(bytearray(255)))
+
+
 @pytest.mark.parametrize("size", [0, 255, 257])
 def test_wrong_size_write(pool: HostPool, size: int) -> None:
     with pytest.raises(InvalidArgument, match="256 bytes"):
