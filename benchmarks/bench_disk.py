@@ -6,7 +6,11 @@ fio job (fio first on odd turns):
 
 - **tier write**: ``offer`` blocks as fast as the queue (`QUEUE`) takes
   them, timed from the first offer until `flush` returns; payload bytes /
-  time; ``io_threads`` writes in flight. Beside ``fio --rw=write``.
+  time; ``io_threads`` writes in flight. Beside ``fio --rw=write``. The
+  blocks are reserved slot after slot, as a chain the node commits at once,
+  so the ones queued together go down as one ``pwritev`` of up to 4 MiB
+  (`service.disk.writes`): the tier's write I/Os are bigger than fio's
+  ``--bs`` once its queue has filled, as the chain reads' are.
 - **tier read**: ``read_into`` every block, ``2 * io_threads`` asked for at
   once, ``io_threads`` in flight, into page-aligned buffers (as pool slots
   are: the O_DIRECT path), each verified (header and xxh3-64 of the
