@@ -8,8 +8,10 @@ import errno
 import mmap
 import os
 import subprocess
+import threading
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -266,13 +268,39 @@ async def test_dropped_namespace_stays_dropped_after_reopen(path: str) -> None:
     await tier.close()
 
 
-async def test_cancelled_read_leaves_the_block(path: str) -> None:
-    tier = DiskTier.open(path, CAP, region_bytes=REGION)
+class HeldReads(TierFile):
+    """Reads wait for ``release`` (set from the test) once ``held`` is set."""
+
+    def __init__(self, inner: TierFile) -> None:
+        super().__init__(inner.fd, inner.size, inner.direct)
+        self.held, self.entered, self.release = (threading.Event() for _ in range(3))
+
+    def read_into(self, buffers: list[Any], offset: int) -> int:
+        if self.held.is_set():
+            self.entered.set()
+            assert self.release.wait(10)
+        return super().read_into(buffers, offset)
+
+
+async def test_cancelled_read_waits_for_its_io_and_leaves_the_block(path: str) -> None:
+    files: list[HeldReads] = []
+
+    def wrap(inner: TierFile) -> HeldReads:
+        files.append(HeldReads(inner))
+        return files[-1]
+
+    tier = DiskTier.open(path, CAP, region_bytes=REGION, wrap=wrap)
+    (file,) = files
     data = payload(8)
     await fill(tier, {1: data})
+    file.held.set()
     task = asyncio.ensure_future(read(tier, k(1), len(data)))
-    await asyncio.sleep(0)
+    await asyncio.to_thread(file.entered.wait, 10)  # the read is in the kernel's hands
     task.cancel()
+    await asyncio.sleep(0.01)
+    assert not task.done(), "a cancelled read returns only once its I/O has landed"
+    file.held.clear()
+    file.release.set()
     with pytest.raises(asyncio.CancelledError):
         await task
     assert await read(tier, k(1), len(data)) == data
