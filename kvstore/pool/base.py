@@ -222,7 +222,7 @@ class BlockPool(ABC):
         Raises:
             InvalidArgument: ``dest`` is not ``block_bytes`` long, or the slot is out of range.
         """
-        out = _destination(dest, self.descriptor.block_bytes, slot)
+        out = block_destination(dest, self.descriptor.block_bytes, slot)
         np.copyto(np.frombuffer(out, np.uint8), np.frombuffer(self.view(slot), np.uint8))
 
     def checksum(self, slot: SlotId) -> int:
@@ -259,8 +259,12 @@ class BlockPool(ABC):
         self.close()
 
 
-def _destination(dest: memoryview, block_bytes: int, slot: SlotId) -> memoryview:
-    """``dest`` as bytes, checked to hold one block (`BlockPool.read_into`)."""
+def block_destination(dest: memoryview, block_bytes: int, slot: SlotId) -> memoryview:
+    """``dest`` as bytes, checked to hold one block (every pool's `BlockPool.read_into`).
+
+    Raises:
+        InvalidArgument: ``dest`` is not ``block_bytes`` long.
+    """
     out = memoryview(dest).cast("B")
     if out.nbytes != block_bytes:
         raise InvalidArgument(f"a block is {block_bytes} bytes, not {out.nbytes} (slot {slot})")

@@ -41,7 +41,14 @@ from dataclasses import dataclass
 
 from kvstore.checksum import block_checksum
 from kvstore.errors import InvalidArgument, LimitExceeded
-from kvstore.pool.base import ArenaSpec, BlockPool, PoolDescriptor, PoolUnavailable, plan_arenas
+from kvstore.pool.base import (
+    ArenaSpec,
+    BlockPool,
+    PoolDescriptor,
+    PoolUnavailable,
+    block_destination,
+    plan_arenas,
+)
 from kvstore.pool.cuda_runtime import (
     ERROR_MEMORY_ALLOCATION,
     IPC_HANDLE_BYTES,
@@ -284,9 +291,7 @@ class CudaPool(BlockPool):
     def read(self, slot: SlotId) -> bytes:
         """A host copy of one slot's bytes (device to host ``cudaMemcpy``)."""
         out = bytearray(self.descriptor.block_bytes)
-        host = _host_address(out)
-        with self._lock, on_device(self._runtime, self.device.ordinal):
-            self._runtime.memcpy(host, self.slot_pointer(slot), len(out))
+        self.read_into(slot, memoryview(out))
         return bytes(out)
 
     def read_into(self, slot: SlotId, dest: memoryview) -> None:
@@ -297,11 +302,7 @@ class CudaPool(BlockPool):
             InvalidArgument: ``dest`` is not ``block_bytes`` long.
             PoolUnavailable: the pool is closed.
         """
-        out = memoryview(dest).cast("B")
-        if out.nbytes != self.descriptor.block_bytes:
-            raise InvalidArgument(
-                f"a block is {self.descriptor.block_bytes} bytes, not {out.nbytes} (slot {slot})"
-            )
+        out = block_destination(dest, self.descriptor.block_bytes, slot)
         with self._lock, on_device(self._runtime, self.device.ordinal):
             self._runtime.memcpy(_host_address(out), self.slot_pointer(slot), out.nbytes)
 
