@@ -202,12 +202,8 @@ class SlotReader:
             for r, page in zip(run, pages, strict=True):
                 if got < 0:
                     results.append(ReadResult.ERROR)
-                elif got < r.end - start or not r.want.matches(page):
-                    results.append(ReadResult.IDENTITY)
-                elif block_checksum(r.dest) != r.want.checksum:
-                    results.append(ReadResult.CHECKSUM)
                 else:
-                    results.append(ReadResult.OK)
+                    results.append(_verdict(r.want, got >= r.end - start, page, r.dest))
         except BaseException:  # never OK unchecked, and the batch still ends
             log.exception("disk tier: bug in a read's check")
             results = [ReadResult.ERROR] * len(run)
@@ -225,13 +221,11 @@ class SlotReader:
         except OSError as exc:
             log.warning("disk tier: reading block %s failed (%s)", r.want.block_hash, exc)
             return ReadResult.ERROR
-        if got < PAGE + length or not r.want.matches(local.page):
-            return ReadResult.IDENTITY
         payload = bounce[:length]
-        if block_checksum(payload) != r.want.checksum:
-            return ReadResult.CHECKSUM
-        r.dest.cast("B")[:] = payload
-        return ReadResult.OK
+        result = _verdict(r.want, got >= PAGE + length, local.page, payload)
+        if result is ReadResult.OK:
+            r.dest.cast("B")[:] = payload
+        return result
 
     @staticmethod
     def _finish(
@@ -244,6 +238,16 @@ class SlotReader:
             last = batch.left == 0
         if last:
             done.post(batch.finish)
+
+
+def _verdict(want: SlotHeader, whole: bool, page: Any, payload: Any) -> ReadResult:
+    """A block read (``whole``: all of its slot arrived): its header must be ``want``
+    (identity), then its payload must have the checksum. OK only after both."""
+    if not whole or not want.matches(page):
+        return ReadResult.IDENTITY
+    if block_checksum(payload) != want.checksum:
+        return ReadResult.CHECKSUM
+    return ReadResult.OK
 
 
 _FAILURE_COUNTER = {
