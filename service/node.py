@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 from typing import TypeVar
 
 import kvstore
-from kvstore.api.wire import EVENT_TIER_DISK
+from kvstore.api.wire import EVENT_TIER_DISK, EVENT_TIER_MEMORY
 from kvstore.block_table import BlockTable
 from kvstore.errors import PermissionDenied, UnknownNamespace
 from kvstore.events import CacheEvent
@@ -392,24 +392,23 @@ class Node:
         taken = self.store.take_events()
         if self.disk is not None:
             self.disk.stored(taken)  # write-through: queued here, copied in later loop steps
-        for ev in taken:
-            self.events.publish(ev.namespace, translate.event(ev, self.node_id, self.to_unix))
-            if self.cluster is not None:
-                self.cluster.publish(ev, self.to_unix(ev.at))
-        if taken:
-            self.kv_events.publish(taken)
+        self._fan_out(taken, EVENT_TIER_MEMORY)
 
     def publish_disk_events(self, events: list[CacheEvent]) -> None:
-        """The disk tier's stored and removed blocks, as the pool's are published (tier
-        "disk"): to watchers, the directory's disk sets and the cluster stream, and as KV
-        events with the disk medium (`service.disk.holdings`)."""
+        """The disk tier's stored and removed blocks, published as the pool's are (tier
+        "disk"; the directory's disk sets; KV events with the disk medium,
+        `service.disk.holdings`)."""
+        self._fan_out(events, EVENT_TIER_DISK)
+
+    def _fan_out(self, events: list[CacheEvent], tier: str) -> None:
+        """``tier``'s block events to watchers, the Redis agent (directory and stream) and
+        the KV-event publisher."""
         for ev in events:
-            self.events.publish(
-                ev.namespace, translate.event(ev, self.node_id, self.to_unix, EVENT_TIER_DISK)
-            )
+            self.events.publish(ev.namespace, translate.event(ev, self.node_id, self.to_unix, tier))
             if self.cluster is not None:
-                self.cluster.publish_disk(ev, self.to_unix(ev.at))
-        self.kv_events.publish(events, DISK_MEDIUM)
+                self.cluster.publish(ev, self.to_unix(ev.at), tier)
+        if events:
+            self.kv_events.publish(events, DISK_MEDIUM if tier == EVENT_TIER_DISK else None)
 
     def _block_size_of(self, namespace: NamespaceId) -> int | None:
         """Tokens per block of a namespace (None once it is dropped)."""

@@ -11,9 +11,9 @@ One background task owns every write to Redis, so ordering is simple:
             backoff.compute(failures) (redis-py's backoff), try again
 
 `Node.publish_events` hands the agent each `CacheEvent` synchronously
-(`publish`), `Node.publish_disk_events` each of the disk tier's (`publish_disk`:
-its disk sets, stream entries with tier "disk"); nothing an RPC does ever
-waits on Redis. While Redis is away,
+(`publish`), `Node.publish_disk_events` each of the disk tier's (`publish` with
+tier "disk": its disk sets, stream entries with that tier); nothing an RPC does
+ever waits on Redis. While Redis is away,
 directory changes are buffered up to `directory_queue_blocks`, then dropped
 (a resync rewrites them anyway), and events are buffered up to the same bound
 (oldest dropped, counted). A resync happens at start, after every failed
@@ -35,7 +35,7 @@ from typing import Any, Protocol
 
 from redis.backoff import AbstractBackoff
 
-from kvstore.api.wire import EVENT_TIER_DISK
+from kvstore.api.wire import EVENT_TIER_DISK, EVENT_TIER_MEMORY
 from kvstore.block import BlockState
 from kvstore.events import CacheEvent, EventKind
 from kvstore.ops.plural import plural
@@ -120,31 +120,20 @@ class RedisAgent:
 
     # --- producer side (synchronous, on the loop) -----------------------------
 
-    def publish(self, ev: CacheEvent, at_unix: float) -> None:
-        """Queue one store event for the directory and the stream; never blocks."""
+    def publish(self, ev: CacheEvent, at_unix: float, tier: str = EVENT_TIER_MEMORY) -> None:
+        """Queue one event of the pool's blocks, or of ``tier``'s, for the directory (the
+        disk tier's go to its disk sets) and the stream (`event_stream.fields_of`); never
+        blocks."""
+        disk = tier == EVENT_TIER_DISK
         if ev.kind is EventKind.STORED:
-            self.queue.put(Change.ADD, ev.namespace, ev.scope, ev.hashes)
+            self.queue.put(Change.ADD, ev.namespace, ev.scope, ev.hashes, disk=disk)
         elif ev.kind is EventKind.REMOVED:
-            self.queue.put(Change.REMOVE, ev.namespace, ev.scope, ev.hashes)
-        self._queue_entry(event_stream.fields_of(ev, self.node.node_id, at_unix))
-
-    def publish_disk(self, ev: CacheEvent, at_unix: float) -> None:
-        """Queue one disk-tier event for the directory's disk set and the stream (an
-        entry with tier "disk"); never blocks."""
-        if ev.kind is EventKind.STORED:
-            self.queue.put(Change.ADD, ev.namespace, ev.scope, ev.hashes, disk=True)
-        elif ev.kind is EventKind.REMOVED:
-            self.queue.put(Change.REMOVE, ev.namespace, ev.scope, ev.hashes, disk=True)
-        fields = event_stream.fields_of(ev, self.node.node_id, at_unix, EVENT_TIER_DISK)
-        self._queue_entry(fields)
-
-    def _queue_entry(self, fields: dict[str, bytes]) -> None:
-        """Queue one stream entry; the oldest is dropped (and counted) when the queue is full."""
+            self.queue.put(Change.REMOVE, ev.namespace, ev.scope, ev.hashes, disk=disk)
         if len(self._events) >= self._events_limit:
             self._events.popleft()
             self._events_shed += 1
             self.events_dropped += 1
-        self._events.append(fields)
+        self._events.append(event_stream.fields_of(ev, self.node.node_id, at_unix, tier))
         self._wake.set()
 
     # --- life cycle -------------------------------------------------------------
