@@ -127,9 +127,9 @@ class Client(PrefixQueries):
         await self._rpc.connect()
 
     async def close(self, *, end_lease: bool = True) -> None:
-        """Finish cleanups, end the lease, unmap the pools and close the channel; with
-        ``end_lease`` False the lease is not ended but expires (pins another process
-        still copies from hold until then)."""
+        """Finish cleanups, end the lease, unmap the pools, close the channel; with ``end_lease``
+        False the lease expires instead (pins another process still copies from hold till then)."""
+        self._releases.close()
         await self._session.close(end_lease=end_lease)
         await self._rpc.close()
 

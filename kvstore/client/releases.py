@@ -34,18 +34,25 @@ Pins are dropped exactly once per hit, whatever happens to the caller:
   `RetryPolicy` like any idempotent call, and a caller may release the same
   hit again, however late: neither drops the pin that another hit of the
   same lease holds on the same block.
+* A release the node did not answer (unavailable, or no answer in time:
+  a node that hung or a host that stalled) fails its callers, and is sent
+  again in the background (`RESEND_DELAYS`, same ids) until the node
+  answers it or says the lease is gone: the lease is renewed for the
+  runner's life, so a release given up would pin its blocks until then.
+  Closing the client stops the re-sends (its lease's end drops the pins).
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import secrets
 from dataclasses import dataclass, field
 
 from kvstore.client import methods
 from kvstore.client.background import Background
-from kvstore.client.errors import DeadlineExceeded
+from kvstore.client.errors import DeadlineExceeded, ServerUnavailable
 from kvstore.client.rpc import Rpc
 from kvstore.errors import KVStoreError
 from kvstore.types import HASH_BYTES
@@ -62,12 +69,17 @@ log = logging.getLogger(__name__)
 
 _Key = tuple[str, int]
 
+RESEND_DELAYS = (1.0, 2.0, 5.0, 10.0, 30.0)
+"""Seconds before each re-send of a release the node did not answer; the last repeats."""
+
 
 @dataclass(eq=False)  # a waiter is itself, whatever hashes it releases
 class _Waiting:
     packed: bytes
     release_id: int
     done: asyncio.Future[int]
+    resent: bool = False
+    """A re-send (`Releases._resend`): its failure is that loop's to handle."""
 
 
 def new_release_id() -> int:
@@ -98,6 +110,7 @@ class Releases:
         self._background = background
         # Per (namespace, lease) with a call in flight: the releases queued behind it.
         self._lanes: dict[_Key, _Lane] = {}
+        self._resends: set[asyncio.Task[None]] = set()
         self.calls = 0
         """``Release`` calls sent (for tests and tools)."""
         self.carried = 0
@@ -113,9 +126,14 @@ class Releases:
         to the returned future (cancelling it only stops the waiting); the
         future's result is the node's count.
         """
-        waiting = _Waiting(packed, release_id, asyncio.get_running_loop().create_future())
+        return self._enqueue((namespace_id, lease_id), packed, release_id, resent=False)
+
+    def _enqueue(
+        self, key: _Key, packed: bytes, release_id: int, *, resent: bool
+    ) -> asyncio.Future[int]:
+        loop = asyncio.get_running_loop()
+        waiting = _Waiting(packed, release_id, loop.create_future(), resent)
         waiting.done.add_done_callback(_retrieve)  # a caller may have stopped waiting
-        key = (namespace_id, lease_id)
         lane = self._lanes.get(key)
         if lane is None:
             self._lanes[key] = lane = _Lane()
@@ -237,9 +255,13 @@ class Releases:
                 if not w.done.done():
                     w.done.set_result(count)
         except BaseException as exc:
-            if isinstance(exc, KVStoreError):  # the callers still waiting get it too
+            again = [w for w in batch if not w.resent]
+            if isinstance(exc, ServerUnavailable) and again:
+                log.warning("release of %d hits failed, sending it again: %s", len(again), exc)
+                self._spawn_resend(key, again)
+            elif isinstance(exc, KVStoreError) and again:  # their callers get it too
                 log.warning("release of %d hits failed (their lease drops them when it ends): %s",
-                            len(batch), exc)  # fmt: skip
+                            len(again), exc)  # fmt: skip
             for w in batch:
                 if w.done.done():
                     continue
@@ -252,6 +274,33 @@ class Releases:
         finally:
             lane.sending = False
             self._next(key, lane)
+
+    def _spawn_resend(self, key: _Key, batch: list[_Waiting]) -> None:
+        task = asyncio.ensure_future(self._resend(key, [(w.packed, w.release_id) for w in batch]))
+        self._resends.add(task)
+        task.add_done_callback(self._resends.discard)
+
+    async def _resend(self, key: _Key, releases: list[tuple[bytes, int]]) -> None:
+        """Send releases again, after `RESEND_DELAYS`, until the node answers each of them
+        (the same ids: a release it had applied drops nothing more) or refuses it."""
+        for attempt in itertools.count():
+            await asyncio.sleep(RESEND_DELAYS[min(attempt, len(RESEND_DELAYS) - 1)])
+            sent = [self._enqueue(key, packed, rid, resent=True) for packed, rid in releases]
+            outcomes = await asyncio.gather(*sent, return_exceptions=True)
+            unanswered = []
+            for release, outcome in zip(releases, outcomes, strict=True):
+                if isinstance(outcome, ServerUnavailable):
+                    unanswered.append(release)
+                elif isinstance(outcome, BaseException):  # refused: the lease is gone
+                    log.warning("release sent again refused (its lease dropped it): %s", outcome)
+            if not unanswered:
+                return
+            releases = unanswered
+
+    def close(self) -> None:
+        """Stop sending releases again (the client is closing: its lease's end drops them)."""
+        for task in list(self._resends):
+            task.cancel()
 
 
 def _take(lane: list[_Waiting]) -> list[_Waiting]:

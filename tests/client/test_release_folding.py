@@ -7,11 +7,12 @@ import asyncio
 
 import pytest
 
-from kvstore.client import Client
-from kvstore.client.errors import DeadlineExceeded
+from kvstore.client import Client, releases
+from kvstore.client.errors import DeadlineExceeded, ServerUnavailable
 from kvstore.client.methods import Unary
 from kvstore.errors import FailedPrecondition
 from tests.client.blocks import LAYOUT, stored_chains
+from tests.waiting import until
 
 HITS = 16  # 3 blocks each: the test pool holds 64
 
@@ -130,3 +131,54 @@ async def test_a_release_retried_after_5000_others_never_drops_another_hits_pin(
     assert len(other.numpy_views()) == 3
     assert await kv.release(other) == 3
     assert (await kv.stats()).namespaces[0].pinned == 0
+
+
+def fail_releases(kv: Client, monkeypatch: pytest.MonkeyPatch, times: int) -> list[str]:
+    """The next ``times`` Release calls never reach the node (it is unavailable); the
+    list gets a line per Release call made."""
+    call = kv._rpc.call
+    calls: list[str] = []
+
+    async def unavailable(method: Unary, request: object, *args: object, **kw: object) -> object:
+        if method.name == "Release":
+            calls.append("failed" if len(calls) < times else "sent")
+            if calls[-1] == "failed":
+                raise ServerUnavailable("Release: the node did not answer")
+        return await call(method, request, *args, **kw)
+
+    monkeypatch.setattr(kv._rpc, "call", unavailable)
+    monkeypatch.setattr(releases, "RESEND_DELAYS", (0.01, 0.02))
+    return calls
+
+
+async def test_a_release_the_node_did_not_answer_is_sent_again_until_it_does(
+    kv: Client, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A node that hangs or a host that stalls loses a Release: its caller gets the
+    error, and the SDK sends it again by itself (the lease lives on, so a release
+    given up would pin its blocks for the runner's life)."""
+    ns, prompts = await stored_chains(kv, 1)
+    hit = await kv.lookup(ns, prompts[0], pin=True)
+    calls = fail_releases(kv, monkeypatch, times=3)
+    with pytest.raises(ServerUnavailable):
+        await kv.release(hit)
+    await until(lambda: kv._releases._resends, ok=lambda tasks: not tasks)
+    assert calls == ["failed", "failed", "failed", "sent"]
+    assert (await kv.stats()).namespaces[0].pinned == 0
+    assert not kv._releases._lanes
+
+
+async def test_closing_the_client_stops_sending_releases_again(
+    kv: Client, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A node that never answers: closing the client stops the re-sends at once (its
+    lease's end drops the pins) instead of waiting on them."""
+    ns, prompts = await stored_chains(kv, 1)
+    hit = await kv.lookup(ns, prompts[0], pin=True)
+    calls = fail_releases(kv, monkeypatch, times=10**6)
+    with pytest.raises(ServerUnavailable):
+        await kv.release(hit)
+    await until(lambda: len(calls), ok=lambda n: n >= 3)  # sent again, and again
+    await asyncio.wait_for(kv.close(), timeout=10)
+    await asyncio.sleep(0)
+    assert not kv._releases._resends
