@@ -225,6 +225,7 @@ def run_way(
             block_size=block_size,
             max_model_len=workload.max_model_len,
             max_num_batched_tokens=workload.max_model_len,  # a prompt's prefill in one step
+            nice=0,
         )
         for i in range(2)
     ]

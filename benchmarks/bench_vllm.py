@@ -243,13 +243,13 @@ def main(argv: list[str] | None = None) -> int:
     extra = {"retry_interval": 1.0} if args.disk else {}
     engines = [
         Engine(python, model, connector={"target": node.target, "tenant": "bench", **extra},
-               block_size=args.block_size, log_dir=work, name=name, **spec)
+               block_size=args.block_size, log_dir=work, name=name, nice=0, **spec)
         for name, node in zip(("a", "b"), (nodes[0], nodes[-1]), strict=True)
     ]  # fmt: skip
     if args.disk:  # the reference: the same engine without the connector
         engines.append(
             Engine(python, model, connector=None, block_size=args.block_size, log_dir=work,
-                   name="r", **spec)
+                   name="r", nice=0, **spec)
         )  # fmt: skip
     out: dict[str, Any] = {
         "model": {"layers": args.layers, "hidden": args.hidden, "dtype": "float32"},

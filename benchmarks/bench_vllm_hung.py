@@ -72,8 +72,8 @@ def main(argv: list[str] | None = None) -> int:
         "retry_interval": 1.0,
     }
     engines = {
-        "plain": Engine(python, model, connector=None, log_dir=work, name="plain"),
-        "kv": Engine(python, model, connector=settings, log_dir=work, name="kv"),
+        "plain": Engine(python, model, connector=None, log_dir=work, name="plain", nice=0),
+        "kv": Engine(python, model, connector=settings, log_dir=work, name="kv", nice=0),
     }
     out: dict[str, Any] = {"requests": args.requests, "lookup_timeout_s": args.lookup_timeout}
     try:

@@ -7,8 +7,11 @@ has 3 full blocks (96 tokens).
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from typing import Any
 
+from kvstore.api.wire import layout_from_proto
+from kvstore.client import SyncClient
 from tests.integrations.vllm.engines import Engine, Node
 from tests.waiting import wait_until
 
@@ -42,6 +45,68 @@ def run(engine: Engine, prompt: list[int], *, cold: bool = True) -> dict[str, An
         engine.command(reset_prefix_cache=True)
     answer = engine.generate([prompt])
     return {**answer["results"][0], **{k: v for k, v in answer.items() if k != "results"}}
+
+
+def wait_saved(
+    node: Node,
+    prompt: list[int],
+    blocks: int,
+    *,
+    tenant: str = "acme",
+    model: Callable[[str], bool] = lambda model_id: True,
+    within: float = 120.0,
+) -> None:
+    """Wait until ``tenant`` finds the first ``blocks`` full blocks of ``prompt`` on the node,
+    in every namespace whose model id ``model`` accepts (a TP engine has one per rank).
+
+    An engine answers before its saves land (they are stored behind the forward,
+    docs/vllm.md), so a test that needs the node to hold a prompt waits for it here, as
+    a user's next turn would come after them; on a loaded host that can take seconds.
+    """
+
+    def held() -> int:
+        with SyncClient(node.target, tenant=tenant, timeout=30.0) as client:
+            found = []
+            for ns_stats in client.stats(timeout=30.0).namespaces:
+                if not model(ns_stats.model_id):
+                    continue
+                layout = layout_from_proto(ns_stats.layout)
+                ns = client.register_namespace(ns_stats.model_id, layout, timeout=30.0)
+                found.append(client.lookup(ns, prompt, timeout=30.0).hit_blocks)
+        return min(found, default=0)
+
+    wait_until(
+        held,
+        ok=lambda n: n >= blocks,
+        what=f"{tenant}'s {blocks} saved blocks on the node",
+        within=within,
+        interval=0.2,
+    )
+
+
+def seed(
+    engine: Engine,
+    node: Node,
+    prompt: list[int],
+    *,
+    saved: list[int],
+    blocks: int,
+    tenant: str = "acme",
+    model: Callable[[str], bool] = lambda model_id: True,
+) -> dict[str, Any]:
+    """Run ``prompt`` so that the node holds the first ``blocks`` full blocks of ``saved``.
+
+    Once more if they do not land (`wait_saved`): a stall of the host can make the engine
+    give up on the node for a while (docs/vllm.md, failure table), and it then saves
+    nothing of that request, by design. Returns the answer of the last run.
+    """
+    answer = run(engine, prompt)
+    try:
+        wait_saved(node, saved, blocks, tenant=tenant, model=model)
+    except AssertionError:
+        answer = run(engine, prompt)
+        wait_saved(node, saved, blocks, tenant=tenant, model=model)
+    return answer
 
 
 def max_logprob_diff(x: dict[str, Any], y: dict[str, Any]) -> float:

@@ -19,7 +19,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from tests.integrations.vllm.engines import vllm_environment
+from tests.integrations.vllm.engines import ENGINE_NICE, niced, vllm_environment
 from tests.waiting import wait_until
 
 CLI = ("-m", "kvstore.integrations.vllm.cli")
@@ -70,8 +70,10 @@ class ServeProcess:
         block_size: int = 32,
         max_model_len: int = 2048,
         max_num_batched_tokens: int | None = None,
+        nice: int = ENGINE_NICE,
     ) -> None:
-        """Start it (`wait_ready` waits); ``connector``: the kvstore settings, None: none."""
+        """Start it (`wait_ready` waits); ``connector``: the kvstore settings, None: none;
+        ``nice``: its niceness (`ENGINE_NICE`; the benchmarks pass 0)."""
         self.name = name
         self.port = free_port()
         self.log_path = log_dir / f"{name}.log"
@@ -89,7 +91,7 @@ class ServeProcess:
         cache = tempfile.mkdtemp(prefix="vllm-cache-", dir=log_dir)
         with open(self.log_path, "w") as log:
             self.proc = subprocess.Popen(
-                [python, *CLI, *args],
+                niced([python, *CLI, *args], nice),
                 cwd=log_dir,
                 env=vllm_environment(cache),
                 stdin=subprocess.DEVNULL,

@@ -32,6 +32,7 @@ from tests.integrations.vllm.common import (
     run,
     system,
     tokens,
+    wait_saved,
 )
 from tests.integrations.vllm.engines import Engine, Node, running
 from tests.waiting import wait_until
@@ -66,6 +67,7 @@ def test_same_system_prompt_loads_exactly_its_full_blocks(engines, node) -> None
     prompt_a, prompt_b = system(1) + USER_1, system(1) + USER_2
     first = run(a, prompt_a)
     assert first["external_hits"] == 0
+    wait_saved(node, system(1), SYSTEM_HIT // BLOCK)
     got = run(b, prompt_b)
     # Exactly the system prompt's full blocks: not the partial one, not the user prompt.
     assert got["external_hits"] == SYSTEM_HIT
@@ -101,7 +103,8 @@ def test_a_request_for_prompt_logprobs_computes_its_prompt_and_pins_nothing(engi
     those of an engine without the connector."""
     a, b, ref = engines["a"], engines["b"], engines["ref"]
     prompt = system(9) + USER_2
-    run(a, system(9) + USER_1)  # the node holds the system prompt
+    run(a, system(9) + USER_1)
+    wait_saved(node, system(9), SYSTEM_HIT // BLOCK)  # the node holds the system prompt
     b.command(reset_prefix_cache=True)
     before = node_lookups(node)
     answer = b.command(prompts=[prompt], max_tokens=8, prompt_logprobs=True)
@@ -172,6 +175,8 @@ def test_switched_system_prompt_still_hits_until_evicted(engines, node) -> None:
     a, b = engines["a"], engines["b"]
     run(a, system(4) + USER_1)
     run(a, system(5) + USER_1)  # the deployment switched system prompts
+    for seed in (4, 5):
+        wait_saved(node, system(seed), SYSTEM_HIT // BLOCK)
     assert run(b, system(4) + USER_2)["external_hits"] == SYSTEM_HIT
     assert run(b, system(5) + USER_2)["external_hits"] == SYSTEM_HIT
     # Memory pressure: more new blocks than the namespace holds (64).
@@ -185,6 +190,7 @@ def test_switched_system_prompt_still_hits_until_evicted(engines, node) -> None:
 
 def test_restarted_engine_reuses_what_it_stored(engines, node, vllm_py, tiny_model, tmp_path):
     run(engines["a"], system(6) + USER_1)
+    wait_saved(node, system(6), SYSTEM_HIT // BLOCK)
     engines["a"].close()
     engines["a"] = Engine(
         vllm_py, tiny_model, connector=connector(node), log_dir=tmp_path, name="a2"
@@ -203,6 +209,7 @@ def test_tenants_do_not_share_and_failed_loads_recompute(engines, node) -> None:
     assert other["external_hits"] == 0, "tenant other saw tenant acme's blocks"
     cold, local_hit_diff = reference(ref, prompt, warm_from=system(7) + USER_1)
     assert other["tokens"] == cold["tokens"]
+    wait_saved(node, system(7), SYSTEM_HIT // BLOCK, tenant="other")
     # Now "other" has it too: the hit is reported, every load fails, vLLM recomputes.
     failed = run(f, prompt)
     assert failed["external_hits"] == SYSTEM_HIT

@@ -36,8 +36,10 @@ from tests.integrations.vllm.common import (
     connector,
     max_logprob_diff,
     run,
+    seed,
     system,
     tokens,
+    wait_saved,
 )
 from tests.integrations.vllm.engines import ROOT, Engine, Node, running, verifying_node
 from tests.waiting import wait_until
@@ -107,7 +109,9 @@ def test_a_failed_load_never_poisons_the_cache(engines, node) -> None:
     a, f, ref = engines["a"], engines["f"], engines["ref"]
     head = tokens(2000, 5 * BLOCK)
     prompt = head + USER_1  # 5 full blocks
-    run(a, head[: 2 * BLOCK] + USER_2)  # the node holds the first 2 blocks only
+    seed(
+        a, node, head[: 2 * BLOCK] + USER_2, saved=head, blocks=2
+    )  # the node holds the first 2 blocks only
     failed = run(f, prompt)  # hits 2 blocks, the load fails: vLLM recomputes them
     assert failed["external_hits"] == 2 * BLOCK
     assert "failed" in "".join(f.log)
@@ -116,6 +120,7 @@ def test_a_failed_load_never_poisons_the_cache(engines, node) -> None:
     # Whatever f saved of this prompt was computed after the recompute: a third
     # engine loading all 5 blocks from the node gives the reference output.
     assert_nothing_pinned(node)
+    wait_saved(node, prompt, 5)
     got = run(a, prompt)
     assert got["external_hits"] == 5 * BLOCK
     assert_exact(got, want)
@@ -140,7 +145,9 @@ def fill_pool(node: Node, tenant: str) -> int:
 def test_an_engine_stalled_past_its_lease_recomputes(engines, node, hold_file) -> None:
     a, ref = engines["a"], engines["ref"]
     prompt = system(20) + USER_2
-    run(a, system(20) + USER_1)  # the node holds the system prompt
+    seed(
+        a, node, system(20) + USER_1, saved=system(20), blocks=3
+    )  # the node holds the system prompt
     a.command(reset_prefix_cache=True)
     hold_file.touch()
     reached = Path(str(hold_file) + ".reached")
@@ -229,7 +236,9 @@ def test_a_slot_overwritten_under_a_load_is_recomputed(engines, node, faults) ->
     blocks are load errors, vLLM recomputes them, and the counters say so."""
     a, ref = engines["a"], engines["ref"]
     prompt = system(50) + USER_2
-    run(a, system(50) + USER_1)  # the node holds the system prompt
+    seed(
+        a, node, system(50) + USER_1, saved=system(50), blocks=3
+    )  # the node holds the system prompt
     a.command(reset_prefix_cache=True)
     hold, leak = faults / "hold-loads", faults / "leak-pins"
     reached = faults / "hold-loads.reached"
@@ -262,7 +271,9 @@ def test_a_bit_flipped_in_a_committed_block_is_recomputed(engines, node) -> None
     block as a load error, and vLLM recomputes it."""
     a, ref = engines["a"], engines["ref"]
     prompt = system(60) + USER_2
-    run(a, system(60) + USER_1)  # the node holds the system prompt (3 blocks)
+    seed(
+        a, node, system(60) + USER_1, saved=system(60), blocks=3
+    )  # the node holds the system prompt
     model, layout = engine_namespace(node)
     with SyncClient(node.target, tenant="acme", timeout=10.0) as client:
         ns = client.register_namespace(model, layout, timeout=10.0)
@@ -331,7 +342,9 @@ def test_sigterm_with_a_load_in_flight_leaks_nothing_and_saves_nothing_wrong(
     prompt answers exactly. (Last in the module: engine ``a`` is gone after it.)"""
     a, p, ref = engines["a"], engines["p"], engines["ref"]
     prompt = system(90) + USER_2
-    run(a, system(90) + USER_1)  # the node holds the system prompt
+    seed(
+        a, node, system(90) + USER_1, saved=system(90), blocks=3
+    )  # the node holds the system prompt
     a.command(reset_prefix_cache=True)
     hold, reached = faults / "hold-loads", faults / "hold-loads.reached"
     reached.unlink(missing_ok=True)
