@@ -36,7 +36,7 @@ Pins are dropped exactly once per hit, whatever happens to the caller:
   same lease holds on the same block.
 * A release the node did not answer (unavailable, or no answer in time:
   a node that hung or a host that stalled) fails its callers, and is sent
-  again in the background (`RESEND_DELAYS`, same ids) until the node
+  again in the background (`RESEND_BACKOFF`, same ids) until the node
   answers it or says the lease is gone: the lease is renewed for the
   runner's life, so a release given up would pin its blocks until then.
   Closing the client stops the re-sends (its lease's end drops the pins).
@@ -53,6 +53,7 @@ from dataclasses import dataclass, field
 from kvstore.client import methods
 from kvstore.client.background import Background
 from kvstore.client.errors import DeadlineExceeded, ServerUnavailable
+from kvstore.client.retry import Backoff
 from kvstore.client.rpc import Rpc
 from kvstore.errors import KVStoreError
 from kvstore.types import HASH_BYTES
@@ -69,8 +70,8 @@ log = logging.getLogger(__name__)
 
 _Key = tuple[str, int]
 
-RESEND_DELAYS = (1.0, 2.0, 5.0, 10.0, 30.0)
-"""Seconds before each re-send of a release the node did not answer; the last repeats."""
+RESEND_BACKOFF = Backoff(base=1.0, cap=30.0)
+"""Delay before each re-send of a release the node did not answer: about 1 s, doubling to 30 s."""
 
 
 @dataclass(eq=False)  # a waiter is itself, whatever hashes it releases
@@ -281,10 +282,10 @@ class Releases:
         task.add_done_callback(self._resends.discard)
 
     async def _resend(self, key: _Key, releases: list[tuple[bytes, int]]) -> None:
-        """Send releases again, after `RESEND_DELAYS`, until the node answers each of them
+        """Send releases again, after `RESEND_BACKOFF`, until the node answers each of them
         (the same ids: a release it had applied drops nothing more) or refuses it."""
-        for attempt in itertools.count():
-            await asyncio.sleep(RESEND_DELAYS[min(attempt, len(RESEND_DELAYS) - 1)])
+        for failures in itertools.count(1):
+            await asyncio.sleep(RESEND_BACKOFF.compute(failures))
             sent = [self._enqueue(key, packed, rid, resent=True) for packed, rid in releases]
             outcomes = await asyncio.gather(*sent, return_exceptions=True)
             unanswered = []

@@ -10,6 +10,7 @@ import pytest
 from kvstore.client import Client, releases
 from kvstore.client.errors import DeadlineExceeded, ServerUnavailable
 from kvstore.client.methods import Unary
+from kvstore.client.retry import Backoff
 from kvstore.errors import FailedPrecondition
 from tests.client.blocks import LAYOUT, stored_chains
 from tests.waiting import until
@@ -147,7 +148,7 @@ def fail_releases(kv: Client, monkeypatch: pytest.MonkeyPatch, times: int) -> li
         return await call(method, request, *args, **kw)
 
     monkeypatch.setattr(kv._rpc, "call", unavailable)
-    monkeypatch.setattr(releases, "RESEND_DELAYS", (0.01, 0.02))
+    monkeypatch.setattr(releases, "RESEND_BACKOFF", Backoff(base=0.01, cap=0.02))
     return calls
 
 
