@@ -143,11 +143,12 @@ class Node:
 
 
 ENGINE_NICE = 10
-"""The tests' engines run at this niceness (their processes inherit it). An engine whose
-request waits for a load steps empty batches in a busy loop, engine core and workers
-alike: on the 2-core CI host a held TP=2 load starved the node and the test process so
-that a Stats call took over 30 s and the test timed out. In production the node has
-its own cores; here the node and the test outrank the engines instead."""
+"""The tests' engines run at this niceness (their processes inherit it), below the node
+and the test. An engine whose request waits for a load steps empty batches in a busy
+loop, engine core and workers alike; on the 2-core CI host that starved the node and
+the test (with a TP=2 load held it stalled the whole host for minutes even so: the
+tests that hold loads wait that out, docs/vllm.md "Tests and CI"). In production the
+node has its own cores."""
 
 
 def niced(argv: list[str], nice: int) -> list[str]:

@@ -144,16 +144,7 @@ def test_tp1_and_tp2_engines_never_share(engines, node) -> None:
 
 def rank_pins(node: Node, rank: int) -> int:
     """Pins held in tensor-parallel rank ``rank``'s namespace."""
-    return rank_count(node, rank, "pinned")
-
-
-def rank_count(node: Node, rank: int, field: str) -> int:
-    """A figure (``pinned``, ``ready``) of tensor-parallel rank ``rank``'s namespace."""
-    return sum(
-        int(getattr(ns, field))
-        for ns in node.stats().namespaces
-        if ns.model_id.endswith(f"#tp-2.{rank}")
-    )
+    return sum(ns.pinned for ns in node.stats().namespaces if ns.model_id.endswith(f"#tp-2.{rank}"))
 
 
 def held_rank_pins(node: Node, rank: int) -> int | None:
