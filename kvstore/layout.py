@@ -28,10 +28,16 @@ DTYPE_BYTES: dict[str, int] = {
 }
 """Element sizes of the dtypes a layout may use (torch names)."""
 
-KV_ORDERS = ("KV_LAYER_TOKEN_HEAD",)
+KV_ORDERS = ("KV_LAYER_TOKEN_HEAD", "LATENT_LAYER_TOKEN")
 """Supported element orders of one block. ``KV_LAYER_TOKEN_HEAD`` means the
 block is a C-contiguous array of shape ``[2, layers, block_size, kv_heads,
-head_dim]``: K then V, each layer's tokens, heads, head dims."""
+head_dim]``: K then V, each layer's tokens, heads, head dims.
+``LATENT_LAYER_TOKEN`` is a model with one latent vector per token and layer
+instead of K and V (DeepSeek's MLA: the compressed KV and its rope part):
+``[1, layers, block_size, 1, head_dim]``, ``num_kv_heads`` 1."""
+
+KV_PARTS = {"KV_LAYER_TOKEN_HEAD": 2, "LATENT_LAYER_TOKEN": 1}
+"""How many tensors per layer each order holds: K and V, or the one latent."""
 
 MAX_BLOCK_BYTES = 1 << 30
 """A single block larger than 1 GiB is certainly a mistake."""
@@ -65,19 +71,30 @@ class KVLayout:
             )
         if self.kv_order not in KV_ORDERS:
             raise InvalidArgument(f"layout.kv_order {self.kv_order!r} is not one of {KV_ORDERS}")
+        if self.kv_parts == 1 and self.num_kv_heads != 1:
+            raise InvalidArgument(
+                f"layout.kv_order {self.kv_order} holds one latent per token: num_kv_heads "
+                f"must be 1, got {self.num_kv_heads}"
+            )
         if self.block_bytes > MAX_BLOCK_BYTES:
             raise InvalidArgument(f"one block would be {self.block_bytes} bytes, over 1 GiB")
 
     @property
+    def kv_parts(self) -> int:
+        """Tensors per layer and token: 2 (K and V), or 1 (a latent, `KV_ORDERS`)."""
+        return KV_PARTS[self.kv_order]
+
+    @property
     def block_shape(self) -> tuple[int, int, int, int, int]:
-        """Shape of one block as an array: ``(2, layers, block_size, kv_heads, head_dim)``."""
-        return (2, self.num_layers, self.block_size, self.num_kv_heads, self.head_dim)
+        """Shape of one block as an array: ``(parts, layers, block_size, kv_heads, head_dim)``
+        (``parts`` 2, K then V; 1 for a latent)."""
+        return (self.kv_parts, self.num_layers, self.block_size, self.num_kv_heads, self.head_dim)
 
     @property
     def block_bytes(self) -> int:
-        """Bytes of one block: K and V of every layer, token, head and head dim."""
+        """Bytes of one block: K and V (or the latent) of every layer, token, head and dim."""
         return (
-            2
+            self.kv_parts
             * self.num_layers
             * self.block_size
             * self.num_kv_heads

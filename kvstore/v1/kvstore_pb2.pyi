@@ -328,7 +328,7 @@ class KVLayout(_message.Message):
     dtype: _builtins.str
     """torch dtype name: float16, bfloat16, float32, ..."""
     kv_order: _builtins.str
-    """"" = KV_LAYER_TOKEN_HEAD: [2, layers, block_size, heads, head_dim]"""
+    """"" = KV_LAYER_TOKEN_HEAD: [2, layers, block_size, heads, head_dim];"""
     def __init__(
         self,
         *,

@@ -292,3 +292,17 @@ def test_evicting_a_tenants_last_block_while_it_reserves() -> None:
     assert a.store_chain(other, now=2.0) == 1
     assert a.hits(other, now=3.0) == 1
     assert len(list(store.iter_blocks(NS))) == 1
+
+
+def test_a_latent_layout_holds_one_vector_per_token_and_layer() -> None:
+    """MLA's order: no K/V split and one "head", so a block is half a K/V one of the
+    same width; more than one head is refused (a latent has none)."""
+    latent = KVLayout(3, 1, 576, 16, "bfloat16", kv_order="LATENT_LAYER_TOKEN")
+    assert latent.kv_parts == 1
+    assert latent.block_shape == (1, 3, 16, 1, 576)
+    assert latent.block_bytes == 3 * 16 * 576 * 2
+    assert KVLayout(3, 1, 576, 16, "bfloat16").block_bytes == 2 * latent.block_bytes
+    with pytest.raises(InvalidArgument, match="num_kv_heads must be 1"):
+        KVLayout(3, 2, 576, 16, "bfloat16", kv_order="LATENT_LAYER_TOKEN")
+    with pytest.raises(InvalidArgument, match="kv_order"):
+        KVLayout(3, 1, 576, 16, "bfloat16", kv_order="LATENT")
