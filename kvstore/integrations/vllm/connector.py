@@ -15,7 +15,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
     KVConnectorWorkerMetadata,
+    SupportsHMA,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 from vllm.v1.core.kv_cache_utils import generate_block_hash_extra_keys
@@ -23,9 +25,9 @@ from vllm.v1.core.kv_cache_utils import generate_block_hash_extra_keys
 from kvstore.integrations.vllm.config import ConnectorConfig
 from kvstore.integrations.vllm.identity import (
     block_order,
-    kv_layout,
+    kv_groups,
     namespace_model_id,
-    rank_model_ids,
+    tp_size,
 )
 from kvstore.integrations.vllm.logs import follow_vllm_logging
 from kvstore.integrations.vllm.metadata import KVStoreConnectorMetadata
@@ -33,6 +35,7 @@ from kvstore.integrations.vllm.node_link import NodeLink
 from kvstore.integrations.vllm.scheduler import SchedulerSide
 from kvstore.integrations.vllm.shutdown import on_stop
 from kvstore.integrations.vllm.stats import KVStoreConnectorStats, KVStorePromMetrics
+from kvstore.integrations.vllm.units import engine_units, unit_copies
 from kvstore.integrations.vllm.worker import WorkerSide
 
 if TYPE_CHECKING:
@@ -41,37 +44,44 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-class KVStoreConnector(KVConnectorBase_V1):
-    """Loads cached prefixes from a kvstore node and saves new full blocks to it."""
+class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
+    """Loads cached prefixes from a kvstore node and saves new full blocks to it.
+
+    Every KV cache group of a model is cached on its own (`units`), so vLLM keeps
+    its hybrid KV cache manager on (`SupportsHMA`).
+    """
 
     def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None) -> None:
         """Read the config and derive the namespace; registering it starts in the background.
 
         Raises:
             InvalidArgument: an unknown or ill-typed setting, or a model the
-                connector cannot cache (hybrid, MLA, sliding window, pipeline
-                parallelism).
+                connector cannot cache (Mamba or linear-attention state, encoder
+                KV, pipeline parallelism: the message says which and why).
         """
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         follow_vllm_logging()  # else these lines never reach `vllm serve`'s log
         extra = self._kv_transfer_config.kv_connector_extra_config
         self.config = ConnectorConfig.from_extra(extra)
-        layout, layer_names = kv_layout(kv_cache_config)
-        model_id = namespace_model_id(vllm_config, layout, self.config.model_id)
-        model_ids = rank_model_ids(vllm_config, model_id)
+        groups = kv_groups(kv_cache_config)
+        model_id = namespace_model_id(vllm_config, groups[0].layout, self.config.model_id)
+        tp = tp_size(vllm_config)
+        units = engine_units(groups, model_id, tp)
         is_scheduler = role == KVConnectorRole.SCHEDULER
         rank = 0
         if is_scheduler:
             self._recompute_failed_loads()
-        elif len(model_ids) > 1:
+        elif tp > 1:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
             rank = get_tensor_model_parallel_rank()
+        # The scheduler looks up and pins every unit's blocks; a worker those it copies.
+        copies = unit_copies(units, rank)
+        linked = units if is_scheduler else [units[copy.unit] for copy in copies]
         link = NodeLink(
             self.config,
-            # The scheduler looks up and pins every rank's blocks; a worker its own.
-            model_ids if is_scheduler else model_ids[rank],
-            layout,
+            [unit.model_id for unit in linked],
+            [unit.group.layout for unit in linked],
             client_name=f"vllm-{'scheduler' if is_scheduler else 'worker'}",
             map_pool=not is_scheduler,
         )
@@ -80,11 +90,13 @@ class KVStoreConnector(KVConnectorBase_V1):
         if is_scheduler:
             self._scheduler = SchedulerSide(
                 link,
-                layout.block_size,
+                groups[0].layout.block_size,
                 load=self.config.load,
                 save=self.config.save,
                 save_decode=self.config.save_decode,
                 extra_keys=generate_block_hash_extra_keys,
+                units=units,
+                tp=tp,
             )
             # Register now, in the background: the first request must not pay for it
             # (on a busy host it can take longer than `lookup_timeout`).
@@ -92,20 +104,23 @@ class KVStoreConnector(KVConnectorBase_V1):
         else:
             self._worker = WorkerSide(
                 link,
-                layout,
-                layer_names,
+                groups[0].layout,
+                groups[0].layer_names,
                 fail_loads=self.config.fail_loads,
                 max_pending_save_bytes=self.config.max_pending_save_bytes,
                 rank=rank,
                 order=block_order(vllm_config),
+                units=copies,
+                request_level_errors=len(groups) > 1,
             )
         # End the leases at once on SIGTERM, SIGINT or exit (docs/vllm.md, "Stopping").
         on_stop(self.shutdown)
         log.info(
-            "kvstore connector (%s) for %s, block %d tokens, node %s",
-            "scheduler" if is_scheduler else f"worker {rank} of {len(model_ids)}",
+            "kvstore connector (%s) for %s, block %d tokens, %s, node %s",
+            "scheduler" if is_scheduler else f"worker {rank} of {tp}",
             model_id,
-            layout.block_size,
+            groups[0].layout.block_size,
+            ", ".join(f"group {g.index} {g.kind}" for g in groups),
             self.config.target,
         )
 
@@ -172,8 +187,18 @@ class KVStoreConnector(KVConnectorBase_V1):
             return None, None
         return (self._worker.take_sent() or None), (self._worker.take_finished() or None)
 
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        """`get_finished`'s requests, and those whose load failed when the model has
+        several KV cache groups (vLLM then recomputes the whole request: it cannot
+        map block ids of several groups back to requests)."""
+        results = super().get_transfer_results(finished_req_ids)
+        if self._worker is not None:
+            results.failed_recving = self._worker.take_failed_requests()
+        return results
+
     def get_block_ids_with_load_errors(self) -> set[int]:
-        """vLLM block ids of the loads `get_finished` reported failed: vLLM recomputes them."""
+        """vLLM block ids of the loads `get_finished` reported failed: vLLM recomputes them
+        (one KV cache group; with several, `get_transfer_results` names the requests)."""
         return self._worker.take_load_errors() if self._worker is not None else set()
 
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
@@ -225,7 +250,7 @@ class KVStoreConnector(KVConnectorBase_V1):
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         """Plan the load of the accepted hit, or release what vLLM did not take."""
-        block_ids = blocks.get_block_ids()[0] if num_external_tokens > 0 else []
+        block_ids = blocks.get_block_ids() if num_external_tokens > 0 else ()
         self._scheduler_side().after_alloc(request, block_ids, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
@@ -236,9 +261,16 @@ class KVStoreConnector(KVConnectorBase_V1):
         """Act on the workers' report (pins of finished loads, confirmed saves)."""
         self._scheduler_side().on_worker_output(connector_output)
 
+    def request_finished_all_groups(
+        self, request: Any, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """Drop what the request still pins. vLLM frees its blocks (every group's) at once,
+        unless full blocks are still to be copied out (True: freed when `get_finished`
+        reports it)."""
+        return self._scheduler_side().request_finished(request, block_ids), None
+
     def request_finished(
         self, request: Any, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
-        """Drop what the request still pins. vLLM frees its blocks at once, unless full
-        blocks are still to be copied out (True: freed when `get_finished` reports it)."""
-        return self._scheduler_side().request_finished(request, block_ids), None
+        """`request_finished_all_groups` of a one-group model (vLLM calls that one)."""
+        return self.request_finished_all_groups(request, (block_ids,))

@@ -13,9 +13,14 @@ namespace names everything that changes the bytes of a block:
 - the **KV bytes**: the resolved KV dtype (``cache_dtype=auto`` resolved to
   the tensor dtype vLLM allocated) and vLLM's block size, which becomes the
   namespace's block size, plus the layout (layers, KV heads, head size);
+- the **KV cache group** (`kv_groups`): a model of several groups (a
+  Gemma-3-style hybrid) or of one that is not plain full attention keeps
+  each group in its own namespace, ``<model id>#g<index>-<kind>[-w<window>]``
+  (`KVGroup.tag`), its kind and window included;
 - the **tensor-parallel shape**: with ``tensor_parallel_size`` N > 1 each
   rank holds its share of the KV heads and gets a namespace of its own,
-  ``<model id>#tp-N.<rank>`` (`rank_model_ids`): engines with the same model
+  ``<model id>#tp-N.<rank>`` (`units.engine_units`); an MLA group, the same
+  on every rank, one namespace for all of them, ``<model id>#tp-N``: engines with the same model
   and N share block by block, engines with another N never do (their
   namespaces differ; their KV also differs in rounding, the all-reduce sums
   in another order). Pipeline parallelism is refused;
@@ -33,7 +38,8 @@ from __future__ import annotations
 
 import hashlib
 import json
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Literal
 
 from kvstore.errors import InvalidArgument
 from kvstore.integrations.vllm.paged import BlockOrder
@@ -42,41 +48,117 @@ from kvstore.layout import DTYPE_BYTES, KVLayout
 _RUNTIME_KEYS = frozenset({"transformers_version", "torch_dtype", "dtype", "_name_or_path"})
 
 
-def kv_layout(kv_cache_config: Any) -> tuple[KVLayout, list[str]]:
-    """The kvstore layout of an engine's KV and its attention layer names, in order.
+GroupKind = Literal["full", "sliding", "mla"]
+"""How a KV cache group's blocks are cached: every block of the prefix (``full``:
+full attention, including layers whose window vLLM folded into full attention
+with its hybrid manager off), only the window's blocks loaded (``sliding``), or one
+latent per token and layer, the same on every tensor-parallel rank (``mla``)."""
 
-    Args:
-        kv_cache_config: vLLM's ``KVCacheConfig`` as given to the connector.
+
+@dataclass(frozen=True, slots=True)
+class KVGroup:
+    """One of vLLM's KV cache groups, as the connector caches it (its own namespace)."""
+
+    index: int
+    """vLLM's group index (its block ids are this group's)."""
+    kind: GroupKind
+    layout: KVLayout
+    layer_names: tuple[str, ...]
+    window: int = 0
+    """``sliding``: the window in tokens (vLLM keeps only the blocks it covers)."""
+
+    @property
+    def tag(self) -> str:
+        """What the group adds to the namespace's model id (its kind, window and index)."""
+        window = f"-w{self.window}" if self.window else ""
+        return f"#g{self.index}-{self.kind}{window}"
+
+    def first_needed_block(self, tokens: int) -> int:
+        """The first block vLLM keeps for this group once ``tokens`` are computed (the
+        ones before it are vLLM's null blocks): 0 but for a sliding window."""
+        if self.kind != "sliding":
+            return 0
+        return max(0, tokens - self.window + 1) // self.layout.block_size
+
+
+def kv_groups(kv_cache_config: Any) -> list[KVGroup]:
+    """The KV cache groups of an engine, each with its kvstore layout and layer names.
 
     Raises:
-        InvalidArgument: hybrid models (several KV groups), sliding windows,
-            MLA or a dtype kvstore cannot store.
+        InvalidArgument: a group kind the connector cannot cache (the message names
+            it and why), groups of different block sizes, or a dtype kvstore cannot
+            store.
     """
     groups = list(kv_cache_config.kv_cache_groups)
-    if len(groups) != 1:
+    if not groups:
+        raise InvalidArgument("the kvstore connector got no KV cache groups from vLLM")
+    out = [_group(i, g.kv_cache_spec, list(g.layer_names)) for i, g in enumerate(groups)]
+    sizes = {group.layout.block_size for group in out}
+    if len(sizes) != 1:
         raise InvalidArgument(
-            f"the kvstore connector supports one KV cache group, this model has {len(groups)}"
+            f"the kvstore connector needs one block size for every KV cache group; this "
+            f"model's groups have {sorted(sizes)} tokens per block"
         )
-    spec = groups[0].kv_cache_spec
-    kind = type(spec).__name__
-    if kind != "FullAttentionSpec" or getattr(spec, "sliding_window", None):
+    return out
+
+
+def _group(index: int, spec: Any, names: list[str]) -> KVGroup:
+    kind_name = type(spec).__name__
+    if kind_name == "UniformTypeKVCacheSpecs":
         raise InvalidArgument(
-            f"the kvstore connector needs full attention KV, this model has {kind}"
+            "the kvstore connector cannot cache a KV cache group whose layers have "
+            "different shapes (UniformTypeKVCacheSpecs)"
         )
-    if getattr(spec, "use_mla", False):
-        raise InvalidArgument("the kvstore connector does not support MLA caches")
+    if "Mamba" in kind_name or kind_name in ("ShortConvSpec", "LinearAttentionSpec"):
+        raise InvalidArgument(
+            f"the kvstore connector cannot cache this model: KV cache group {index} is "
+            f"{kind_name} (Mamba or linear-attention state); kvstore stores attention KV "
+            "only. Run the engine without the connector (vLLM's own prefix caching "
+            'keeps its state), see docs/vllm.md "Model families"'
+        )
+    if kind_name in ("CrossAttentionSpec", "EncoderOnlyAttentionSpec"):
+        raise InvalidArgument(
+            f"the kvstore connector cannot cache KV cache group {index} ({kind_name}): "
+            "its KV comes from the encoder input, not from the prompt's tokens"
+        )
+    if kind_name not in ("FullAttentionSpec", "SlidingWindowSpec", "MLAAttentionSpec"):
+        raise InvalidArgument(
+            f"the kvstore connector does not know how vLLM keeps the blocks of KV cache "
+            f"group {index} ({kind_name}); supported: full attention, sliding window, MLA"
+        )
     dtype = str(spec.dtype).removeprefix("torch.")
     if dtype not in DTYPE_BYTES:
         raise InvalidArgument(f"KV of dtype {dtype} cannot be stored in kvstore")
-    names = list(groups[0].layer_names)
+    block_size = int(spec.block_size)
+    if kind_name == "MLAAttentionSpec":
+        layout = KVLayout(
+            num_layers=len(names),
+            num_kv_heads=1,
+            head_dim=int(spec.head_size),
+            block_size=block_size,
+            dtype=dtype,
+            kv_order="LATENT_LAYER_TOKEN",
+        )
+        return KVGroup(index, "mla", layout, tuple(names))
+    head_v = int(getattr(spec, "head_size_v", spec.head_size) or spec.head_size)
+    if head_v != int(spec.head_size):
+        raise InvalidArgument(
+            f"the kvstore connector needs K and V of one head size; KV cache group {index} "
+            f"has K {spec.head_size} and V {head_v}"
+        )
     layout = KVLayout(
         num_layers=len(names),
         num_kv_heads=int(spec.num_kv_heads),
         head_dim=int(spec.head_size),
-        block_size=int(spec.block_size),
+        block_size=block_size,
         dtype=dtype,
     )
-    return layout, names
+    if kind_name == "SlidingWindowSpec":
+        return KVGroup(index, "sliding", layout, tuple(names), window=int(spec.sliding_window))
+    # A FullAttentionSpec may carry a sliding window or an attention chunk: vLLM's hybrid
+    # manager is off, every block is allocated and computed, and the kernel applies the
+    # window. Caching every block is then exactly what vLLM's own prefix cache does.
+    return KVGroup(index, "full", layout, tuple(names))
 
 
 def block_order(vllm_config: Any) -> BlockOrder:
@@ -85,12 +167,9 @@ def block_order(vllm_config: Any) -> BlockOrder:
     return "cpu" if device == "cpu" else "canonical"
 
 
-def rank_model_ids(vllm_config: Any, model_id: str) -> list[str]:
-    """One model id per tensor-parallel rank, in rank order (``model_id`` alone at TP 1)."""
-    tp = int(getattr(vllm_config.parallel_config, "tensor_parallel_size", 1))
-    if tp == 1:
-        return [model_id]
-    return [f"{model_id}#tp-{tp}.{rank}" for rank in range(tp)]
+def tp_size(vllm_config: Any) -> int:
+    """The engine's tensor-parallel size."""
+    return int(getattr(vllm_config.parallel_config, "tensor_parallel_size", 1))
 
 
 def namespace_model_id(vllm_config: Any, layout: KVLayout, configured: str = "") -> str:

@@ -10,6 +10,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
+
 try:
     from vllm.distributed.kv_transfer.kv_connector.v1.base import (
         KVConnectorMetadata,
@@ -44,8 +46,9 @@ class LoadSpec:
     a copy that did not finish before it is reported failed, never used."""
     pool_version: int = 0
     """The pool's arena set at the lookup: the worker maps at least this one first."""
-    rank: int = 0
-    """The tensor-parallel rank whose namespace holds the slots (the only worker to copy)."""
+    unit: int = 0
+    """The namespace holding the slots (`units`: a KV cache group, one rank's share or
+    every rank's): copied by the workers of the ranks it holds KV for."""
     stamps: tuple[tuple[int, int], ...] = ()
     """Per slot, the stamp it had at the lookup, (generation, ident) (`kvstore.pool.stamps`):
     the worker reads the slots' stamps again once its copy has landed, and a block whose
@@ -55,30 +58,39 @@ class LoadSpec:
     asks for full verification (``verify_checksums = "all"``)."""
 
 
+NULL_BLOCK = 0
+"""vLLM's null block id: a block a sliding-window group does not keep (outside the window)."""
+
+
 def plan_loads(
-    request_id: str, hits: Sequence[Hit], block_ids: Sequence[int], first: int, last: int
+    request_id: str,
+    hits: Sequence[Hit],
+    block_ids: Sequence[Sequence[int]],
+    first: int,
+    last: int,
 ) -> list[LoadSpec]:
-    """One load per rank: hit blocks ``first`` to ``last`` into vLLM's ``block_ids`` there
-    (``pins_until`` is filled in when the step is sent)."""
-    return [
-        LoadSpec(
-            request_id=request_id,
-            block_ids=tuple(block_ids[first:last]),
-            slots=tuple(hit.slots[first:last].tolist()),
-            epoch=hit.epoch,
-            pins_until=0.0,
-            pool_version=hit.pool_version,
-            rank=rank,
-            stamps=expected_stamps(hit, first, last),
-            checksums=tuple(hit.checksums[first:last].tolist()) if len(hit.checksums) else (),
+    """One load per unit: hit blocks ``first`` to ``last`` into that unit's vLLM block ids
+    (``block_ids[unit]``), skipping the null blocks of a sliding window (vLLM keeps only
+    the window's blocks: only those are copied). ``pins_until`` is filled in when the
+    step is sent."""
+    loads = []
+    for unit, (hit, ids) in enumerate(zip(hits, block_ids, strict=True)):
+        wanted = np.asarray(ids[first:last], dtype=np.int64)
+        keep = np.flatnonzero(wanted != NULL_BLOCK) + first
+        loads.append(
+            LoadSpec(
+                request_id=request_id,
+                block_ids=tuple(wanted[keep - first].tolist()),
+                slots=tuple(hit.slots[keep].tolist()),
+                epoch=hit.epoch,
+                pins_until=0.0,
+                pool_version=hit.pool_version,
+                unit=unit,
+                stamps=tuple((int(g), int(i)) for g, i in hit.expected_stamps[keep].tolist()),
+                checksums=tuple(hit.checksums[keep].tolist()) if len(hit.checksums) else (),
+            )
         )
-        for rank, hit in enumerate(hits)
-    ]
-
-
-def expected_stamps(hit: Hit, first: int, last: int) -> tuple[tuple[int, int], ...]:
-    """The stamps blocks ``first`` to ``last`` of ``hit`` must still have after a copy."""
-    return tuple((int(g), int(i)) for g, i in hit.expected_stamps[first:last].tolist())
+    return loads
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,8 +108,8 @@ class SaveSpec:
     frees_blocks: bool = False
     """The request has finished and vLLM keeps its blocks until this save is copied out:
     the worker reports it in ``finished_sending`` (whether it copied, skipped or failed)."""
-    rank: int = 0
-    """The tensor-parallel rank whose namespace the hashes are of (the only worker to save)."""
+    unit: int = 0
+    """The namespace the hashes are of (`units`): saved by that unit's saver rank only."""
 
 
 @dataclass(slots=True)
@@ -120,8 +132,8 @@ class KVStoreWorkerReport(KVConnectorWorkerMetadata):
     """What a worker finished since its last report (the scheduler side acts on it)."""
 
     loaded: set[tuple[str, int]] = field(default_factory=set)
-    """(request, rank) whose load finished on that rank, done or failed: that rank's pins
-    may be released (another rank of the same request may still be copying)."""
+    """(request, rank) whose loads (every unit that rank copies) finished on that rank,
+    done or failed: the pins of units no other rank still copies may be released."""
     failed_loads: set[tuple[str, int]] = field(default_factory=set)
     """(request, rank) whose load failed (vLLM recomputes their blocks)."""
 
@@ -130,9 +142,10 @@ class KVStoreWorkerReport(KVConnectorWorkerMetadata):
     failure_seq: int = 0
     """Number of the worker's latest load failure (0: none yet)."""
     saved: dict[tuple[str, int], int] = field(default_factory=dict)
-    """Per (request, rank): leading full blocks the node now has (a confirmed commit)."""
+    """Per (request, unit): leading full blocks the node now has (a confirmed commit)."""
     unsaved: dict[str, bool] = field(default_factory=dict)
-    """Per request: a save that did not happen; True when it must start again from block 0."""
+    """Per request: a save that did not happen (or only its first part, `saved`, within
+    the byte budget); True when it must start again from block 0."""
     poisoned: set[str] = field(default_factory=set)
     """Requests whose save was refused: their blocks touch a failed load's blocks."""
 
@@ -148,7 +161,7 @@ class KVStoreWorkerReport(KVConnectorWorkerMetadata):
             failed_loads=self.failed_loads | other.failed_loads,
             failed_blocks=self.failed_blocks | other.failed_blocks,
             failure_seq=max(self.failure_seq, other.failure_seq),
-            saved=self.saved | other.saved,  # each rank reports its own keys
+            saved=self.saved | other.saved,  # each unit is saved by one rank
             unsaved=unsaved,
             poisoned=self.poisoned | other.poisoned,
         )

@@ -65,7 +65,7 @@ class NodeLink:
         self,
         config: ConnectorConfig,
         model_ids: str | Sequence[str],
-        layout: KVLayout,
+        layout: KVLayout | Sequence[KVLayout],
         *,
         client_name: str,
         map_pool: bool = True,
@@ -75,15 +75,21 @@ class NodeLink:
         """Nothing is contacted here; the first `namespace` call starts connecting.
 
         Args:
-            model_ids: the namespace's model id, or several (one per tensor-parallel
-                rank, in rank order), registered together with one ``layout``.
+            model_ids: the namespace's model id, or several (one per unit:
+                `kvstore.integrations.vllm.units`), registered together.
+            layout: every namespace's layout, or one per model id.
         """
         self.config = config
         self.model_ids = (model_ids,) if isinstance(model_ids, str) else tuple(model_ids)
         if not self.model_ids:
             raise ValueError("a NodeLink needs at least one model id")
         self.model_id = self.model_ids[0]
-        self.layout = layout
+        self.layouts = (
+            (layout,) * len(self.model_ids) if isinstance(layout, KVLayout) else tuple(layout)
+        )
+        if len(self.layouts) != len(self.model_ids):
+            raise ValueError(f"{len(self.layouts)} layouts for {len(self.model_ids)} model ids")
+        self.layout = self.layouts[0]
         self.client_name = client_name
         self.map_pool = map_pool
         self._factory = factory
@@ -135,12 +141,18 @@ class NodeLink:
         Only for threads that may block (the worker's load and save threads),
         never for vLLM's scheduler or forward path.
         """
-        ns = self.namespace()
+        namespaces = self.wait_namespaces(timeout)
+        return namespaces[0] if namespaces is not None else None
+
+    def wait_namespaces(self, timeout: float) -> tuple[Namespace, ...] | None:
+        """`namespaces`, waiting up to ``timeout`` for a registration in flight (only
+        for threads that may block, as `wait_namespace`)."""
+        namespaces = self.namespaces()
         future = self._connecting
-        if ns is not None or future is None:
-            return ns
+        if namespaces is not None or future is None:
+            return namespaces
         concurrent.futures.wait([future], timeout=timeout)
-        return self.namespace()
+        return self.namespaces()
 
     def _advance_connect(self) -> None:
         """Collect a finished registration, or start one (lock held)."""
@@ -181,11 +193,11 @@ class NodeLink:
         calls = [
             client.client.register_namespace(
                 model_id,
-                self.layout,
+                layout,
                 capacity_bytes=self.config.capacity_bytes,
                 timeout=self.config.connect_timeout,
             )
-            for model_id in self.model_ids
+            for model_id, layout in zip(self.model_ids, self.layouts, strict=True)
         ]
         return list(await asyncio.gather(*calls))
 

@@ -60,7 +60,13 @@ def stored_shape(layout: KVLayout, order: BlockOrder) -> tuple[int, ...]:
     """The shape of one block as stored in ``order``."""
     if order == "canonical":
         return layout.block_shape
-    return (layout.num_layers, layout.num_kv_heads, 2, layout.block_size, layout.head_dim)
+    return (
+        layout.num_layers,
+        layout.num_kv_heads,
+        layout.kv_parts,
+        layout.block_size,
+        layout.head_dim,
+    )
 
 
 def as_canonical(stored: torch.Tensor, layout: KVLayout, order: BlockOrder) -> torch.Tensor:
@@ -92,8 +98,8 @@ class PagedLayer:
 
     def _blocked(self) -> torch.Tensor:
         t, lay = self.tensor, self.layout
-        if self.kind == "cpu":  # [nb, H, bs, 2D] -> [nb, H, 2, bs, D]
-            return t.view(t.shape[0], lay.num_kv_heads, 2, lay.block_size, lay.head_dim)
+        if self.kind == "cpu":  # [nb, H, bs, P*D] -> [nb, H, P, bs, D] (P: 2, or 1 latent)
+            return t.view(t.shape[0], lay.num_kv_heads, lay.kv_parts, lay.block_size, lay.head_dim)
         return t  # [2, nb, bs, H, D]
 
     def gather(self, block_ids: torch.Tensor) -> torch.Tensor:
@@ -143,14 +149,17 @@ def paged_layer(tensor: torch.Tensor, layout: KVLayout) -> PagedLayer:
         InvalidArgument: the shape fits neither known layout for ``layout``
             (another backend, MLA, a quantised cache with scales...).
     """
-    bs, heads, dim = layout.block_size, layout.num_kv_heads, layout.head_dim
+    bs, heads, dim, parts = layout.block_size, layout.num_kv_heads, layout.head_dim, layout.kv_parts
     shape = tuple(tensor.shape)
-    if len(shape) == 4 and shape[1:] == (heads, bs, 2 * dim) and tensor.is_contiguous():
+    if parts == 1 and len(shape) == 3 and shape[1:] == (bs, dim) and tensor.is_contiguous():
+        # MLA on GPU backends: [blocks, bs, latent], the same bytes as the CPU page
+        return PagedLayer(tensor.view(shape[0], 1, bs, dim), "cpu", layout)
+    if len(shape) == 4 and shape[1:] == (heads, bs, parts * dim) and tensor.is_contiguous():
         return PagedLayer(tensor, "cpu", layout)
-    if len(shape) == 5 and shape[0] == 2 and shape[2:] == (bs, heads, dim):
+    if parts == 2 and len(shape) == 5 and shape[0] == 2 and shape[2:] == (bs, heads, dim):
         return PagedLayer(tensor, "flash", layout)
     raise InvalidArgument(
-        f"vLLM KV cache tensor of shape {shape} is neither [blocks, {heads}, {bs}, {2 * dim}] "
+        f"vLLM KV cache tensor of shape {shape} is neither [blocks, {heads}, {bs}, {parts * dim}] "
         f"(CPU) nor [2, blocks, {bs}, {heads}, {dim}] (flash): this attention backend "
         "is not supported by the kvstore connector"
     )

@@ -126,7 +126,7 @@ class TrackedRequest:
     request: Any
     """vLLM's request: its ``all_token_ids`` grow as it decodes."""
     chains: list[list[BlockHash]]
-    """Per tensor-parallel rank (its own namespace, its own chain root): chain hashes of
+    """Per unit (its own namespace, its own chain root): chain hashes of
     the request's full blocks hashed so far (the tokens known at the first ask, then the
     output's as blocks are saved)."""
     prompt_blocks: int
@@ -138,21 +138,22 @@ class TrackedRequest:
     lookup: concurrent.futures.Future[list[Hit]] | None = None
     """LOOKING_UP: the Lookups in flight (one per rank, answered together)."""
     hits: list[Hit] | None = None
-    """HIT to DRAINING: the pinned hits (one per rank); a rank's is released once that
-    rank reported its load."""
+    """HIT to DRAINING: the pinned hits (one per unit: `units`); a unit's is released once
+    every rank that copies it reported its load."""
     loads: list[LoadSpec] = field(default_factory=list)
-    """LOAD_PLANNED: the loads to send with the next step (one per rank)."""
-    pending_ranks: set[int] = field(default_factory=set)
-    """LOADING, DRAINING: ranks that have not reported their load finished."""
+    """LOAD_PLANNED: the loads to send with the next step (one per unit)."""
+    pending: set[tuple[int, int]] = field(default_factory=set)
+    """LOADING, DRAINING: (unit, rank) whose copy that rank has not reported finished."""
     local_tokens: int = 0
     """vLLM's (block-aligned) local hit when the hit was counted."""
-    block_ids: list[int] = field(default_factory=list)
-    """vLLM block ids of the request (first KV group), as allocated so far."""
+    block_ids: list[list[int]] = field(default_factory=list)
+    """vLLM block ids of the request, per KV cache group, as allocated so far (a sliding
+    window's blocks that vLLM freed are its null block, 0)."""
     saved_blocks: int = 0
     """Leading full blocks the node is known to have for every rank (at lookup, or
     confirmed commits): saving starts after them."""
-    saved_by_rank: dict[int, int] = field(default_factory=dict)
-    """Confirmed commits per rank (the workers report them in different steps)."""
+    saved_by_unit: dict[int, int] = field(default_factory=dict)
+    """Confirmed commits per unit (the workers report them in different steps)."""
     planned_blocks: int = 0
     """Leading full blocks saved or planned for saving."""
     poisoned: bool = False

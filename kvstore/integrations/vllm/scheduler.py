@@ -3,7 +3,8 @@
 vLLM calls these on its scheduler thread, which never waits on the node
 (`docs/vllm.md`, "Never stalls vLLM"):
 
-1. ``get_num_new_matched_tokens``: a Lookup **with pin** per rank starts in
+1. ``get_num_new_matched_tokens``: a Lookup **with pin** per unit (a KV cache
+   group's namespace, per rank or shared: `units`) starts in
    the background; ``None`` ("ask again") while in flight, given up after
    ``lookup_timeout``. The answer is what the node has beyond vLLM's local
    hit, leaving at least the last token to compute.
@@ -11,8 +12,8 @@ vLLM calls these on its scheduler thread, which never waits on the node
 3. ``build_connector_meta``: loads go to the workers with the time their
    pins are surely held until (`NodeLink.pins_held_until`) and each slot's
    stamp; newly computed full blocks are planned as saves.
-4. ``update_connector_output``: a rank's pins are released once that rank
-   reported its load; saves advance only on a confirmed commit; a request
+4. ``update_connector_output``: a unit's pins are released once every rank
+   that copies it reported its load; saves advance only on a confirmed commit; a request
    whose blocks touched a failed load is never saved.
 5. ``request_finished``: unsaved last blocks keep the request's blocks
    (``delay_free``) until the workers copied them out.
@@ -25,18 +26,16 @@ with the slots' stamps, so a slip here costs a recompute, never wrong KV.
 
 from __future__ import annotations
 
-import asyncio
-import concurrent.futures
 import dataclasses
 import logging
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from kvstore.client import Hit, Namespace, SyncClient
-from kvstore.errors import KVStoreError
 from kvstore.integrations.vllm.chains import ExtraKeysFn, RequestChains
+from kvstore.integrations.vllm.lookups import Lookups
 from kvstore.integrations.vllm.metadata import (
+    NULL_BLOCK,
     KVStoreConnectorMetadata,
     KVStoreWorkerReport,
     SaveSpec,
@@ -44,16 +43,9 @@ from kvstore.integrations.vllm.metadata import (
 )
 from kvstore.integrations.vllm.node_link import NodeLink
 from kvstore.integrations.vllm.request_life import Phase, TrackedRequest
-from kvstore.types import BlockHash
+from kvstore.integrations.vllm.units import Unit, default_units
 
 log = logging.getLogger(__name__)
-
-IDLE_WAIT = 0.01
-"""Seconds the scheduler thread may wait, once per step, for a lookup in flight when the
-previous step scheduled nothing. vLLM then steps an empty batch about every millisecond
-(engine core and workers), taking the CPU from the lookup's own thread (same process,
-same GIL) and from the node; waiting instead lets the answer land sooner, and a new
-request that arrives meanwhile waits at most this long. Never when anything runs."""
 
 
 class SchedulerSide:
@@ -68,10 +60,21 @@ class SchedulerSide:
         save: bool,
         save_decode: bool = True,
         extra_keys: ExtraKeysFn,
+        units: Sequence[Unit] | None = None,
+        tp: int | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        """Nothing is contacted here (see `NodeLink`)."""
+        """Nothing is contacted here (see `NodeLink`).
+
+        Args:
+            units: the link's namespaces, in its order (`units.engine_units`); by
+                default one full-attention group, unit ``i`` being rank ``i``'s.
+            tp: the tensor-parallel size (by default, the number of units).
+        """
         self.link = link
+        self.units = list(units) if units is not None else default_units(link)
+        self.tp = tp if tp is not None else len(self.units)
+        self.groups = sorted({unit.group.index for unit in self.units})
         self.block_size = block_size
         self.load = load
         self.save = save
@@ -88,8 +91,7 @@ class SchedulerSide:
         self._failures_seen = 0
         self._first_ask: dict[str, float] = {}
         """Requests asked about while the namespace was being registered: since when."""
-        self._may_wait = False
-        """The last step scheduled nothing and no lookup was waited on since (`IDLE_WAIT`)."""
+        self._lookups = Lookups(link, clock)
 
     # --- hooks ---------------------------------------------------------------------------
 
@@ -115,7 +117,7 @@ class SchedulerSide:
             # so a lookup would pin blocks for nothing. Its blocks are still saved.
             life.move(Phase.RUNNING)
             return 0
-        if life.phase in (Phase.NEW, Phase.LOOKING_UP) and not self._answer_lookup(tracked):
+        if life.phase in (Phase.NEW, Phase.LOOKING_UP) and not self._lookups.answer(tracked):
             return None
         hits = tracked.hits
         if life.phase is not Phase.HIT or not hits:
@@ -129,12 +131,17 @@ class SchedulerSide:
         tracked.local_tokens = num_computed_tokens
         return max(external, 0)
 
-    def after_alloc(self, request: Any, block_ids: list[int], num_external_tokens: int) -> None:
-        """Plan the load vLLM accepted, or release the pins it did not take."""
+    def after_alloc(
+        self, request: Any, block_ids: Sequence[Sequence[int]], num_external_tokens: int
+    ) -> None:
+        """Plan the load vLLM accepted, or release the pins it did not take.
+
+        ``block_ids``: the request's vLLM block ids, one list per KV cache group.
+        """
         tracked = self._requests.get(request.request_id)
         if tracked is None:
             return
-        tracked.block_ids = list(block_ids)
+        tracked.block_ids = [list(ids) for ids in block_ids]
         hits = tracked.hits
         if tracked.life.phase is not Phase.HIT or not hits:
             return
@@ -143,7 +150,8 @@ class SchedulerSide:
             return
         first = tracked.local_tokens // self.block_size
         last = first + num_external_tokens // self.block_size
-        tracked.loads = plan_loads(request.request_id, hits, block_ids, first, last)
+        per_unit = [tracked.block_ids[unit.group.index] for unit in self.units]
+        tracked.loads = plan_loads(request.request_id, hits, per_unit, first, last)
         tracked.life.move(Phase.LOAD_PLANNED)
         self._planned.append(request.request_id)
 
@@ -151,7 +159,7 @@ class SchedulerSide:
         """This step's loads and saves; forgets preempted requests."""
         idle = not any(scheduler_output.num_scheduled_tokens.values())
         meta = KVStoreConnectorMetadata(failures_seen=self._failures_seen, idle=idle)
-        self._may_wait = idle
+        self._lookups.may_wait = idle
         for req_id in getattr(scheduler_output, "preempted_req_ids", None) or ():
             self._forget(req_id)
         for req_id in self._planned:
@@ -163,7 +171,9 @@ class SchedulerSide:
                 pins_until = self.link.pins_held_until(hit)
                 meta.loads.append(dataclasses.replace(load, pins_until=pins_until))
             tracked.loads = []
-            tracked.pending_ranks = set(range(len(tracked.hits)))
+            tracked.pending = {
+                (unit, rank) for unit in range(len(self.units)) for rank in self._loaders(unit)
+            }
             if tracked.life.phase is Phase.LOAD_PLANNED:
                 tracked.life.move(Phase.LOADING)
         self._planned.clear()
@@ -174,8 +184,13 @@ class SchedulerSide:
             tracked = self._requests.get(new.req_id)
             if tracked is None:
                 continue
-            tracked.block_ids = list(new.block_ids[0])
-            self._plan_save(meta.saves, tracked, new.num_computed_tokens + scheduled[new.req_id])
+            tracked.block_ids = [list(ids) for ids in new.block_ids]
+            self._plan_save(
+                meta.saves,
+                tracked,
+                new.num_computed_tokens + scheduled[new.req_id],
+                before=new.num_computed_tokens,
+            )
         cached = scheduler_output.scheduled_cached_reqs
         resumed: set[str] = getattr(cached, "resumed_req_ids", set())
         for i, req_id in enumerate(cached.req_ids):
@@ -184,10 +199,12 @@ class SchedulerSide:
                 continue
             new_ids = cached.new_block_ids[i]
             if req_id in resumed:
-                tracked.block_ids = list(new_ids[0]) if new_ids is not None else []
+                tracked.block_ids = [list(ids) for ids in new_ids] if new_ids is not None else []
             elif new_ids is not None:
-                tracked.block_ids.extend(new_ids[0])
-            self._plan_save(meta.saves, tracked, cached.num_computed_tokens[i] + scheduled[req_id])
+                for group_ids, more in zip(tracked.block_ids, new_ids, strict=True):
+                    group_ids.extend(more)
+            before = cached.num_computed_tokens[i]
+            self._plan_save(meta.saves, tracked, before + scheduled[req_id], before=before)
         return meta
 
     def on_worker_output(self, connector_output: Any) -> None:
@@ -202,13 +219,13 @@ class SchedulerSide:
             tracked = self._requests.get(req_id)
             if tracked is not None:
                 tracked.poisoned = True
-        for (req_id, rank), blocks in report.saved.items():
+        for (req_id, unit), blocks in report.saved.items():
             tracked = self._requests.get(req_id)
             if tracked is None:
                 continue
-            by_rank = tracked.saved_by_rank
-            by_rank[rank] = max(by_rank.get(rank, 0), blocks)
-            everywhere = min(by_rank.get(r, 0) for r in range(len(tracked.chains)))
+            by_unit = tracked.saved_by_unit
+            by_unit[unit] = max(by_unit.get(unit, 0), blocks)
+            everywhere = min(by_unit.get(u, 0) for u in range(len(tracked.chains)))
             tracked.saved_blocks = max(tracked.saved_blocks, everywhere)
         for req_id, restage in report.unsaved.items():
             tracked = self._requests.get(req_id)
@@ -216,19 +233,26 @@ class SchedulerSide:
                 continue
             if restage:  # the node lost an older block: copy them all out next time
                 tracked.saved_blocks = 0
-                tracked.saved_by_rank.clear()
+                tracked.saved_by_unit.clear()
             tracked.planned_blocks = tracked.saved_blocks  # planned again next step
 
     def _rank_loaded(self, req_id: str, rank: int) -> None:
-        """One rank finished copying a load (done or failed): its pins may go; once every
-        rank has, the request runs (or, finished meanwhile, is forgotten)."""
+        """One rank finished copying its loads (done or failed): the pins of the units no
+        other rank still copies may go; once every rank has, the request runs (or,
+        finished meanwhile, is forgotten)."""
         tracked = self._requests.get(req_id)
-        if tracked is None or not tracked.life.in_flight or rank not in tracked.pending_ranks:
+        if tracked is None or not tracked.life.in_flight:
             return  # a report of a load this side no longer holds (never twice)
-        tracked.pending_ranks.discard(rank)
+        mine = {(unit, r) for unit, r in tracked.pending if r == rank}
+        if not mine:
+            return
+        tracked.pending -= mine
+        still = {unit for unit, _ in tracked.pending}
         if tracked.hits is not None:
-            self.link.release(tracked.hits[rank])
-        if tracked.pending_ranks:
+            for unit, _ in mine:
+                if unit not in still:
+                    self.link.release(tracked.hits[unit])
+        if tracked.pending:
             return
         tracked.hits = None
         if tracked.life.phase is Phase.LOADING:
@@ -237,10 +261,12 @@ class SchedulerSide:
             tracked.life.move(Phase.DONE)
             del self._requests[req_id]
 
-    def request_finished(self, request: Any, block_ids: list[int]) -> bool:
+    def request_finished(self, request: Any, block_ids: Sequence[Sequence[int]]) -> bool:
         """The request is done (finished or aborted): drop what it still pins.
 
         A load already sent to the workers keeps its pins until every rank reports it.
+        ``block_ids``: the request's vLLM block ids, one list per KV cache group (a
+        sliding window's blocks outside it are vLLM's null block).
 
         Returns:
             True when vLLM must keep the request's blocks until the workers report it
@@ -249,8 +275,8 @@ class SchedulerSide:
         request_id = request.request_id
         tracked = self._requests.get(request_id)
         delay = False
-        if tracked is not None and block_ids and tracked.life.phase is Phase.RUNNING:
-            tracked.block_ids = list(block_ids)
+        if tracked is not None and any(block_ids) and tracked.life.phase is Phase.RUNNING:
+            tracked.block_ids = [list(ids) for ids in block_ids]
             computed = int(getattr(request, "num_computed_tokens", 0))
             delay = self._plan_save(self._final_saves, tracked, computed, frees_blocks=True)
         self._forget(request_id)
@@ -295,102 +321,6 @@ class SchedulerSide:
 
     # --- internals -------------------------------------------------------------------------
 
-    def _answer_lookup(self, tracked: TrackedRequest) -> bool:
-        """Advance the admission's lookup; True once it is answered (or given up)."""
-        budget = self.link.config.lookup_timeout
-        overdue = self._clock() - tracked.asked_at >= budget
-        life = tracked.life
-        future = tracked.lookup
-        if future is None:
-            if self.link.down:  # a call failed lately: compute without asking (back-off)
-                life.move(Phase.RUNNING)
-                return True
-            namespaces = self.link.namespaces()
-            if namespaces is None:
-                if self.link.connecting and not overdue:
-                    return False
-                life.move(Phase.RUNNING)
-                return True
-            client = self.link.client
-            if client is not None:
-                future = self.link.submit(
-                    self._lookup_ranks(client, namespaces, tracked.chains, budget)
-                )
-            if future is None:
-                life.move(Phase.RUNNING)
-                return True
-            tracked.lookup = future
-            life.move(Phase.LOOKING_UP)
-        if not future.done() and self._may_wait:
-            self._may_wait = False  # once per step, however many requests wait
-            concurrent.futures.wait([future], timeout=IDLE_WAIT)
-        if not future.done():
-            if not overdue:
-                return False
-            tracked.lookup = None
-            life.move(Phase.RUNNING)
-            self._abandon(future)
-            self.link.failed("look up on", TimeoutError(f"no answer within {budget:g} s"))
-            return True
-        tracked.lookup = None
-        try:
-            hits = future.result()
-        except (KVStoreError, concurrent.futures.CancelledError) as exc:
-            life.move(Phase.RUNNING)
-            self.link.failed("look up on", exc)
-            return True
-        hit_blocks = min(hit.hit_blocks for hit in hits)
-        if hit_blocks:
-            tracked.hits = hits
-            tracked.saved_blocks = tracked.planned_blocks = hit_blocks
-            life.move(Phase.HIT)
-        else:
-            life.move(Phase.RUNNING)
-            for hit in hits:
-                self.link.release(hit)
-        return True
-
-    async def _lookup_ranks(
-        self,
-        client: SyncClient,
-        namespaces: Sequence[Namespace],
-        chains: Sequence[list[BlockHash]],
-        budget: float,
-    ) -> list[Hit]:
-        """Look up and pin each rank's chain in its namespace, together: all hits, or
-        the first error (what the others pinned is released)."""
-        answers = await asyncio.gather(
-            *(
-                client.client.lookup(
-                    ns,
-                    hashes=chain,
-                    pin=True,
-                    allow_remote=self.link.config.allow_remote,
-                    timeout=budget,
-                )
-                for ns, chain in zip(namespaces, chains, strict=True)
-            ),
-            return_exceptions=True,
-        )
-        hits = [a for a in answers if isinstance(a, Hit)]
-        for answer in answers:
-            if isinstance(answer, BaseException):
-                for hit in hits:
-                    self.link.release(hit)
-                raise answer
-        return hits
-
-    def _abandon(self, future: concurrent.futures.Future[list[Hit]]) -> None:
-        """Give up a lookup in flight: whatever it pins when it lands is released."""
-        future.cancel()  # the SDK releases what a cancelled pinned lookup pinned
-
-        def release_late(done: concurrent.futures.Future[list[Hit]]) -> None:
-            if not done.cancelled() and done.exception() is None:
-                for hit in done.result():
-                    self.link.release(hit)
-
-        future.add_done_callback(release_late)
-
     def _track(self, request: Any) -> TrackedRequest | None:
         tracked = self._requests.get(request.request_id)
         if tracked is not None:
@@ -422,10 +352,16 @@ class SchedulerSide:
         tracked: TrackedRequest,
         computed: int,
         *,
+        before: int | None = None,
         frees_blocks: bool = False,
     ) -> bool:
         """Plan the save of the request's new full blocks whose KV is ``computed``; True
-        when one was planned."""
+        when one was planned.
+
+        ``before``: tokens computed before this step. vLLM freed a sliding-window
+        group's blocks before the window of that point when it scheduled the step (they
+        are its null block now): those are never saved.
+        """
         if not self.save or tracked.poisoned:
             return False
         request = tracked.request
@@ -434,7 +370,7 @@ class SchedulerSide:
         full = min(computed, int(request.num_tokens)) // self.block_size
         if not self.save_decode:
             full = min(full, tracked.prompt_blocks)
-        full = min(full, len(tracked.block_ids))
+        full = min(full, *(len(ids) for ids in tracked.block_ids)) if tracked.block_ids else 0
         if full <= tracked.planned_blocks:
             return False
         chains = self._chains.extend(request, tracked.chains, full)
@@ -446,19 +382,30 @@ class SchedulerSide:
             tracked.poisoned = True  # cannot be keyed: never saved
             return False
         tracked.chains = chains
-        saves.extend(
-            SaveSpec(
-                request_id=request.request_id,
-                hashes=tuple(chain[:full]),
-                block_ids=tuple(tracked.block_ids[:full]),
-                first_new=tracked.planned_blocks,
-                frees_blocks=frees_blocks,
-                rank=rank,
+        first = tracked.planned_blocks
+        for unit_index, (unit, chain) in enumerate(zip(self.units, chains, strict=True)):
+            ids = tracked.block_ids[unit.group.index]
+            if before is not None:
+                for i in range(min(unit.group.first_needed_block(before), len(ids))):
+                    ids[i] = NULL_BLOCK  # freed by vLLM when it scheduled this step
+            if NULL_BLOCK in ids[first:full]:
+                continue  # left the window before it was saved: this group stops here
+            saves.append(
+                SaveSpec(
+                    request_id=request.request_id,
+                    hashes=tuple(chain[:full]),
+                    block_ids=tuple(ids[:full]),
+                    first_new=first,
+                    frees_blocks=frees_blocks,
+                    unit=unit_index,
+                )
             )
-            for rank, chain in enumerate(chains)
-        )
         tracked.planned_blocks = full
         return True
+
+    def _loaders(self, unit: int) -> frozenset[int]:
+        """The ranks that copy ``unit``'s blocks on a hit."""
+        return self.units[unit].loaders or frozenset(range(self.tp))
 
     def _drop_hit(self, tracked: TrackedRequest) -> None:
         """HIT: vLLM did not take the hit (or its pins were lost): release it and compute."""
@@ -482,7 +429,7 @@ class SchedulerSide:
             return
         del self._requests[req_id]
         if tracked.lookup is not None:
-            self._abandon(tracked.lookup)
+            self._lookups.abandon(tracked.lookup)
             tracked.lookup = None
         hits, tracked.hits = tracked.hits, None
         life.move(Phase.DONE)

@@ -15,11 +15,14 @@ Nothing here makes vLLM's forward wait on the node:
   stamps did not move; otherwise (a stalled engine, a lost lease, another
   pool epoch, any copy error) the load fails, its blocks are reported by
   ``get_block_ids_with_load_errors`` and vLLM recomputes them.
-- ``wait_for_save`` (after the forward): each planned save copies its new
-  full blocks out of vLLM's cache on the forward's thread (so vLLM may reuse
-  them at once); the save thread stores them (Reserve, copy, Commit).
-  Bytes waiting for the node are bounded by ``max_pending_save_bytes``;
-  beyond it a save is dropped (a future miss).
+- ``wait_for_save`` (after the forward): each planned save of this rank's
+  units copies its new full blocks out of vLLM's cache (`saves.SaveStager`:
+  within ``max_pending_save_bytes``, in parts when larger) and the save
+  thread stores them (Reserve, copy, Commit).
+- A worker copies the units (`units`: a KV cache group's namespace) that
+  hold its rank's KV: its own share of each group, and MLA's, which every
+  rank loads and rank 0 saves. A request's load is reported once every unit
+  this rank copies for it is done.
 - Every finished load and save is reported to the scheduler side
   (`KVStoreWorkerReport`), which releases pins and advances saves on it.
 - **Nothing derived from a failed load is saved**: its blocks stay tainted
@@ -32,7 +35,6 @@ The idle-step copy's timings: benchmarks/README.md, `bench_vllm.py`.
 
 from __future__ import annotations
 
-import enum
 import itertools
 import logging
 import threading
@@ -59,13 +61,14 @@ from kvstore.integrations.vllm.paged import (
     BlockOrder,
     PagedLayer,
     as_canonical,
-    gather_blocks,
     paged_layer,
     scatter_blocks,
     scatter_runs,
     stored_shape,
 )
+from kvstore.integrations.vllm.saves import SaveEnd, SaveStager
 from kvstore.integrations.vllm.stats import KVStoreConnectorStats
+from kvstore.integrations.vllm.units import UnitCopy, unit_namespace
 from kvstore.layout import KVLayout
 from kvstore.pool import HostMapping, PoolMapping
 from kvstore.pool.views import torch_dtype
@@ -76,28 +79,6 @@ log = logging.getLogger(__name__)
 
 class LoadFailed(Exception):
     """A load that must not be used (the reason is the message)."""
-
-
-class _Unstaged(Exception):
-    """A save needs a block that was not copied out (the node lost it since the lookup)."""
-
-
-class SaveEnd(enum.Enum):
-    """How a save ended, as the scheduler side is told (`KVStoreWorkerReport`)."""
-
-    SAVED = "saved"
-    """Every block is on the node: reported with the count."""
-    RETRY = "retry"
-    """Not (all) saved: planned again from the blocks confirmed so far."""
-    RESTAGE = "restage"
-    """The node lost a block before the copied-out ones: planned again from block 0."""
-    NOT_STAGED = "not_staged"
-    """Copying out failed before the save thread had it (the error goes to vLLM): nothing
-    to report."""
-
-
-class _NotAllStored(Exception):
-    """The node did not take every block of a save (no room, or another writer's)."""
 
 
 class WorkerSide:
@@ -113,31 +94,42 @@ class WorkerSide:
         max_pending_save_bytes: int,
         rank: int = 0,
         order: BlockOrder = "canonical",
+        units: Sequence[UnitCopy] | None = None,
+        request_level_errors: bool = False,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """Nothing is contacted here; `register_kv_caches` starts connecting.
 
         Args:
             rank: this worker's tensor-parallel rank: it copies only the loads and
-                saves of its rank (its own namespace, holding its share of the heads).
+                saves of its units (`units`).
             order: how the namespace's blocks are ordered in the pool (`paged`).
+            units: what this rank copies, one per namespace of its link
+                (`unit_copies`); by default one unit, ``rank``, of ``layout`` and
+                ``layer_names``.
+            request_level_errors: report failed loads by request
+                (`take_failed_requests`), not by block id: vLLM refuses block-level
+                errors for models of several KV cache groups.
         """
         self.link = link
         self.rank = rank
         self.order = order
-        self.layout = layout
-        self.layer_names = list(layer_names)
+        self.units = (
+            list(units) if units is not None else [UnitCopy(rank, 0, layout, list(layer_names))]
+        )
+        self._by_unit = {copy.unit: copy for copy in self.units}
+        self.request_level_errors = request_level_errors
         self.fail_loads = fail_loads
         self.max_pending_save_bytes = max_pending_save_bytes
         self._clock = clock
-        self.layers: list[PagedLayer] = []
         self._loader = ThreadPoolExecutor(1, thread_name_prefix="kvstore-load")
-        self._saver = ThreadPoolExecutor(1, thread_name_prefix="kvstore-save")
+        self._saves = SaveStager(link, order, max_pending_save_bytes, self._save_ended)
         self._lock = threading.Lock()
-        """Guards what the threads hand back: `_done_loads`, `_report`, `_pending_bytes`."""
-        self._sent: set[str] = set()
-        """Finished requests whose last blocks were copied out (or skipped): vLLM may
-        free their blocks (`take_sent`)."""
+        """Guards what the threads hand back: `_done_loads`, `_report`, `_stats`."""
+        self._loading: dict[str, tuple[int, tuple[int, ...]]] = {}
+        """Per request: its loads still copying here, and the failed block ids so far."""
+        self._failed_requests: set[str] = set()
+        """Requests whose load failed, for `take_failed_requests`."""
         self._done_loads: list[tuple[str, tuple[int, ...]]] = []
         """(request, its failed block ids: empty when the load worked), as finished."""
         self._load_errors: set[int] = set()
@@ -145,32 +137,43 @@ class WorkerSide:
         self._failure_seq = 0
         self._tainted: dict[int, int] = {}
         """vLLM block id -> number of the load failure that left it unloaded."""
-        self._pending_bytes = 0
         self._closed = False
         """After `shutdown`: loads fail at once (vLLM recomputes), saves are skipped."""
         self.loaded_blocks = 0
         """Blocks copied in from the node so far, proven by their stamps (for logs and tests)."""
         self._stats = KVStoreConnectorStats()
         """Counts since `take_stats` (vLLM's ``/metrics``)."""
-        self.saved_blocks = 0
-        """Blocks this worker committed to the node so far."""
+
+    @property
+    def layers(self) -> list[PagedLayer]:
+        """The paged layers of the first unit (the only one of a one-group model)."""
+        return self.units[0].layers
 
     def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
-        """Recognise the paged tensors (in the KV group's layer order); start connecting."""
-        missing = [name for name in self.layer_names if name not in kv_caches]
-        if missing:
-            raise KeyError(f"vLLM registered no KV cache for layers {missing}")
-        self.layers = [paged_layer(kv_caches[name], self.layout) for name in self.layer_names]
+        """Recognise the paged tensors (each unit's, in its layer order); start connecting."""
+        for copy in self.units:
+            missing = [name for name in copy.layer_names if name not in kv_caches]
+            if missing:
+                raise KeyError(f"vLLM registered no KV cache for layers {missing}")
+            copy.layers = [paged_layer(kv_caches[name], copy.layout) for name in copy.layer_names]
         self.link.namespace()  # registers (and maps the pool) in the background
+
+    @property
+    def saved_blocks(self) -> int:
+        """Blocks this worker committed to the node so far."""
+        return self._saves.saved_blocks
 
     # --- loads -------------------------------------------------------------------------
 
     def start_load(self, meta: KVStoreConnectorMetadata) -> None:
         """Hand this step's loads to the load thread (vLLM waits for `take_finished`)."""
         self._forget_seen_failures(meta.failures_seen)
-        for load in meta.loads:
-            if load.rank != self.rank:
-                continue
+        mine = [load for load in meta.loads if self._copies_in(load)]
+        with self._lock:
+            for load in mine:
+                count, failed = self._loading.get(load.request_id, (0, ()))
+                self._loading[load.request_id] = (count + 1, failed)
+        for load in mine:
             if self._closed:  # vLLM may still drain requests after a stop signal
                 self._load_done(load, load.block_ids)
                 continue
@@ -182,11 +185,15 @@ class WorkerSide:
                 except RuntimeError:  # shut down meanwhile (another thread)
                     self._load_done(load, load.block_ids)
 
+    def _copies_in(self, load: LoadSpec) -> bool:
+        copy = self._by_unit.get(load.unit)
+        return copy is not None and copy.loads
+
     def _mapped_for(self, load: LoadSpec) -> bool:
         """Whether ``load`` can be copied with no call to the node (never waits): the
         namespace is registered and its mapping already covers the lookup's arenas.
         Otherwise the load thread waits for the node, never the engine's step."""
-        ns = self.link.namespace()
+        ns = unit_namespace(self.link, self._by_unit[load.unit])
         mapping = ns.mapping if ns is not None else None
         return (
             mapping is not None
@@ -210,8 +217,13 @@ class WorkerSide:
         self._load_done(load, failed)
 
     def _load_done(self, load: LoadSpec, failed: tuple[int, ...]) -> None:
+        """One load finished; the request's report waits for its last load here."""
         with self._lock:
-            self._done_loads.append((load.request_id, failed))
+            count, before = self._loading.pop(load.request_id, (1, ()))
+            if count > 1:
+                self._loading[load.request_id] = (count - 1, before + failed)
+            else:
+                self._done_loads.append((load.request_id, before + failed))
             self._stats.add("loaded_blocks", len(load.block_ids) - len(failed))
             self._stats.add("load_error_blocks", len(failed))
             self.loaded_blocks += len(load.block_ids) - len(failed)
@@ -226,7 +238,8 @@ class WorkerSide:
             raise LoadFailed("fail_loads is set (testing)")
         if self._clock() >= load.pins_until:
             raise LoadFailed("the pins are not surely held (lease lost, or the engine stalled)")
-        ns = self.link.wait_namespace(self.link.config.connect_timeout)
+        copy = self._by_unit[load.unit]
+        ns = unit_namespace(self.link, copy, self.link.config.connect_timeout)
         if ns is None:
             raise LoadFailed("the node is unreachable")
         if ns.epoch != load.epoch and self.link.client is not None:
@@ -259,16 +272,17 @@ class WorkerSide:
             with self._lock:
                 self._stats.add("load_moved_blocks", stale)
             raise LoadFailed(f"{stale} slots no longer hold the blocks the lookup found")
-        if isinstance(mapping, HostMapping) and self.layers and not self.layers[0].tensor.is_cuda:
-            scatter_runs(self.layers, self._runs(mapping, load))
+        layers, layout = copy.layers, copy.layout
+        if isinstance(mapping, HostMapping) and layers and not layers[0].tensor.is_cuda:
+            scatter_runs(layers, self._runs(mapping, load, layout))
         else:
             views = [
-                as_canonical(mapping.torch_view(SlotId(slot), self.layout), self.layout, self.order)
+                as_canonical(mapping.torch_view(SlotId(slot), layout), layout, self.order)
                 for slot in load.slots
             ]
-            scatter_blocks(self.layers, load.block_ids, views)
-        if self.layers and self.layers[0].tensor.is_cuda:
-            torch.cuda.synchronize(self.layers[0].tensor.device)
+            scatter_blocks(layers, load.block_ids, views)
+        if layers and layers[0].tensor.is_cuda:
+            torch.cuda.synchronize(layers[0].tensor.device)
         # The fence: every byte above was read before this instant. The proof: each
         # slot's stamp is still the lookup's, so no writer was handed the slot before
         # the copy landed (a seqlock's second read); a moved block is a load error.
@@ -316,21 +330,21 @@ class WorkerSide:
         """Per slot: whether its stamp is no longer the lookup's (`kvstore.pool.stamps`)."""
         return (mapping.read_stamps(slots) != expected).any(axis=1)
 
-    def _runs(self, mapping: HostMapping, load: LoadSpec) -> list[tuple[int, torch.Tensor]]:
+    def _runs(
+        self, mapping: HostMapping, load: LoadSpec, layout: KVLayout
+    ) -> list[tuple[int, torch.Tensor]]:
         """The load as runs: adjacent slots of one arena going to adjacent vLLM blocks, each
         one canonical-shaped view of the mapped pool (nothing copied here)."""
         spa, block_bytes = mapping.descriptor.slots_per_arena, mapping.descriptor.block_bytes
         slots, block_ids = load.slots, load.block_ids
-        dtype = torch_dtype(self.layout.dtype)
-        shape = stored_shape(self.layout, self.order)
+        dtype = torch_dtype(layout.dtype)
+        shape = stored_shape(layout, self.order)
         runs = []
         for a, b in itertools.pairwise(slot_runs(slots, block_ids, spa)):
             offset = slots[a] % spa * block_bytes
             arena = mapping.arena_buffer(slots[a] // spa)
             flat = torch.frombuffer(arena[offset : offset + (b - a) * block_bytes], dtype=dtype)
-            runs.append(
-                (block_ids[a], as_canonical(flat.view(b - a, *shape), self.layout, self.order))
-            )
+            runs.append((block_ids[a], as_canonical(flat.view(b - a, *shape), layout, self.order)))
         return runs
 
     def take_finished(self) -> set[str]:
@@ -342,7 +356,10 @@ class WorkerSide:
                 if not failed:
                     continue
                 self._failure_seq += 1
-                self._load_errors.update(failed)
+                if self.request_level_errors:
+                    self._failed_requests.add(req_id)
+                else:
+                    self._load_errors.update(failed)
                 self._report.failed_loads.add((req_id, self.rank))
                 self._report.failed_blocks.update(failed)
                 for block_id in failed:
@@ -350,9 +367,15 @@ class WorkerSide:
         return {req_id for req_id, _ in done}
 
     def take_load_errors(self) -> set[int]:
-        """vLLM block ids of the loads `take_finished` reported failed."""
+        """vLLM block ids of the loads `take_finished` reported failed (by block)."""
         errors, self._load_errors = self._load_errors, set()
         return errors
+
+    def take_failed_requests(self) -> set[str]:
+        """Requests whose load `take_finished` reported failed (by request: models of
+        several KV cache groups, whose block ids vLLM cannot map back to requests)."""
+        failed, self._failed_requests = self._failed_requests, set()
+        return failed
 
     def _forget_seen_failures(self, seen: int) -> None:
         if self._tainted:
@@ -364,16 +387,21 @@ class WorkerSide:
         """Copy out this step's new full blocks and hand them to the save thread."""
         self._forget_seen_failures(meta.failures_seen)
         for save in meta.saves:
-            if save.rank != self.rank:
+            copy = self._by_unit.get(save.unit)
+            if copy is None or not copy.saves:
                 continue
+            handed_over = False
             try:
                 if not self._closed:
-                    self._save(save)
+                    handed_over = self._save(save, copy)
             finally:
-                if save.frees_blocks:  # copied out or not, vLLM must get its blocks back
-                    self._sent.add(save.request_id)
+                # Copied out or not, vLLM must get its blocks back; a save handed to
+                # the save thread whole reports them itself once it is done.
+                if save.frees_blocks and not handed_over:
+                    self._saves.mark_sent(save.request_id)
 
-    def _save(self, save: SaveSpec) -> None:
+    def _save(self, save: SaveSpec, copy: UnitCopy) -> bool:
+        """Stage ``save``; True when the save thread took it whole (`SaveStager`)."""
         if self._tainted and not self._tainted.keys().isdisjoint(save.block_ids):
             log.warning(
                 "kvstore: request %s is not saved: its blocks include a failed load's",
@@ -381,86 +409,25 @@ class WorkerSide:
             )
             with self._lock:
                 self._report.poisoned.add(save.request_id)
-            return
-        self._stage(save)
+            return False
+        return self._saves.stage(save, copy)
 
     def take_sent(self) -> set[str]:
         """Finished requests whose blocks vLLM may free now (their last save was copied
         out, or skipped), since the last call."""
-        sent, self._sent = self._sent, set()
-        return sent
+        return self._saves.take_sent()
 
-    def _stage(self, save: SaveSpec) -> None:
-        new_ids = save.block_ids[save.first_new :]
-        nbytes = len(new_ids) * self.layout.block_bytes
+    def _save_ended(self, save: SaveSpec, end: SaveEnd, blocks: int) -> None:
+        """Report a save's end to the scheduler side (``blocks``: leading blocks now on
+        the node, when SAVED or PARTIAL)."""
         with self._lock:
-            if self.link.down or self._pending_bytes + nbytes > self.max_pending_save_bytes:
-                self._report.unsaved[save.request_id] = False
-                return
-            self._pending_bytes += nbytes
-        try:
-            staged = (
-                gather_blocks(self.layers, new_ids, self.layout, self.order) if new_ids else None
-            )
-            ready: Any = None
-            if staged is not None and staged.is_cuda:
-                ready = torch.cuda.Event()  # type: ignore[no-untyped-call]
-                ready.record()
-        except BaseException:
-            self._saved(save, nbytes, SaveEnd.NOT_STAGED)
-            raise
-        self._saver.submit(self._run_save, save, staged, ready, nbytes)
-
-    def _run_save(
-        self, save: SaveSpec, staged: torch.Tensor | None, ready: Any, nbytes: int
-    ) -> None:
-        end, blocks = SaveEnd.RETRY, 0
-        try:
-            if ready is not None:
-                ready.synchronize()  # the copy-out, queued on the forward's stream
-            blocks = self._store(save, staged)
-            end = SaveEnd.SAVED
-            self.link.succeeded()
-        except _Unstaged:
-            end = SaveEnd.RESTAGE
-        except _NotAllStored as exc:
-            log.debug("kvstore: request %s not all saved: %s", save.request_id, exc)
-        except KVStoreError as exc:
-            self.link.failed("store on", exc)
-        except Exception:
-            log.exception("kvstore: saving request %s failed", save.request_id)
-        finally:
-            self._saved(save, nbytes, end, blocks)
-
-    def _store(self, save: SaveSpec, staged: torch.Tensor | None) -> int:
-        ns = self.link.wait_namespace(self.link.config.connect_timeout)
-        client = self.link.client
-        if ns is None or client is None:
-            raise KVStoreError("the node is unreachable")
-        first = save.first_new
-
-        def block(index: int) -> torch.Tensor:
-            if index < first or staged is None:
-                raise _Unstaged(f"block {index} was not copied out")
-            return staged[index - first]
-
-        result = client.store(
-            ns, hashes=list(save.hashes), blocks=block, timeout=self.link.config.store_timeout
-        )
-        self.saved_blocks += result.committed
-        if result.no_room or result.in_flight:
-            # Not every block is on the node (no room, or another writer's still in
-            # flight): say so, and the scheduler plans them again.
-            raise _NotAllStored(f"{result.no_room} had no room, {result.in_flight} in flight")
-        return len(save.hashes)
-
-    def _saved(self, save: SaveSpec, nbytes: int, end: SaveEnd, blocks: int = 0) -> None:
-        """Record a save's end (``blocks``: leading blocks now on the node, when SAVED)."""
-        with self._lock:
-            self._pending_bytes -= nbytes
+            key = (save.request_id, save.unit)
             if end is SaveEnd.SAVED:
-                self._report.saved[(save.request_id, self.rank)] = blocks
+                self._report.saved[key] = blocks
                 self._report.unsaved.pop(save.request_id, None)
+            elif end is SaveEnd.PARTIAL:
+                self._report.saved[key] = blocks
+                self._report.unsaved[save.request_id] = False
             elif end is not SaveEnd.NOT_STAGED:
                 self._report.unsaved[save.request_id] = end is SaveEnd.RESTAGE
 
@@ -490,7 +457,7 @@ class WorkerSide:
         if self._closed:
             return
         self._closed = True
-        self._saver.shutdown(wait=False, cancel_futures=True)
+        self._saves.shutdown()
         # Queued loads are not run: vLLM is stopping, and the scheduler's lease may
         # be ending. A copy under way fails at its end (`_closed`).
         self._loader.shutdown(wait=True, cancel_futures=True)

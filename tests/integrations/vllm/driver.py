@@ -70,6 +70,8 @@ def build(spec: dict[str, Any]) -> Any:
     if spec.get("tensor_parallel_size", 1) > 1:  # one worker process per rank
         kwargs["tensor_parallel_size"] = spec["tensor_parallel_size"]
         kwargs["distributed_executor_backend"] = "mp"
+    if spec.get("attention_backend"):  # e.g. CPU_MLA: the reference MLA kernel, float32
+        kwargs["attention_config"] = {"backend": spec["attention_backend"]}
     if spec.get("kv_events_config"):  # vLLM's own KV events over ZMQ (docs/events.md)
         from vllm.config import KVEventsConfig
 

@@ -80,5 +80,5 @@ class FaultyConnector(KVStoreConnector):
             for load in meta.loads:
                 tracked = side._requests.get(load.request_id)
                 if tracked is not None and tracked.hits is not None:
-                    side.link.release(tracked.hits[load.rank])
+                    side.link.release(tracked.hits[load.unit])
         return meta

@@ -58,14 +58,14 @@ async def test_one_ranks_report_releases_only_that_ranks_pins(
         try:
             req = request("tp", tokens)
             assert answer(side, req) == 3 * BS
-            side.after_alloc(req, [20, 21, 22, 23], 3 * BS)
+            side.after_alloc(req, [[20, 21, 22, 23]], 3 * BS)
             assert len(side.build_meta(prefill_step(req, [20, 21, 22, 23])).loads) == 2
             assert side.phase("tp") is Phase.LOADING
             side.on_worker_output(report(loaded={("tp", 0)}))
             assert pins_drop_to(address, 3) == 3, "rank 1's pins went with rank 0's report"
             assert side.phase("tp") is Phase.LOADING
             # vLLM aborts the request meanwhile: rank 1 still copies, its pins stay.
-            assert side.request_finished(req, []) is False
+            assert side.request_finished(req, [[]]) is False
             assert side.phase("tp") is Phase.DRAINING
             time.sleep(0.2)  # not waiting for an event: time passes and rank 1's pins stay
             assert pinned(address) == 3
@@ -93,7 +93,7 @@ async def test_shutdown_with_a_load_in_flight_keeps_the_pins_until_the_lease_exp
         side = scheduler_side(address, lookup_timeout=5.0)
         req = request("sd", tokens)
         assert answer(side, req) == 2 * BS
-        side.after_alloc(req, [1, 2, 3], 2 * BS)
+        side.after_alloc(req, [[1, 2, 3]], 2 * BS)
         (load,) = side.build_meta(step()).loads
         side.shutdown()
         assert pinned(address) == 2, "shutdown dropped the pins of a load in flight"

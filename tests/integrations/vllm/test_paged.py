@@ -140,8 +140,17 @@ class _Link:
     def namespace(self) -> _Namespace | None:
         return self.ns
 
-    def wait_namespace(self, timeout: float) -> _Namespace | None:
-        return self.ns
+    def namespaces(self) -> tuple[_Namespace, ...] | None:
+        return (self.ns,) if self.ns is not None else None
+
+    def wait_namespaces(self, timeout: float) -> tuple[_Namespace, ...] | None:
+        return self.namespaces()
+
+    def succeeded(self) -> None:
+        pass
+
+    def failed(self, what: str, exc: BaseException) -> None:
+        pass
 
     def close(self) -> None:
         pass
@@ -357,7 +366,7 @@ def test_a_finished_requests_blocks_are_given_back_whatever_its_last_save_does()
         KVStoreConnectorMetadata(
             saves=[
                 SaveSpec("copied", hashes, (0, 1), 1, True),
-                SaveSpec("theirs", hashes, (0, 1), 1, True, rank=1),  # rank 1 saves it
+                SaveSpec("theirs", hashes, (0, 1), 1, True, unit=1),  # rank 1 saves it
             ]
         )
     )
@@ -367,7 +376,14 @@ def test_a_finished_requests_blocks_are_given_back_whatever_its_last_save_does()
     assert finish(worker, "l") == {4}
     worker.save(KVStoreConnectorMetadata(saves=[SaveSpec("tainted", hashes, (4, 5), 0, True)]))
     worker.save(KVStoreConnectorMetadata(saves=[SaveSpec("running", hashes, (2, 3), 1)]))
-    assert worker.take_sent() == {"big", "tainted"}
+    sent: set[str] = set()
+    # "big" goes to the save thread in parts (over the budget), which reports it sent.
+    wait_until(
+        lambda: sent.update(worker.take_sent()) or sent == {"big", "tainted"},
+        within=10,
+        interval=0.005,
+        what="both finished saves to give their blocks back",
+    )
     worker.shutdown()
     worker.save(KVStoreConnectorMetadata(saves=[SaveSpec("late", hashes, (0, 1), 0, True)]))
     assert worker.take_sent() == {"late"}
@@ -490,3 +506,91 @@ def test_a_save_the_node_did_not_take_whole_is_planned_again_not_counted(refused
     assert report.saved == {} and report.unsaved == {"q": False}
     whole = report_of_save(dataclasses.replace(result, reserved=1, committed=1))
     assert whole.saved == {("q", 0): 2} and whole.unsaved == {}
+
+
+class _RecordingClient:
+    """A client that takes every block of every store and records what it was given."""
+
+    def __init__(self) -> None:
+        self.stores: list[tuple[int, list[bytes]]] = []
+        """(first new block, its blocks' bytes) of each store, in order."""
+
+    def store(self, ns: Any, *, hashes: list[bytes], blocks: Any, timeout: float) -> StoreResult:
+        first = next(i for i in range(len(hashes)) if _asks(blocks, i))
+        data = [blocks(i).numpy().tobytes() for i in range(first, len(hashes))]
+        self.stores.append((first, data))
+        n = len(hashes) - first
+        return StoreResult(reserved=n, hit=first, in_flight=0, no_room=0, committed=n, chain=())
+
+
+def _asks(blocks: Any, index: int) -> bool:
+    try:
+        blocks(index)
+    except Exception:
+        return False
+    return True
+
+
+def test_a_save_over_the_staging_budget_is_stored_in_parts_that_fit() -> None:
+    """A save of more new blocks than ``max_pending_save_bytes`` holds is never dropped
+    whole: a running request's first part is staged and reported (the rest planned
+    again), a finished request's is stored part by part before vLLM gets its blocks."""
+    cache = cpu_layers()
+    for layer in cache:
+        layer.copy_(torch.randn_like(layer))
+    names = [f"l{i}" for i in range(LAYOUT.num_layers)]
+    link = _Link(SimpleNamespace(mapping=None, epoch=1, verify_loads=False))  # type: ignore[arg-type]
+    client = _RecordingClient()
+    link.client = client  # type: ignore[assignment]
+    worker = WorkerSide(
+        link,  # type: ignore[arg-type]
+        LAYOUT,
+        names,
+        fail_loads=False,
+        max_pending_save_bytes=2 * LAYOUT.block_bytes,  # two blocks of the five
+    )
+    hashes = tuple(bytes([i]) * 32 for i in range(5))
+    try:
+        worker.register_kv_caches(dict(zip(names, cache, strict=True)))
+        worker.save(KVStoreConnectorMetadata(saves=[SaveSpec("run", hashes, (1, 2, 3, 4, 5), 0)]))
+        report = wait_until(worker.take_report, ok=lambda r: r is not None, within=10)
+        assert report.saved == {("run", 0): 2} and report.unsaved == {"run": False}
+        worker.save(
+            KVStoreConnectorMetadata(saves=[SaveSpec("done", hashes, (1, 2, 3, 4, 5), 0, True)])
+        )
+        assert worker.take_sent() == set()  # vLLM keeps the blocks while parts are stored
+        sent: set[str] = set()
+        wait_until(lambda: sent.update(worker.take_sent()) or sent == {"done"}, within=10)
+        report = worker.take_report()
+        assert report is not None and report.saved == {("done", 0): 5}
+        firsts = [first for first, _ in client.stores[1:]]
+        assert firsts == [0, 2, 4]  # three parts of at most two blocks
+        stored = [block for _, part in client.stores[1:] for block in part]
+        expected = gather_blocks(worker.layers, [1, 2, 3, 4, 5], LAYOUT)
+        assert stored == [row.numpy().tobytes() for row in expected]
+    finally:
+        worker.shutdown()
+
+
+LATENT = KVLayout(2, 1, 576, 16, "float32", kv_order="LATENT_LAYER_TOKEN")
+"""An MLA model's layout: 2 layers of one 576-wide latent a token, 16-token blocks."""
+
+
+@pytest.mark.parametrize("order", ["canonical", "cpu"])
+@pytest.mark.parametrize("shape", [(6, 1, 16, 576), (6, 16, 576)], ids=["cpu", "gpu"])
+def test_an_mla_latent_page_round_trips_through_blocks(shape: tuple[int, ...], order: str) -> None:
+    """MLA pages (``[blocks, 1, bs, latent]`` on the CPU, ``[blocks, bs, latent]`` on GPU
+    backends) hold one latent a token: a block is ``[1, layers, bs, 1, latent]``, the
+    same bytes in either order, and loading what was saved gives back the exact pages."""
+    pages = [torch.randn(shape) for _ in range(LATENT.num_layers)]
+    layers = [paged_layer(page, LATENT) for page in pages]
+    stored = gather_blocks(layers, [4, 1], LATENT, order)  # type: ignore[arg-type]
+    assert stored.numel() * 4 == 2 * LATENT.block_bytes
+    assert torch.equal(stored[0].flatten()[: 16 * 576], pages[0][4].flatten())
+    empty = [paged_layer(torch.zeros(shape), LATENT) for _ in pages]
+    scatter_blocks(empty, [2, 5], as_canonical(stored, LATENT, order))  # type: ignore[arg-type]
+    for got, want in zip(empty, pages, strict=True):
+        assert torch.equal(got.tensor.reshape(shape)[2], want[4])
+        assert torch.equal(got.tensor.reshape(shape)[5], want[1])
+    with pytest.raises(InvalidArgument, match="neither"):
+        paged_layer(torch.zeros(6, 2, 16, 576), LATENT)  # two heads: not a latent page

@@ -40,7 +40,7 @@ async def test_pins_of_a_sent_load_outlive_the_request_until_the_worker_reports(
             req = request("r1", tokens)
             assert answer(side, req) == 3 * BS
             assert pinned(address) == 3
-            side.after_alloc(req, [10, 11, 12, 13], 3 * BS)
+            side.after_alloc(req, [[10, 11, 12, 13]], 3 * BS)
             meta = side.build_meta(step())
             (load,) = meta.loads
             assert load.block_ids == (10, 11, 12)
@@ -74,7 +74,7 @@ async def test_a_hit_vllm_does_not_take_is_released_and_never_loaded(
         try:
             req = request("r2", tokens)
             assert answer(side, req) == 2 * BS
-            side.after_alloc(req, [1, 2, 3], 0)  # vLLM dropped the hit
+            side.after_alloc(req, [[1, 2, 3]], 0)  # vLLM dropped the hit
             assert side.build_meta(step()).loads == []
             wait_until(lambda: pinned(address) == 0, within=10, interval=0.02, what="no pins")
             assert pinned(address) == 0
@@ -113,7 +113,7 @@ async def test_output_blocks_are_saved_under_the_hashes_a_next_turn_prompt_gets(
             prompt = [*range(200, 200 + 2 * BS), 9, 9]  # 2 full blocks and 2 tokens
             req = request(f"chat-{save_decode}", prompt)
             assert answer(side, req) == 0
-            side.after_alloc(req, [7, 8, 9], 0)
+            side.after_alloc(req, [[7, 8, 9]], 0)
             planned = [
                 (s.first_new, len(s.hashes))
                 for s in side.build_meta(prefill_step(req, [7, 8, 9])).saves
@@ -134,7 +134,7 @@ async def test_output_blocks_are_saved_under_the_hashes_a_next_turn_prompt_gets(
                 sample(req, out)
             # Everything full was planned in the step that filled it: nothing held back.
             req.num_computed_tokens = req.num_tokens - 1
-            assert side.request_finished(req, [7, 8, 9, 10]) is False
+            assert side.request_finished(req, [[7, 8, 9, 10]]) is False
             assert side.build_meta(step()).saves == []
             return planned
         finally:
@@ -156,7 +156,7 @@ async def test_a_finished_request_keeps_its_blocks_until_its_last_full_blocks_ar
         try:
             req = request("async", [*range(300, 300 + BS), 1, 2])
             assert answer(side, req) == 0
-            side.after_alloc(req, [4, 5], 0)
+            side.after_alloc(req, [[4, 5]], 0)
             (first,) = side.build_meta(prefill_step(req, [4, 5])).saves
             assert len(first.hashes) == 1 and not first.frees_blocks
             # With asynchronous scheduling the step that completed block 1 ran before
@@ -164,7 +164,7 @@ async def test_a_finished_request_keeps_its_blocks_until_its_last_full_blocks_ar
             for token in range(BS):
                 sample(req, 500 + token)
             req.num_computed_tokens = 2 * BS + 1
-            assert side.request_finished(req, [4, 5]) is True  # vLLM keeps the blocks
+            assert side.request_finished(req, [[4, 5]]) is True  # vLLM keeps the blocks
             (last,) = side.build_meta(step()).saves
             assert last.frees_blocks and last.request_id == "async"
             assert (last.first_new, last.block_ids) == (1, (4, 5))
@@ -192,16 +192,16 @@ async def test_a_tensor_parallel_engine_looks_up_every_ranks_namespace_and_loads
             req = request("tp", tokens)
             assert answer(side, req) == 2 * BS  # the blocks every rank has
             assert pinned(address) == 5  # both ranks' hits, pinned until the load ends
-            side.after_alloc(req, [20, 21, 22, 23], 2 * BS)
+            side.after_alloc(req, [[20, 21, 22, 23]], 2 * BS)
             meta = side.build_meta(prefill_step(req, [20, 21, 22, 23]))
-            assert [(load.rank, load.block_ids) for load in meta.loads] == [
+            assert [(load.unit, load.block_ids) for load in meta.loads] == [
                 (0, (20, 21)),
                 (1, (20, 21)),
             ]
             # Each rank saves block 2 under its own namespace's chain.
             namespaces = link.namespaces()
             assert namespaces is not None
-            saves = {save.rank: save for save in meta.saves}
+            saves = {save.unit: save for save in meta.saves}
             for rank, ns in enumerate(namespaces):
                 assert list(saves[rank].hashes) == ns.hash(tokens)[:3]
                 assert saves[rank].first_new == 2
@@ -240,7 +240,7 @@ async def test_a_save_planned_while_the_node_restarts_waits_for_it_instead_of_be
         try:
             req = request("restart", [*range(700, 700 + 2 * BS), 5])
             assert answer(side, req) == 0
-            side.after_alloc(req, [3, 4], 0)
+            side.after_alloc(req, [[3, 4]], 0)
             client = link.client
             assert client is not None
             # What a reply from a restarted node does: a new epoch, the namespaces stale.

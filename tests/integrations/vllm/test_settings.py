@@ -9,7 +9,14 @@ import pytest
 
 from kvstore.errors import InvalidArgument
 from kvstore.integrations.vllm.config import ConnectorConfig
-from kvstore.integrations.vllm.identity import block_order, namespace_model_id, rank_model_ids
+from kvstore.integrations.vllm.identity import (
+    KVGroup,
+    block_order,
+    kv_groups,
+    namespace_model_id,
+    tp_size,
+)
+from kvstore.integrations.vllm.units import engine_units
 from kvstore.layout import KVLayout
 
 
@@ -84,15 +91,43 @@ def test_everything_that_changes_the_kv_bytes_changes_the_namespace() -> None:
 def test_each_tensor_parallel_rank_gets_its_own_namespace_and_sizes_never_mix() -> None:
     one = vllm_config()
     base = namespace_model_id(one, LAYOUT)
-    assert rank_model_ids(one, base) == [base]  # TP 1: the id as before
+    full = [KVGroup(0, "full", LAYOUT, ("l0",))]
+    assert [u.model_id for u in engine_units(full, base, 1)] == [base]  # TP 1: as before
     two, four = vllm_config(), vllm_config()
     two.parallel_config.tensor_parallel_size = 2
     four.parallel_config.tensor_parallel_size = 4
     assert namespace_model_id(two, LAYOUT) == base  # the rank split comes after
-    ids_2, ids_4 = rank_model_ids(two, base), rank_model_ids(four, base)
+    assert tp_size(two) == 2
+    ids_2 = [u.model_id for u in engine_units(full, base, 2)]
+    ids_4 = [u.model_id for u in engine_units(full, base, 4)]
     assert ids_2 == [f"{base}#tp-2.0", f"{base}#tp-2.1"]
     assert len(ids_4) == 4
     assert len({base, *ids_2, *ids_4}) == 7  # no two ranks or sizes share a namespace
+
+
+def test_each_kv_cache_group_gets_its_own_namespace_and_mla_one_for_every_rank() -> None:
+    base = namespace_model_id(vllm_config(), LAYOUT)
+    hybrid = [
+        KVGroup(0, "sliding", LAYOUT, ("l0",), window=64),
+        KVGroup(1, "sliding", LAYOUT, ("l1",), window=64),
+        KVGroup(2, "full", LAYOUT, ("l2",)),
+    ]
+    ids = [u.model_id for u in engine_units(hybrid, base, 1)]
+    assert ids == [f"{base}#g0-sliding-w64", f"{base}#g1-sliding-w64", f"{base}#g2-full"]
+    units = engine_units(hybrid, base, 2)
+    assert [(u.group.index, u.rank) for u in units] == [
+        (0, 0),
+        (0, 1),
+        (1, 0),
+        (1, 1),
+        (2, 0),
+        (2, 1),
+    ]
+    latent = KVLayout(2, 1, 576, 16, "float32", kv_order="LATENT_LAYER_TOKEN")
+    mla = engine_units([KVGroup(0, "mla", latent, ("l0", "l1"))], base, 2)
+    assert [(u.model_id, u.rank) for u in mla] == [(f"{base}#g0-mla#tp-2", None)]
+    assert mla[0].saver == 0 and mla[0].loads_on(0) and mla[0].loads_on(1)
+    assert latent.block_bytes == 2 * 16 * 576 * 4  # one latent per token and layer, no K/V
 
 
 def test_pipeline_and_context_parallel_engines_are_refused() -> None:
@@ -104,3 +139,67 @@ def test_pipeline_and_context_parallel_engines_are_refused() -> None:
     config.parallel_config.decode_context_parallel_size = 2
     with pytest.raises(InvalidArgument, match="decode_context_parallel_size 2"):
         namespace_model_id(config, LAYOUT)
+
+
+def _spec(kind: str, **fields: Any) -> Any:
+    """A stand-in for one of vLLM's KV cache specs (only its class name and fields)."""
+    base = {"block_size": 32, "num_kv_heads": 2, "head_size": 32, "dtype": "torch.float32"}
+    return type(kind, (), {**base, **fields})()
+
+
+def _config(*specs: Any) -> Any:
+    groups = [
+        SimpleNamespace(kv_cache_spec=spec, layer_names=[f"layer.{i}"])
+        for i, spec in enumerate(specs)
+    ]
+    return SimpleNamespace(kv_cache_groups=groups)
+
+
+def test_each_kv_cache_group_is_cached_by_its_kind() -> None:
+    groups = kv_groups(
+        _config(
+            _spec("SlidingWindowSpec", sliding_window=64),
+            _spec("FullAttentionSpec", sliding_window=None),
+            # vLLM's hybrid manager off: a window folded into full attention, all blocks kept
+            _spec("FullAttentionSpec", sliding_window=64),
+            _spec("MLAAttentionSpec", num_kv_heads=1, head_size=576),
+        )
+    )
+    assert [(g.kind, g.window) for g in groups] == [
+        ("sliding", 64),
+        ("full", 0),
+        ("full", 0),
+        ("mla", 0),
+    ]
+    assert groups[3].layout.kv_order == "LATENT_LAYER_TOKEN"
+    assert groups[3].layout.block_shape == (1, 1, 32, 1, 576)
+    # A 64-token window at 192 computed tokens keeps blocks 4 and 5 (129 tokens skipped).
+    assert groups[0].first_needed_block(192) == 4
+    assert groups[1].first_needed_block(192) == 0
+
+
+@pytest.mark.parametrize(
+    ("specs", "message"),
+    [
+        (
+            [_spec("FullAttentionSpec"), _spec("MambaSpec")],
+            "KV cache group 1 is MambaSpec \\(Mamba or linear-attention state\\)",
+        ),
+        ([_spec("CrossAttentionSpec")], "its KV comes from the encoder input"),
+        (
+            [
+                _spec("FullAttentionSpec"),
+                _spec("SlidingWindowSpec", block_size=16, sliding_window=8),
+            ],
+            "one block size for every KV cache group; this model's groups have \\[16, 32\\]",
+        ),
+        ([_spec("FullAttentionSpec", head_size_v=16)], "K and V of one head size"),
+        ([_spec("FullAttentionSpec", dtype="torch.float8_e4m3fnuz")], "float8_e4m3fnuz"),
+        ([_spec("HiSparseHotSpec")], "does not know how vLLM keeps the blocks"),
+    ],
+)
+def test_a_model_the_connector_cannot_cache_is_refused_with_the_real_reason(
+    specs: list[Any], message: str
+) -> None:
+    with pytest.raises(InvalidArgument, match=message):
+        kv_groups(_config(*specs))
