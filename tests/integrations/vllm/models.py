@@ -35,18 +35,9 @@ def make_llama(
 
     folder.mkdir(parents=True, exist_ok=True)
     config = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=hidden,
-        intermediate_size=2 * hidden,
-        num_hidden_layers=layers,
         num_attention_heads=heads,
         num_key_value_heads=kv_heads,
-        max_position_embeddings=max_positions,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=0,
-        tie_word_embeddings=False,
-        torch_dtype="float32",
+        **_shared(hidden, layers, max_positions),
     )
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config).eval()
@@ -106,10 +97,6 @@ def make_gemma3(
     from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
     config = Gemma3TextConfig(
-        vocab_size=VOCAB,
-        hidden_size=hidden,
-        intermediate_size=2 * hidden,
-        num_hidden_layers=layers,
         num_attention_heads=hidden // 32,
         num_key_value_heads=2,
         head_dim=32,
@@ -119,12 +106,7 @@ def make_gemma3(
             "full_attention" if (i + 1) % 6 == 0 or i == layers - 1 else "sliding_attention"
             for i in range(layers)
         ],
-        max_position_embeddings=max_positions,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=0,
-        tie_word_embeddings=False,
-        torch_dtype="float32",
+        **_shared(hidden, layers, max_positions),
     )
     return _save(Gemma3ForCausalLM, config, folder, seed)
 
@@ -141,20 +123,11 @@ def make_sliding(
     from transformers import MistralConfig, MistralForCausalLM
 
     config = MistralConfig(
-        vocab_size=VOCAB,
-        hidden_size=hidden,
-        intermediate_size=2 * hidden,
-        num_hidden_layers=layers,
         num_attention_heads=hidden // 32,
         num_key_value_heads=2,
         head_dim=32,
         sliding_window=SLIDING_WINDOW,
-        max_position_embeddings=max_positions,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=0,
-        tie_word_embeddings=False,
-        torch_dtype="float32",
+        **_shared(hidden, layers, max_positions),
     )
     return _save(MistralForCausalLM, config, folder, seed)
 
@@ -172,10 +145,6 @@ def make_mla(
     from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
 
     config = DeepseekV2Config(
-        vocab_size=VOCAB,
-        hidden_size=hidden,
-        intermediate_size=2 * hidden,
-        num_hidden_layers=layers,
         num_attention_heads=hidden // 32,
         num_key_value_heads=hidden // 32,
         kv_lora_rank=512,
@@ -185,14 +154,25 @@ def make_mla(
         v_head_dim=32,
         first_k_dense_replace=layers,  # every layer dense: no experts
         n_routed_experts=1,
-        max_position_embeddings=max_positions,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=0,
-        tie_word_embeddings=False,
-        torch_dtype="float32",
+        **_shared(hidden, layers, max_positions),
     )
     return _save(DeepseekV2ForCausalLM, config, folder, seed)
+
+
+def _shared(hidden: int, layers: int, max_positions: int) -> dict[str, Any]:
+    """The config fields every tiny model shares (float32, the word tokenizer's ids)."""
+    return {
+        "vocab_size": VOCAB,
+        "hidden_size": hidden,
+        "intermediate_size": 2 * hidden,
+        "num_hidden_layers": layers,
+        "max_position_embeddings": max_positions,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "pad_token_id": 0,
+        "tie_word_embeddings": False,
+        "torch_dtype": "float32",
+    }
 
 
 def _save(model_class: Any, config: Any, folder: Path, seed: int) -> Path:

@@ -182,3 +182,20 @@ def test_mla_at_tp2_is_stored_once_and_loaded_by_every_rank(
         tp1, tp2 = stats["g0-mla"], stats["tp-2"]
         assert tp2.ready * tp2.block_bytes == tp1.ready * tp1.block_bytes  # node bytes 1.0x
         assert_nothing_pinned(node)
+
+
+def test_a_save_far_over_the_staging_budget_lands_in_parts(
+    vllm_py: str, node: Node, tmp_path: Path
+) -> None:
+    """``max_pending_save_bytes`` of two blocks and a six-block prompt: the save is staged
+    in parts (the first ones while the request runs, the rest once it finished, before
+    vLLM frees its blocks), every block lands, and a fresh engine loads all six."""
+    model = make_model("llama", tmp_path / "llama")
+    two_blocks = 2 * (2 * 2 * 32 * 2 * 32 * 4)  # K and V, 2 layers, 32 tokens, 2 heads of 32
+    specs: dict[str, dict[str, Any]] = {
+        "ref": {},
+        "a": {"connector": {"max_pending_save_bytes": two_blocks}},
+        "b": {"connector": {}},
+    }
+    with running(engines(vllm_py, model, node, tmp_path / "logs", specs)) as e:
+        load_and_compare(e["a"], e["b"], e["ref"], node, block=32, loaded=HIT // 32)
