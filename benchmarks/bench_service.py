@@ -47,6 +47,7 @@ from benchmarks._latency import TENANT, bench_latency, bench_uds, over_tcp_ping
 from benchmarks._latency import lookup_tokens_sent as lookup_tokens_sent  # bench_scaling's
 from benchmarks._server import ServerProcess
 from benchmarks._stats import best_and_median, gbps
+from kvstore.checksum import block_checksums, pack_checksums
 from kvstore.client import Client, Namespace
 from kvstore.client.blocks import copy_block
 from kvstore.client.replies import reservation_from_proto
@@ -96,12 +97,15 @@ async def store_phases(
         raise RuntimeError(f"reserved {len(res.reserved)} of {len(chain)}; is the pool full?")
     for i in res.reserved:
         copy_block(blocks[i], mapping.buffer(res.slots[i]))
+    # The writer's checksums of its source bytes (a host pool's Commit needs them).
+    sums = block_checksums(blocks[i] for i in res.reserved)
     t2 = time.perf_counter()
     commit = await stub.Commit(
         pb.CommitRequest(
             namespace_id=ns.id,
             lease_id=lease_id,
             packed_hashes=res.packed_reserved(),
+            packed_checksums=pack_checksums(sums),
         ),
         timeout=30,
         metadata=META,

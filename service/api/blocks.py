@@ -164,9 +164,8 @@ class BlockRpcs(ServicerBase):
         """Make written blocks READY."""
         node = self.node
         named = self._named_blocks(request, context, node.config.max_chain_blocks)
-        checksums = None
-        if request.packed_checksums:
-            checksums = validate.checksums(request.packed_checksums, len(named[3]))
+        required = node.pool(named[0]).descriptor.checksummed
+        checksums = validate.checksums(request.packed_checksums, len(named[3]), required)
         return pb.CommitResponse(committed=node.commit(*named, checksums=checksums))
 
     @guard_unary("Abort")
