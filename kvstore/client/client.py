@@ -335,18 +335,17 @@ class Client(PrefixQueries):
         release_id: int,
         call: asyncio.Future[pb.LookupResponse],
     ) -> None:
+        """A pinned Lookup whose caller was cancelled: once the node answers, release
+        what it pinned, through the one release route (`Releases.submit`: retried
+        and sent again under the lookup's id until the node answers it)."""
         try:
             resp = await call
         except KVStoreError:
             return
-        hashes = resp.hit_hashes
-        if resp.pinned and hashes:
+        if resp.pinned and resp.hit_hashes:
             # Under the lease that pinned them: if it was replaced meanwhile,
             # the new lease's pins of the same blocks are not ours to drop.
-            req = pb.ReleaseRequest(namespace_id=ns.id, lease_id=lease_id, packed_hashes=hashes)
-            if release_id:
-                req.release_ids.append(release_id)  # exactly the pins that lookup took
-            await quietly("release", self._rpc.call(methods.RELEASE, req, None, idempotent=False))
+            self._releases.submit(ns.id, lease_id, resp.hit_hashes, release_id)
 
     async def release(
         self,
@@ -417,15 +416,9 @@ class Client(PrefixQueries):
     ) -> int:
         if hit.lease_id is None:  # the pins' lease, never a replacement's
             return 0
-        if not hit.release_id:
-            # Not from `lookup` (no id names its pins): one pin per block, by
-            # hash, never retried (a retry could drop another hit's pins).
-            req = pb.ReleaseRequest(
-                namespace_id=hit.namespace.id, lease_id=hit.lease_id, packed_hashes=hit.hit_hashes
-            )
-            resp = await self._rpc.call(methods.RELEASE, req, timeout, idempotent=False)
-            hit.release.settle()
-            return int(resp.released)
+        # Every pinned hit comes from `lookup`, which names its pins with an id:
+        # the one release route (`Releases`) retries and re-sends under it.
+        assert hit.release_id, "bug: a pinned hit without the id its lookup declared"
         count = await self._releases.release(
             hit.namespace.id, hit.lease_id, hit.hit_hashes, hit.release_id, timeout
         )

@@ -15,6 +15,10 @@ A queued release waits at most for the calls in flight of its lane. Each caller 
 waits for the node's answer for its own hit and gets its own count
 (``run_released``); a failed call fails every caller in it.
 
+This module is the SDK's one route for a release: `Client.release`, a
+release whose caller was cancelled, and a pinned Lookup cancelled in flight
+(released here once the node answers it) all go through `Releases.submit`.
+
 Pins are dropped exactly once per hit, whatever happens to the caller:
 
 * Every call is a background task (`Background`), so a caller that is
