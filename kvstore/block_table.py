@@ -409,6 +409,18 @@ class BlockTable:
         self._emit_removed(removed, now)
         return len(removed)
 
+    def drop_corrupt(self, tenant: TenantId, block_hash: BlockHash, now: float) -> bool:
+        """Remove a READY block whose bytes failed their checksum, unless it is pinned.
+
+        The caller checked the bytes (`Node.drop_corrupt`); a pinned block
+        stays: its readers check it in turn, and the last one's report drops it.
+        """
+        block = self._res.find(self.scope_of(tenant), block_hash)
+        if block is None or not self._res.drop_unpinned(block):
+            return False
+        self._emit_removed([block], now)
+        return True
+
     def clear(self, now: float) -> ClearReport:
         """Remove every READY unpinned block; pinned and WRITING blocks stay.
 

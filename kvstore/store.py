@@ -470,6 +470,12 @@ class Store:
         """Evict up to ``n`` evictable blocks of a namespace."""
         return self.table(namespace).evict(n, now)
 
+    def drop_corrupt(
+        self, namespace: NamespaceId, tenant: TenantId, block_hash: BlockHash, now: float
+    ) -> bool:
+        """Remove a block whose bytes failed their checksum (see `BlockTable.drop_corrupt`)."""
+        return self.table(namespace).drop_corrupt(tenant, block_hash, now)
+
     def clear(self, namespace: NamespaceId, now: float) -> ClearReport:
         """Remove every unpinned READY block of a namespace."""
         return self.table(namespace).clear(now)

@@ -351,6 +351,36 @@ class Node:
             holder,
         )
 
+    def drop_corrupt(
+        self, namespace: NamespaceId, tenant: TenantId, hashes: Sequence[BlockHash]
+    ) -> int:
+        """Drop the blocks a runner found corrupt whose slots, checked here, fail too.
+
+        A runner that checked its copy of a hit (`Hit.check_bytes`) reports the
+        blocks that failed with its release (``ReleaseRequest.packed_corrupt``);
+        without this every later load would recompute them. The node believes
+        no one: it hashes each slot itself (a false report drops nothing), counts
+        a failure in ``kvstore_checksum_failures_total{tier="local"}`` and drops
+        the block unless a pin still holds it (its reader reports it in turn).
+        Blocks without a checksum (a CUDA pool's) are never dropped.
+
+        Returns:
+            Blocks dropped.
+        """
+        table = self.store.table(namespace)
+        pool = self.pool(namespace)
+        scope = table.scope_of(tenant)
+        dropped = 0
+        for block_hash in dict.fromkeys(hashes):
+            ref = table.ready_ref(scope, block_hash)
+            if ref is None or not ref.checksum or pool.checksum(ref.slot) == ref.checksum:
+                continue
+            self.checksum_failed(namespace, "local", block_hash, self.node_id)
+            dropped += self.store.drop_corrupt(namespace, tenant, block_hash, self.now())
+        if dropped:
+            self.publish_events()
+        return dropped
+
     async def drop(self, namespace: NamespaceId, force: bool) -> tuple[DropReport, int]:
         """Drop a namespace (`Store.drop_namespace`) and give its pool back to the budget.
 

@@ -51,10 +51,10 @@ from kvstore.client.rpc import ChannelOption, Rpc
 from kvstore.client.session import NodeSession
 from kvstore.client.tls import Pem, TLSOptions
 from kvstore.client.transfer import read_hit, store_chain
-from kvstore.errors import FailedPrecondition, KVStoreError, NotFound
+from kvstore.errors import FailedPrecondition, InvalidArgument, KVStoreError, NotFound
 from kvstore.hashing import Extra, HashScheme, Tokens
 from kvstore.layout import KVLayout, NamespaceSpec
-from kvstore.types import LeaseId
+from kvstore.types import HASH_BYTES, LeaseId
 from kvstore.v1 import kvstore_pb2 as pb
 
 __all__ = ["Client"]
@@ -353,6 +353,7 @@ class Client(PrefixQueries):
         *,
         streams: Sequence[Any] | None = None,
         timeout: float | None = None,
+        corrupt: Sequence[int] = (),
     ) -> int:
         """Drop the pins of a hit once the GPU has finished reading it.
 
@@ -379,10 +380,17 @@ class Client(PrefixQueries):
             timeout: how long to wait for the node's answer; the release goes
                 on in the background after it (`DeadlineExceeded`), as it does
                 when the caller is cancelled.
+            corrupt: indices of the hit's blocks whose bytes failed their
+                checksum (`Hit.check_bytes`): reported with the release, the
+                node checks their slots itself and drops the blocks that fail
+                there too, once unpinned, so later loads miss them instead of
+                recomputing after every copy.
 
         Returns:
             Pins the node released.
         """
+        if any(not 0 <= i < hit.hit_blocks for i in corrupt):
+            raise InvalidArgument(f"corrupt names blocks outside the hit's {hit.hit_blocks}")
         if not hit.pinned or not hit.hit_blocks:
             hit.release.settle()  # nothing to release; no views either
             return 0
@@ -398,29 +406,34 @@ class Client(PrefixQueries):
                 await asyncio.to_thread(reads_done)
             except asyncio.CancelledError:
                 # Not sent yet: the background waits for the reads, then sends it.
-                self._background.spawn(self._release_after(hit, reads_done))
+                self._background.spawn(self._release_after(hit, reads_done, corrupt))
                 raise
         # Once handed over, the release goes out even if this caller is cancelled;
         # after a failure or a timeout, calling release again is safe (same id).
-        return await self._send_release(hit, timeout)
+        return await self._send_release(hit, timeout, corrupt)
 
-    async def _release_after(self, hit: Hit, reads_done: Callable[[], None]) -> None:
+    async def _release_after(
+        self, hit: Hit, reads_done: Callable[[], None], corrupt: Sequence[int]
+    ) -> None:
         """A release whose caller was cancelled while the GPU reads ran: finish it."""
         await asyncio.to_thread(reads_done)
-        await quietly("release", self._send_release(hit))
+        await quietly("release", self._send_release(hit, None, corrupt))
 
     async def _send_release(
         self,
         hit: Hit,
         timeout: float | None = None,
+        corrupt: Sequence[int] = (),
     ) -> int:
         if hit.lease_id is None:  # the pins' lease, never a replacement's
             return 0
         # Every pinned hit comes from `lookup`, which names its pins with an id:
         # the one release route (`Releases`) retries and re-sends under it.
         assert hit.release_id, "bug: a pinned hit without the id its lookup declared"
+        hashes = hit.hit_hashes
+        reported = b"".join(hashes[i * HASH_BYTES : (i + 1) * HASH_BYTES] for i in corrupt)
         count = await self._releases.release(
-            hit.namespace.id, hit.lease_id, hit.hit_hashes, hit.release_id, timeout
+            hit.namespace.id, hit.lease_id, hashes, hit.release_id, timeout, reported
         )
         hit.release.settle()
         return count

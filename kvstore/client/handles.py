@@ -437,7 +437,9 @@ class Hit:
 
         Call it after the copy out of the pool has landed (and before the
         release, so the slots still hold what was copied): a block listed
-        must not be used (treat it and every later block as a miss). With
+        must not be used (treat it and every later block as a miss); report
+        it with the release (``Client.release(hit, corrupt=...)``) so the node
+        drops it instead of serving it to every later load. With
         ``buffers`` (one per hit block, in chain order: the caller's copies,
         or `Client.read_blocks`' bytes) those are checked; without, the
         pool's slots through this hit's mapping (host pools). A block whose

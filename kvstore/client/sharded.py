@@ -215,10 +215,16 @@ class ShardedClient:
         )
 
     async def release(
-        self, hit: Hit, *, streams: Sequence[Any] | None = None, timeout: float | None = None
+        self,
+        hit: Hit,
+        *,
+        streams: Sequence[Any] | None = None,
+        timeout: float | None = None,
+        corrupt: Sequence[int] = (),
     ) -> int:
         """`Client.release` through the node that pinned the hit."""
-        return await self._owner(hit).release(hit, streams=streams, timeout=timeout)
+        owner = self._owner(hit)
+        return await owner.release(hit, streams=streams, timeout=timeout, corrupt=corrupt)
 
     async def read_blocks(self, hit: Hit, *, timeout: float | None = None) -> list[bytes]:
         """`Client.read_blocks` from the node that pinned the hit."""

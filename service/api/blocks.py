@@ -63,7 +63,13 @@ class BlockRpcs(ServicerBase):
         released = None
         if carried is not None:  # applied right before the lookup: no await between
             released = releases.apply(
-                node.store, namespace, tenant, LeaseId(request.lease_id), carried, node.now()
+                node.store,
+                namespace,
+                tenant,
+                LeaseId(request.lease_id),
+                carried,
+                node.now(),
+                node.drop_corrupt,
             )
             node.publish_events()
         result = await node.lookup(
@@ -187,6 +193,8 @@ class BlockRpcs(ServicerBase):
         namespace = self.namespace(request.namespace_id, tenant)
         lease_id = validate.lease_id(request.lease_id)
         checked = releases.plan(request, node.config.max_chain_blocks)
-        reply = releases.apply(node.store, namespace, tenant, lease_id, checked, node.now())
+        reply = releases.apply(
+            node.store, namespace, tenant, lease_id, checked, node.now(), node.drop_corrupt
+        )
         node.publish_events()
         return reply

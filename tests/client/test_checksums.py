@@ -99,3 +99,52 @@ async def test_namespace_says_whether_the_operator_wants_loads_checked(
             assert ns.verify_loads is verify
     finally:
         await server.stop(0.1)
+
+
+def local_failures(server: Server, ns_id: str) -> float:
+    """``kvstore_checksum_failures_total{tier="local"}`` of a namespace."""
+    counter = server.node.metrics.checksum_failures.labels(ns_id, "local")
+    return float(counter._value.get())
+
+
+async def test_a_block_reported_corrupt_is_dropped_and_counted(
+    kv: Client, kv_server: Server
+) -> None:
+    """Issue 40, item 7: a block that failed a local check stayed on the node, and every
+    later load copied it, checked it and recomputed. Reported with the release, the
+    node checks the slot itself, counts it and drops the block: later loads miss."""
+    ns = await kv.register_namespace("sums", LAYOUT)
+    await kv.store(ns, tokens_of(4, 500), blocks_of(4, 5))
+    hit = await kv.lookup(ns, tokens_of(4, 500), pin=True)
+    hit.buffers()[2][17] ^= 0x01  # one flipped bit in the pool
+    assert hit.check_bytes() == [2]
+    assert await kv.release(hit, corrupt=[2]) == 4
+    assert local_failures(kv_server, ns.id) == 1
+    again = await kv.lookup(ns, tokens_of(4, 500), pin=True)
+    assert again.hit_blocks == 2  # the corrupt block is gone (and the chain stops there)
+    await kv.release(again)
+
+
+async def test_a_false_corrupt_report_drops_nothing(kv: Client, kv_server: Server) -> None:
+    """The node believes no runner: it checks the slot, whose bytes are intact."""
+    ns = await kv.register_namespace("sums", LAYOUT)
+    await kv.store(ns, tokens_of(3, 600), blocks_of(3, 6))
+    hit = await kv.lookup(ns, tokens_of(3, 600), pin=True)
+    assert await kv.release(hit, corrupt=[0, 1, 2]) == 3
+    assert local_failures(kv_server, ns.id) == 0
+    again = await kv.lookup(ns, tokens_of(3, 600))
+    assert again.hit_blocks == 3
+
+
+async def test_a_corrupt_block_another_hit_pins_stays_until_its_reader_reports_it(
+    kv: Client,
+) -> None:
+    ns = await kv.register_namespace("sums", LAYOUT)
+    await kv.store(ns, tokens_of(2, 700), blocks_of(2, 7))
+    first = await kv.lookup(ns, tokens_of(2, 700), pin=True)
+    second = await kv.lookup(ns, tokens_of(2, 700), pin=True)
+    first.buffers()[1][3] ^= 0x80
+    assert await kv.release(first, corrupt=first.check_bytes()) == 2
+    assert (await kv.lookup(ns, tokens_of(2, 700))).hit_blocks == 2  # still pinned
+    assert await kv.release(second, corrupt=second.check_bytes()) == 2
+    assert (await kv.lookup(ns, tokens_of(2, 700))).hit_blocks == 1

@@ -145,3 +145,12 @@ async def test_register_namespace_advertises_local_verification(
             assert resp.verify_local_loads is advertised
     finally:
         await server.stop(0.1)
+
+
+async def test_a_release_reporting_corrupt_blocks_with_a_bad_length_is_invalid(
+    stub, namespace, lease
+) -> None:
+    request = pb.ReleaseRequest(
+        namespace_id=namespace.id, lease_id=lease, packed_hashes=H1, packed_corrupt=bytes(33)
+    )
+    await expect(stub, INVALID, "packed_corrupt", stub.Release(request))
