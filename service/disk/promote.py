@@ -10,8 +10,12 @@ against the store (`service.cluster.lookup`).
 
 - **Verified**: the tier checks each block's slot header (identity) and
   checksum after the read; a block that fails is a miss, and so is the rest
-  of the chain after it. A failure the tier counted as corrupt bytes is also
-  counted in ``kvstore_checksum_failures_total{tier="disk"}`` and logged.
+  of the chain after it. A block whose own verdict (`DiskTier.read_many`,
+  never a tier-wide count: up to `MAX_PROMOTIONS` run at once) is corrupt
+  bytes is also counted in ``kvstore_checksum_failures_total{tier="disk"}``
+  and logged; a failed read (EIO) or a block gone meanwhile is only a miss.
+- **Typed outcome**: `promote` answers a `Promotion` (committed, or still
+  running past ``disk_promote_timeout``), never a made-up count.
   Promoted blocks are committed with their checksum, computed where they
   landed, so later readers (peers, ``verify_checksums = "all"``) check them.
 - **Bounded**: a lookup waits at most ``disk_promote_timeout`` for its
@@ -34,6 +38,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import TypeVar
 
 from prometheus_client import CollectorRegistry, Histogram
@@ -44,8 +49,9 @@ from kvstore.pool.base import BlockPool
 from kvstore.types import BlockHash, LeaseId, NamespaceId, SlotId, TenantId
 from service.cluster.fetch_lease import close_fetch_lease, open_fetch_lease, reserve_missing
 from service.cluster.local import LocalNode
+from service.disk.jobs import ReadResult
 from service.disk.node_tier import NodeDisk
-from service.disk.tier import DiskKey, DiskTier
+from service.disk.tier import DiskKey
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +62,26 @@ MAX_PROMOTIONS = 8
 
 PROMOTION_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 """Seconds from the index's answer to the commit (a 4 KiB-1 MiB block reads in 0.1-2 ms)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Promotion:
+    """What a lookup's promotion did by the time the lookup stopped waiting for it."""
+
+    committed: int
+    """Blocks read back and committed READY."""
+    pending: bool = False
+    """The promotion outlived ``disk_promote_timeout``: it goes on in the background,
+    and some of its blocks may be READY already."""
+
+    @property
+    def look_again(self) -> bool:
+        """Whether the pool may hold more of the chain now: redo the lookup."""
+        return self.committed > 0 or self.pending
+
+
+NOTHING = Promotion(0)
+"""A promotion that did not start, or committed nothing."""
 
 
 class DiskPromoter:
@@ -80,30 +106,33 @@ class DiskPromoter:
 
     async def promote(
         self, namespace: NamespaceId, tenant: TenantId, chain: Sequence[BlockHash], have: int
-    ) -> int:
-        """Read ``chain[have:]``'s blocks on disk into the pool; how many were committed.
+    ) -> Promotion:
+        """Read ``chain[have:]``'s blocks on disk into the pool; what it committed.
 
-        Waits at most ``disk_promote_timeout``; a timeout or a cancellation
-        leaves the promotion to finish in the background.
+        Waits at most ``disk_promote_timeout``; a timeout (`Promotion.pending`)
+        or a cancellation leaves the promotion to finish in the background.
         """
         node = self.node
         if have >= len(chain) or len(self.disk.promotions) >= MAX_PROMOTIONS:
-            return 0
+            return NOTHING
         table = node.table(namespace)
         on_disk = self.disk.run_after(table.spec, table.scope_of(tenant), chain, have)
         if not on_disk:
-            return 0
+            return NOTHING
         task = asyncio.ensure_future(
             self._promote(namespace, tenant, list(chain[: have + on_disk]))
         )
         self.disk.promotions.add(task)
         task.add_done_callback(self.disk.promotions.discard)
         try:
-            return await asyncio.wait_for(asyncio.shield(task), node.config.disk_promote_timeout)
+            committed = await asyncio.wait_for(
+                asyncio.shield(task), node.config.disk_promote_timeout
+            )
         except TimeoutError:
             self.timeouts += 1
             log.info("promotion from disk in %s past disk_promote_timeout: served", namespace)
-            return 1  # some blocks may be READY already: look again
+            return Promotion(0, pending=True)  # some blocks may be READY already
+        return Promotion(committed)
 
     async def _promote(
         self, namespace: NamespaceId, tenant: TenantId, target: list[BlockHash]
@@ -162,11 +191,12 @@ class DiskPromoter:
         n = present.index(False) if False in present else len(keys)  # evicted meanwhile
         cuda = pool.descriptor.kind == "cuda"
         dests = [memoryview(bytearray(size)) if cuda else pool.view(slot) for slot in slots[:n]]
-        corrupt = _corrupt_reads(tier)
-        landed = await tier.read_many(keys[:n], dests)  # returns once every read has landed
-        run = landed.index(False) if False in landed else n
-        if run < n and tier.length_of(keys[run]) is None and _corrupt_reads(tier) > corrupt:
-            # Discarded by the tier for its header or checksum: corrupt bytes, not a miss.
+        verdicts = await tier.read_many(keys[:n], dests)  # returns once every read has landed
+        ok = [v is ReadResult.OK for v in verdicts]
+        run = ok.index(False) if False in ok else n
+        if run < n and verdicts[run] in (ReadResult.IDENTITY, ReadResult.CHECKSUM):
+            # This block's own verdict (other promotions run beside this one):
+            # discarded by the tier for its header or checksum, corrupt bytes.
             self.checksum_failures += 1
             self.node.checksum_failed(namespace, "disk", todo[run], self.node.node_id)
         loop = asyncio.get_running_loop()
@@ -189,9 +219,3 @@ async def _landed(job: asyncio.Future[T]) -> T:
     except asyncio.CancelledError:
         await asyncio.wait({job})
         raise
-
-
-def _corrupt_reads(tier: DiskTier) -> int:
-    """Reads the tier discarded for a header or checksum that did not verify, ever."""
-    stats = tier.stats()
-    return stats.read_failures_checksum + stats.read_failures_identity

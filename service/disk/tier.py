@@ -305,12 +305,18 @@ class DiskTier:
         Raises:
             ValueError: ``dest`` is not the block's length or not writable.
         """
-        return (await self.read_many([key], [dest]))[0]
+        return (await self.read_many([key], [dest]))[0] is ReadResult.OK
 
-    async def read_many(self, keys: Sequence[DiskKey], dests: Sequence[memoryview]) -> list[bool]:
+    async def read_many(
+        self, keys: Sequence[DiskKey], dests: Sequence[memoryview]
+    ) -> list[ReadResult | None]:
         """`read_into` for many blocks at once (a chain's promotion): all are
         handed to the I/O threads together, and the loop wakes once when the
-        last has landed. Returns, per block, whether ``dests[i]`` holds it.
+        last has landed. Returns each block's verdict: `ReadResult.OK` when
+        ``dests[i]`` holds it; IDENTITY or CHECKSUM when its bytes on disk were
+        corrupt, ERROR when the read failed (each discarded and counted); None
+        when it was not on disk (or the tier is closed). A caller running
+        beside others learns its own blocks' verdicts, never a tier-wide count.
 
         Raises:
             ValueError: a destination is not its block's length or not writable
@@ -319,7 +325,7 @@ class DiskTier:
         if len(keys) != len(dests):
             raise ValueError(f"read_many: {len(keys)} keys, {len(dests)} destinations")
         if self._closed:
-            return [False] * len(keys)
+            return [None] * len(keys)
         index = self._index
         entries = [index.begin_read((k.namespace, k.scope, k.block_hash)) for k in keys]
         for e, dest in zip(entries, dests, strict=True):
@@ -363,7 +369,10 @@ class DiskTier:
                         discard=result not in (None, ReadResult.OK),
                     )
             self._collect()
-        return [count_read(self._c, e, r) for e, r in zip(entries, batch.results, strict=True)]
+        verdicts = batch.results
+        for e, verdict in zip(entries, verdicts, strict=True):
+            count_read(self._c, e, verdict)
+        return [v if e is not None else None for e, v in zip(entries, verdicts, strict=True)]
 
     # -- removal, events, figures ----------------------------------------------
 
