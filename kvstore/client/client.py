@@ -427,9 +427,15 @@ class Client(PrefixQueries):
     ) -> int:
         if hit.lease_id is None:  # the pins' lease, never a replacement's
             return 0
-        # Every pinned hit comes from `lookup`, which names its pins with an id:
-        # the one release route (`Releases`) retries and re-sends under it.
-        assert hit.release_id, "bug: a pinned hit without the id its lookup declared"
+        # Every pinned hit of `lookup` names its pins with an id: the one release
+        # route (`Releases`) retries and re-sends under it. A hit built by hand
+        # from a Lookup sent without one could only be released by hash, once,
+        # with no retry (a retry could drop another hit's pins): refused.
+        if not hit.release_id:
+            raise InvalidArgument(
+                "this pinned hit has no release id (LookupRequest.release_id): "
+                "release hits that Client.lookup returned"
+            )
         hashes = hit.hit_hashes
         reported = b"".join(hashes[i * HASH_BYTES : (i + 1) * HASH_BYTES] for i in corrupt)
         count = await self._releases.release(

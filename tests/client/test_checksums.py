@@ -148,3 +148,32 @@ async def test_a_corrupt_block_another_hit_pins_stays_until_its_reader_reports_i
     assert (await kv.lookup(ns, tokens_of(2, 700))).hit_blocks == 2  # still pinned
     assert await kv.release(second, corrupt=second.check_bytes()) == 2
     assert (await kv.lookup(ns, tokens_of(2, 700))).hit_blocks == 1
+
+
+async def test_a_late_write_between_the_copy_and_the_checksum_is_not_committed_as_good(
+    kv: Client,
+) -> None:
+    """Issue 40, item 2: the writer hashed its *slots* after the copy, so another
+    writer's late copy landing in that gap was committed with a checksum of the
+    wrong bytes, and every check then passed. It now hashes its source: readers see
+    the mismatch. The late copy lands through another mapping of the pool, as a
+    stalled process's would, while this store is between its copies."""
+    ns = await kv.register_namespace("sums", LAYOUT)
+    data = blocks_of(3, 9)
+    assert ns.mapping is not None
+    other = type(ns.mapping).open(ns.mapping.descriptor)  # the late writer's mapping
+    try:
+
+        def supply(i: int) -> np.ndarray:
+            if i == 2:  # blocks 0 and 1 are in their slots: the late copy lands on them
+                arena = np.frombuffer(other.arena_buffer(0), np.uint8)
+                arena[: 2 * LAYOUT.block_bytes] = 0xEE  # this store's first two slots
+            return data[i]
+
+        assert (await kv.store(ns, tokens_of(3, 800), supply)).committed == 3
+        hit = await kv.lookup(ns, tokens_of(3, 800), pin=True)
+        assert list(hit.slots) == [0, 1, 2]  # a fresh pool: the slots the late copy hit
+        assert hit.check_bytes() == [0, 1]  # the late bytes fail the writer's checksums
+        await kv.release(hit, corrupt=[0, 1])
+    finally:
+        other.close()
