@@ -37,6 +37,7 @@ class _Ns:
     def __init__(self, mapping: HostMapping, layout: KVLayout) -> None:
         self.mapping = mapping
         self.layout = layout
+        self.verify_loads = True  # the node default (verify_checksums = "all")
 
 
 def run(blocks: int, block_kib: int, shm_dir: str, repeat: int) -> dict[str, Any]:

@@ -24,7 +24,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvstore.api.wire import unpack_hashes
-from kvstore.checksum import mismatches
+from kvstore.checksum import block_checksum, mismatches
 from kvstore.client.blocks import slot_runs
 from kvstore.client.errors import BlocksMoved, PoolEpochChanged
 from kvstore.client.hit_release import HitRelease
@@ -381,10 +381,16 @@ class Hit:
         """Copy the hit blocks' bytes into ``out``, in chain order (host pools), and prove them.
 
         One copy per run of adjacent slots in an arena, not one per block:
-        the fastest way to load a hit into the caller's memory. Then the
-        slot stamps are checked (`verify`): a block whose stamp moved is
+        the fastest way to load a hit into the caller's memory. When the
+        node's operator wants loads checked (`Namespace.verify_loads`, the
+        default), each block is copied and its copy hashed at once, while it
+        is in cache, against its writer's checksum (one pass, not a second
+        read of every byte). Then the slot stamps are checked (`verify`): a
+        block whose stamp moved or whose copy fails its checksum is
         `BlocksMoved`, whose ``intact`` says how many leading blocks of
-        ``out`` hold proven bytes (the rest must be recomputed).
+        ``out`` hold proven bytes (the rest must be recomputed) and whose
+        ``corrupt`` the caller reports with its release
+        (``Client.release(hit, corrupt=...)``).
 
         Args:
             out: a writable C-contiguous array of exactly ``hit_blocks``
@@ -416,19 +422,32 @@ class Hit:
                 f"the array is {out.nbytes}"
             )
         target = out.reshape(-1).view(np.uint8).data
+        sums = self.checksums.tolist() if self.namespace.verify_loads else []
+        corrupt: list[int] = []
         starts = slot_runs(slots, range(len(slots)), spa)
         for a, b in itertools.pairwise(starts):
             offset = slots[a] % spa * block_bytes
-            size = (b - a) * block_bytes
             arena = mapping.arena_buffer(slots[a] // spa)
-            target[a * block_bytes : a * block_bytes + size] = arena[offset : offset + size]
+            if not any(sums[a:b]):  # nothing to check: one copy per run
+                size = (b - a) * block_bytes
+                target[a * block_bytes : a * block_bytes + size] = arena[offset : offset + size]
+                continue
+            for i in range(a, b):  # each block's copy hashed while it is in cache
+                at, where = i * block_bytes, offset + (i - a) * block_bytes
+                copy = target[at : at + block_bytes]
+                copy[:] = arena[where : where + block_bytes]
+                if sums[i] and block_checksum(copy) != sums[i]:
+                    corrupt.append(i)
         verification = self.verify()
-        if not verification.ok:
+        if not verification.ok or corrupt:
+            bad = sorted({*verification.moved, *corrupt})
             raise BlocksMoved(
-                f"{len(verification.moved)} of {len(slots)} copied blocks were rewritten or "
-                f"reused during the copy (first at {verification.intact}): recompute from there",
-                verification.intact,
+                f"{len(bad)} of {len(slots)} copied blocks were rewritten or reused during "
+                f"the copy, or do not have their writer's checksum (first at {bad[0]}): "
+                "recompute from there",
+                min(verification.intact, bad[0]),
                 verification.moved,
+                tuple(corrupt),
             )
         return verification
 

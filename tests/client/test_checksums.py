@@ -11,6 +11,7 @@ import pytest
 
 from kvstore.checksum import block_checksum, unpack_checksums
 from kvstore.client import Client
+from kvstore.client.errors import BlocksMoved
 from kvstore.client.methods import Unary
 from kvstore.errors import InvalidArgument
 from service.server import Server
@@ -177,3 +178,21 @@ async def test_a_late_write_between_the_copy_and_the_checksum_is_not_committed_a
         await kv.release(hit, corrupt=[0, 1])
     finally:
         other.close()
+
+
+async def test_copy_into_checks_each_copy_against_its_checksum_by_default(kv: Client) -> None:
+    """Local loads are verified by default (``verify_checksums = "all"``): `copy_into`
+    hashes each block's copy in the same pass and refuses the ones that fail."""
+    ns = await kv.register_namespace("sums", LAYOUT)
+    assert ns.verify_loads  # the node's default
+    data = blocks_of(3, 11)
+    await kv.store(ns, tokens_of(3, 900), data)
+    hit = await kv.lookup(ns, tokens_of(3, 900), pin=True)
+    out = np.zeros_like(data)
+    assert hit.copy_into(out).intact == 3 and np.array_equal(out, data)
+    hit.buffers()[1][5] ^= 0x10
+    with pytest.raises(BlocksMoved) as err:
+        hit.copy_into(out)
+    assert (err.value.intact, err.value.moved, err.value.corrupt) == (1, (), (1,))
+    await kv.release(hit, corrupt=err.value.corrupt)
+    assert (await kv.lookup(ns, tokens_of(3, 900))).hit_blocks == 1  # dropped

@@ -49,6 +49,7 @@ class _Ns:
     def __init__(self, mapping: HostMapping) -> None:
         self.mapping = mapping
         self.layout = LAYOUT
+        self.verify_loads = True  # the node default (verify_checksums = "all")
 
 
 def _reserved(pairs: list[tuple[int, int]]) -> Reservation:
