@@ -16,8 +16,11 @@ against the store (`service.cluster.lookup`).
   and logged; a failed read (EIO) or a block gone meanwhile is only a miss.
 - **Typed outcome**: `promote` answers a `Promotion` (committed, or still
   running past ``disk_promote_timeout``), never a made-up count.
-  Promoted blocks are committed with their checksum, computed where they
-  landed, so later readers (peers, ``verify_checksums = "all"``) check them.
+  Promoted blocks are committed with the checksum their read was verified
+  against (the disk's), after the bytes where they landed were hashed and
+  found to match it: a late write into a promotion's slot is a miss, never
+  a block committed with a checksum of the wrong bytes. Later readers
+  (peers, local loads) check them against it.
 - **Bounded**: a lookup waits at most ``disk_promote_timeout`` for its
   promotion, then answers what memory holds (the blocks still being read
   are WRITING: a retry finds them READY). At most `MAX_PROMOTIONS` run at
@@ -189,6 +192,9 @@ class DiskPromoter:
         size = pool.descriptor.block_bytes
         present = [tier.length_of(key) == size for key in keys]
         n = present.index(False) if False in present else len(keys)  # evicted meanwhile
+        # What each read is verified against, and what the block is committed with:
+        # never a hash of the slot alone, which a late writer may have changed.
+        expected = [tier.checksum_of(key) for key in keys[:n]]
         cuda = pool.descriptor.kind == "cuda"
         dests = [memoryview(bytearray(size)) if cuda else pool.view(slot) for slot in slots[:n]]
         verdicts = await tier.read_many(keys[:n], dests)  # returns once every read has landed
@@ -200,11 +206,20 @@ class DiskPromoter:
             self.checksum_failures += 1
             self.node.checksum_failed(namespace, "disk", todo[run], self.node.node_id)
         loop = asyncio.get_running_loop()
-        return await _landed(loop.run_in_executor(None, _settle, pool, slots[:run], dests[:run]))
+        landed = await _landed(loop.run_in_executor(None, _settle, pool, slots[:run], dests[:run]))
+        # The bytes hashed where they landed, after the tier verified them: a
+        # late write into the slot in between is a miss, not a commit (issue 40).
+        same = [got == want for got, want in zip(landed, expected, strict=False)]
+        good = same.index(False) if False in same else len(landed)
+        if good < len(landed):
+            self.checksum_failures += 1
+            self.node.checksum_failed(namespace, "local", todo[good], self.node.node_id)
+        return [int(c) for c in expected[:good] if c is not None]
 
 
 def _settle(pool: BlockPool, slots: list[SlotId], landed: list[memoryview]) -> list[int]:
-    """In a worker thread: copy host staging into a CUDA pool's slots; the checksums."""
+    """In a worker thread: copy host staging into a CUDA pool's slots; the checksums of
+    the bytes as they landed (a CUDA pool: of the staging copied from)."""
     if pool.descriptor.kind == "cuda":
         for slot, staging in zip(slots, landed, strict=True):
             pool.write(slot, staging)

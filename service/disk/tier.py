@@ -291,6 +291,12 @@ class DiskTier:
         e = self._index.ready((key.namespace, key.scope, key.block_hash))
         return None if e is None else e.length
 
+    def checksum_of(self, key: DiskKey) -> int | None:
+        """The payload checksum of a block on disk (what its reads are verified
+        against), or None when it is not there."""
+        e = self._index.ready((key.namespace, key.scope, key.block_hash))
+        return None if e is None else e.checksum
+
     async def read_into(self, key: DiskKey, dest: memoryview) -> bool:
         """Read a block into ``dest`` (its length must be the block's) off the loop.
 

@@ -430,3 +430,31 @@ async def test_a_promotion_past_its_timeout_says_so(disk_config: Config) -> None
         outcome = await promoter.promote(ns.id, TenantId("a"), chain, 0)
         assert (outcome.committed, outcome.pending, outcome.look_again) == (0, True, True)
         await until(lambda: promoter.promoted_blocks, what="the promotion to finish on its own")
+
+
+async def test_a_late_write_into_a_promotions_slot_is_a_miss(disk_config: Config) -> None:
+    """The promotion hashed its slots after the tier's verified read and committed that
+    hash (issue 40, item 2's gap, on the node's side): a late writer's copy landing in
+    between was committed as good. It is now compared with the disk's checksum."""
+    blocks = random_blocks(10)
+    await store_and_stop(disk_config, blocks)
+    async with (
+        started(disk_config, ManualClock()) as server,
+        Client(server.address, tenant="a") as kv,
+    ):
+        ns = await kv.register_namespace("disk-model", LAYOUT)
+        disk = server.node.disk
+        assert disk is not None
+        real_read = disk.tier.read_many
+
+        async def late_write_after_the_read(keys: list[DiskKey], dests: list[memoryview]) -> Any:
+            verdicts = await real_read(keys, dests)
+            dests[1][:] = bytes([0xEE]) * len(dests[1])  # a late copy lands on block 1's slot
+            return verdicts
+
+        disk.tier.read_many = late_write_after_the_read  # type: ignore[method-assign]
+        hit = await kv.lookup(ns, TOKENS, pin=True)
+        assert hit.hit_blocks == 1  # block 1 (and the rest of the chain) is a miss
+        assert await kv.read_blocks(hit) == blocks[:1]
+        await kv.release(hit)
+        assert metric(server, "kvstore_checksum_failures_total", namespace=ns.id, tier="local") == 1
