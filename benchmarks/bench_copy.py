@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from kvstore.cli.microbench import best_of
-from kvstore.client.handles import BlockLocation, Hit
+from kvstore.client.hit import BlockLocation, Hit
 from kvstore.client.replies import reservation_from_proto
 from kvstore.client.transfer import _copy_in
 from kvstore.layout import KVLayout

@@ -29,7 +29,8 @@ from typing import Any
 
 from kvstore.client.blocks import BlockSupplier
 from kvstore.client.client import Client
-from kvstore.client.handles import Hit, Namespace, StoreResult
+from kvstore.client.handles import Namespace, StoreResult
+from kvstore.client.hit import Hit
 from kvstore.errors import FailedPrecondition, InvalidArgument
 from kvstore.hashing import Extra, HashScheme, Tokens
 from kvstore.layout import KVLayout

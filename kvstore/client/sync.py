@@ -25,7 +25,8 @@ from typing import Any, TypeVar
 
 from kvstore.client.blocks import BlockSupplier
 from kvstore.client.client import Client
-from kvstore.client.handles import Hit, Namespace, StoreResult
+from kvstore.client.handles import Namespace, StoreResult
+from kvstore.client.hit import Hit
 from kvstore.client.query import PrefixAnswer
 from kvstore.hashing import Extra, HashScheme, Tokens
 from kvstore.layout import KVLayout

@@ -46,7 +46,8 @@ from kvstore.client.blocks import (
     slot_runs,
 )
 from kvstore.client.errors import PoolEpochChanged
-from kvstore.client.handles import Hit, Namespace, StoreResult
+from kvstore.client.handles import Namespace, StoreResult
+from kvstore.client.hit import Hit
 from kvstore.client.replies import ChainFields, Reservation, reservation_from_proto
 from kvstore.client.session import NodeSession
 from kvstore.errors import FailedPrecondition, InvalidArgument, NotFound

@@ -45,6 +45,7 @@ import numpy as np
 from service.disk.checkpoint import write_checkpoint
 from service.disk.entry import Key
 from service.disk.format import DiskKey, SlotHeader, Superblock
+from service.disk.in_flight import InFlight
 from service.disk.index import DiskIndex
 from service.disk.io import DiskTierError, TierFile, open_tier_file
 from service.disk.jobs import (
@@ -109,8 +110,7 @@ class DiskTier:
             self._write_done,
         )
         self._queued = 0
-        self._in_flight = 0  # writes + invalidations
-        self._idle: asyncio.Event | None = None
+        self._in_flight = InFlight()  # writes + invalidations
         self._closed = False
         self._degraded = False
         self._c: dict[str, int] = dict.fromkeys(TIER_COUNTERS, 0)
@@ -226,7 +226,7 @@ class DiskTier:
             return None
         buf = self._buffers.take(res.slot_bytes)
         self._queued += 1
-        self._begin()
+        self._in_flight.begin()
         return PendingWrite(done, res, buf, length, checksum)
 
     def submit_write(self, pending: PendingWrite) -> None:
@@ -264,7 +264,7 @@ class DiskTier:
                 self._c["write_bytes"] += pending.length
                 self.events.add(DiskEventKind.STORED, DiskKey(*e.key))
         self._collect()
-        self._end()
+        self._in_flight.end()
 
     def _write_error(self, exc: BaseException) -> None:
         self._c["write_errors"] += 1
@@ -429,7 +429,7 @@ class DiskTier:
         jobs = self._index.take_invalidations()
         if not jobs or self._done is None or self._closed:
             return  # closed: they stay in limbo, zeroed at the next open
-        self._begin()
+        self._in_flight.begin()
         self._pool.submit(self._invalidate_task, self._done, jobs)
 
     def _invalidate_task(self, done: Completions, jobs: list[tuple[int, int, int]]) -> None:
@@ -451,31 +451,13 @@ class DiskTier:
                 self._index.invalidated(region, slot)
         elif not (isinstance(exc, OSError) and exc.errno == errno.ECANCELED):
             self._write_error(exc)  # those slots stay in limbo: never reused
-        self._end()
-
-    def _begin(self) -> None:
-        self._in_flight += 1
-        if self._idle is not None:
-            self._idle.clear()
-
-    def _end(self) -> None:
-        self._in_flight -= 1
-        if self._in_flight == 0 and self._idle is not None:
-            self._idle.set()
+        self._in_flight.end()
 
     # -- stop ----------------------------------------------------------------
 
     async def flush(self, timeout: float) -> bool:  # noqa: ASYNC109 (a bool, not a raise)
         """Wait until the queued writes have completed; False if ``timeout`` ran out."""
-        if self._in_flight == 0:
-            return True
-        if self._idle is None:
-            self._idle = asyncio.Event()
-        try:
-            await asyncio.wait_for(self._idle.wait(), timeout)
-        except TimeoutError:
-            return False
-        return True
+        return await self._in_flight.wait_idle(timeout)
 
     async def close(self, *, checkpoint: bool = True) -> None:
         """Stop: queued writes not yet started are dropped (call `flush` first
