@@ -19,6 +19,7 @@ from typing import Any
 from benchmarks._stats import summary_us
 from kvstore.client import Client, Hit, Namespace
 from kvstore.client.methods import LOOKUP
+from kvstore.client.releases import new_release_id
 from kvstore.client.replies import hit_from_proto
 from kvstore.layout import KVLayout
 from kvstore.types import BlockHash, LeaseId
@@ -167,9 +168,12 @@ async def lookup_tokens_sent(
         lease_id=lease_id,
         pin=True,
         tokens=tokens,
+        release_id=new_release_id(),  # names its pins, as `Client.lookup` does
     )
     resp = await client._rpc.call(LOOKUP, request, None, idempotent=False)
-    return hit_from_proto(ns, resp, generation, LeaseId(lease_id))
+    hit = hit_from_proto(ns, resp, generation, LeaseId(lease_id))
+    hit.release.release_id = request.release_id
+    return hit
 
 
 async def bench_uds(

@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from kvstore.cli.microbench import best_of
-from kvstore.client.handles import BlockLocation, Hit
+from kvstore.client.hit import BlockLocation, Hit
 from kvstore.client.replies import reservation_from_proto
 from kvstore.client.transfer import _copy_in
 from kvstore.layout import KVLayout
@@ -37,6 +37,7 @@ class _Ns:
     def __init__(self, mapping: HostMapping, layout: KVLayout) -> None:
         self.mapping = mapping
         self.layout = layout
+        self.verify_loads = True  # the node default (verify_checksums = "all")
 
 
 def run(blocks: int, block_kib: int, shm_dir: str, repeat: int) -> dict[str, Any]:

@@ -58,6 +58,7 @@ import numpy as np
 from kvstore.checksum import block_checksum
 from service.disk import DiskKey, DiskTier
 from service.disk.format import file_bytes_for, slot_bytes_for
+from service.disk.jobs import ReadResult
 
 NS = b"b" * 16
 REGION = 64 << 20
@@ -141,7 +142,8 @@ class _TierTurn:
             dst = [bufs[lane][j * block : (j + 1) * block] for j in range(chain)]
             for first in range(lane * chain, blocks, 2 * chain):
                 keys = [DiskKey(NS, 0, hb(h)) for h in range(first, min(first + chain, blocks))]
-                if not all(await tier.read_many(keys, dst[: len(keys)])):
+                verdicts = await tier.read_many(keys, dst[: len(keys)])
+                if any(v is not ReadResult.OK for v in verdicts):
                     raise RuntimeError(f"chain at {first} did not read back")
 
         start = time.perf_counter()

@@ -47,8 +47,9 @@ from benchmarks._latency import TENANT, bench_latency, bench_uds, over_tcp_ping
 from benchmarks._latency import lookup_tokens_sent as lookup_tokens_sent  # bench_scaling's
 from benchmarks._server import ServerProcess
 from benchmarks._stats import best_and_median, gbps
+from kvstore.checksum import pack_checksums
 from kvstore.client import Client, Namespace
-from kvstore.client.blocks import copy_block
+from kvstore.client.blocks import copy_block_hashed
 from kvstore.client.replies import reservation_from_proto
 from kvstore.layout import KVLayout
 from kvstore.types import BlockHash
@@ -77,7 +78,7 @@ async def store_phases(
 ) -> dict[str, float]:
     """What `Client.store` does, phase by phase: Reserve RPC, copy into the slots, Commit RPC.
 
-    The same packed wire forms, the same lease and the same `copy_block` the
+    The same packed wire forms, the same lease and the same `copy_block_hashed` the
     SDK uses, timed separately so the copy can be compared with numpy (block
     by block here; `Client.store` copies one run of adjacent slots at a time).
     """
@@ -94,14 +95,16 @@ async def store_phases(
     res = reservation_from_proto(resp)
     if len(res.reserved) != len(chain):
         raise RuntimeError(f"reserved {len(res.reserved)} of {len(chain)}; is the pool full?")
-    for i in res.reserved:
-        copy_block(blocks[i], mapping.buffer(res.slots[i]))
+    # Each block hashed from its source right after its copy (a host pool's Commit
+    # needs the writer's checksums).
+    sums = [copy_block_hashed(blocks[i], mapping.buffer(res.slots[i])) for i in res.reserved]
     t2 = time.perf_counter()
     commit = await stub.Commit(
         pb.CommitRequest(
             namespace_id=ns.id,
             lease_id=lease_id,
             packed_hashes=res.packed_reserved(),
+            packed_checksums=pack_checksums(sums),
         ),
         timeout=30,
         metadata=META,

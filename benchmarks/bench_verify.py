@@ -11,7 +11,12 @@ bench_vllm model (6 layers, 12 KV heads of 64, float32, 32-token blocks):
   array, block by block (what the load's copy costs at best);
 - ``stamps_ms``: two `PoolMapping.read_stamps` of the load's slots and the
   comparison with the lookup's stamps;
-- ``checksum_ms``: `kvstore.checksum.mismatches` over the slots.
+- ``checksum_ms``: `kvstore.checksum.mismatches` over the slots (a second
+  pass over every byte, after the copy);
+- ``copy_checked_ms``: the copy with the check in the same pass, as
+  `Hit.copy_into` does by default (``verify_checksums = "all"``): each
+  block copied, then its copy hashed while it is in cache. Against
+  ``copy_ms`` of the same run: the cost of verification on vs off.
 
 Goals (#31): stamps at most 2 % of the copy, always on; checksums at most
 5 %, or off by default with the figure documented.
@@ -28,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from kvstore.checksum import block_checksums, mismatches
+from kvstore.checksum import block_checksum, block_checksums, mismatches
 from kvstore.cli.microbench import best_of
 from kvstore.layout import KVLayout
 from kvstore.pool import HostMapping, HostPool
@@ -72,9 +77,18 @@ def run(lengths: list[int], repeat: int) -> dict[str, Any]:
                 def checksum(buffers: list[Any] = buffers, sums: Any = sums) -> None:
                     assert not mismatches(buffers, sums)
 
+                def copy_checked(
+                    buffers: list[Any] = buffers, dst: Any = dst, sums: Any = sums
+                ) -> None:
+                    for i, b in enumerate(buffers):
+                        np.copyto(dst[i], b)
+                        assert block_checksum(dst[i]) == sums[i]
+
                 copy_s = best_of(copy, repeat)
                 stamps_s = best_of(stamps, repeat)
                 checksum_s = best_of(checksum, repeat)
+                checked_s = best_of(copy_checked, repeat)
+                copy_s = min(copy_s, best_of(copy, repeat))  # again, after: same conditions
                 out["lengths"][str(tokens)] = {
                     "blocks": n,
                     "copy_ms": round(copy_s * 1e3, 3),
@@ -82,6 +96,8 @@ def run(lengths: list[int], repeat: int) -> dict[str, Any]:
                     "checksum_ms": round(checksum_s * 1e3, 3),
                     "stamps_over_copy": round(stamps_s / copy_s, 4),
                     "checksum_over_copy": round(checksum_s / copy_s, 3),
+                    "copy_checked_ms": round(checked_s * 1e3, 3),
+                    "copy_checked_over_copy": round(checked_s / copy_s, 3),
                 }
         finally:
             mapping.close()

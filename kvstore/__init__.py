@@ -25,6 +25,7 @@ from kvstore.errors import (
 from kvstore.events import CacheEvent, EventKind
 from kvstore.hashing import HashScheme, hash_blocks, kvstore_root, vllm_root
 from kvstore.layout import KVLayout, NamespaceSpec
+from kvstore.limits import StoreLimits
 from kvstore.results import (
     BlockInfo,
     BlockRef,
@@ -38,7 +39,7 @@ from kvstore.results import (
     ReserveResult,
     ReserveStatus,
 )
-from kvstore.store import Store, StoreLimits, StoreStats
+from kvstore.store import Store, StoreStats
 from kvstore.types import BlockHash, LeaseId, NamespaceId, SlotId, TenantId
 
 __version__ = "0.1.0"

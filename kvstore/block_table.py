@@ -30,7 +30,7 @@ a lease costs O(what it holds).
 
 Over 400 lines on purpose: one concept, the block life cycle as leases drive it,
 checked whole by the state-machine test (slots, LRU, counts, quotas, stamps:
-`kvstore.residency`; per-block loops: `kvstore.pins`)."""
+`kvstore.residency`; per-block loops: `kvstore.pins`, `kvstore.reserve_walk`)."""
 
 from __future__ import annotations
 
@@ -42,6 +42,7 @@ from kvstore.events import CacheEvent, EventKind, removed_events, stored_events
 from kvstore.layout import NamespaceSpec
 from kvstore.lease import Lease
 from kvstore.pins import keep_checksums, lookup_result, pin_run, unpin_hashes, walk
+from kvstore.reserve_walk import reserve_walk
 from kvstore.residency import Residency
 from kvstore.results import (
     BlockInfo,
@@ -51,7 +52,6 @@ from kvstore.results import (
     NamespaceStats,
     QuotaOf,
     ReserveResult,
-    ReserveStatus,
 )
 from kvstore.stamps import GenerationCounter, StampSink
 from kvstore.tenant_counters import TenantCounterBook
@@ -224,78 +224,19 @@ class BlockTable:
         call, so reserving a tail never evicts its own prefix.
         """
         check_hashes(chain)
-        res = self._res
-        scope = self.scope_of(lease.tenant)
-        writes = lease.writes_in(self.namespace)
-        writer = lease.lease_id
-        statuses: list[ReserveStatus] = []
-        slots: list[int] = []
-        generations: list[int] = []
-        protected: list[Block] = []
-        seen: set[Block] = set()
-        prev: Block | None = None
         removed: list[Block] = []
-        fresh: list[Block] = []  # the new blocks, in chain order
-        fresh_at: list[int] = []  # their indexes in the chain
-        taken: list[SlotId] = []  # slots taken ahead for the next new blocks, last first
         try:
-            for depth, h in enumerate(chain):
-                block = res.find(scope, h)
-                if block is not None:
-                    if block.parent is not prev and block not in seen:
-                        block.parent = prev  # a repeated hash: never its own ancestor
-                    if block.state is BlockState.READY:
-                        res.pin(block)
-                        protected.append(block)
-                        status = ReserveStatus.HIT
-                    elif block.writer == writer:
-                        status = ReserveStatus.RESERVED
-                    else:
-                        status = ReserveStatus.IN_FLIGHT
-                    placed = status is not ReserveStatus.IN_FLIGHT
-                    statuses.append(status)
-                    slots.append(block.slot if placed else 0)
-                    generations.append(block.generation if placed else 0)
-                    seen.add(block)
-                    prev = block
-                    continue
-                if not taken:
-                    taken = res.allocate_run(scope, chain, depth, removed, now)
-                    if not taken:
-                        n = len(chain) - depth
-                        statuses.extend([ReserveStatus.NO_ROOM] * n)
-                        slots.extend([0] * n)
-                        generations.extend([0] * n)
-                        break
-                    taken.reverse()
-                slot = taken.pop()
-                # hash, scope, slot, generation, parent, depth, state, writer,
-                # refcount, hits, last_used, created (positional: the hot loop)
-                block = Block(
-                    h, scope, slot, res.hand_to_writer(slot), prev, depth,
-                    BlockState.WRITING, writer, 0, 0, now, now,
-                )  # fmt: skip
-                res.add_writing(block)
-                writes.add(block)
-                fresh.append(block)
-                fresh_at.append(depth)
-                statuses.append(ReserveStatus.RESERVED)
-                slots.append(slot)
-                generations.append(block.generation)
-                seen.add(block)
-                prev = block
-            if taken:  # taken ahead for hashes that were repeats after all
-                res.untake(taken)
-            if res.ascending_slots(fresh):
-                for index, block in zip(fresh_at, fresh, strict=True):
-                    slots[index] = block.slot
-                    generations[index] = block.generation
+            return reserve_walk(
+                self._res,
+                lease,
+                lease.writes_in(self.namespace),
+                self.scope_of(lease.tenant),
+                chain,
+                now,
+                removed,
+            )
         finally:
-            for block in protected:
-                res.unpin(block)
-            res.touch(protected, now)
             self._emit_removed(removed, now)
-        return ReserveResult(chain, statuses, slots, generations)
 
     def commit(
         self, lease: Lease, hashes: Sequence[BlockHash], now: float, checksums: Sequence[int] = ()
@@ -408,6 +349,18 @@ class BlockTable:
         removed = self._res.evict(n)
         self._emit_removed(removed, now)
         return len(removed)
+
+    def drop_corrupt(self, tenant: TenantId, block_hash: BlockHash, now: float) -> bool:
+        """Remove a READY block whose bytes failed their checksum, unless it is pinned.
+
+        The caller checked the bytes (`Node.drop_corrupt`); a pinned block
+        stays: its readers check it in turn, and the last one's report drops it.
+        """
+        block = self._res.find(self.scope_of(tenant), block_hash)
+        if block is None or not self._res.drop_unpinned(block):
+            return False
+        self._emit_removed([block], now)
+        return True
 
     def clear(self, now: float) -> ClearReport:
         """Remove every READY unpinned block; pinned and WRITING blocks stay.

@@ -76,6 +76,14 @@ def unpack_checksums(packed: bytes, count: int, field: str = "packed_checksums")
     return values
 
 
+def first_missing(values: Sequence[int]) -> int | None:
+    """The index of the first `NOT_COMPUTED` value (a block sent without a checksum), or None."""
+    for i, value in enumerate(values):
+        if value == NOT_COMPUTED:
+            return i
+    return None
+
+
 def matches(data: ReadableBuffer, expected: int) -> bool:
     """True unless ``expected`` is a computed checksum that ``data`` does not have."""
     return expected == NOT_COMPUTED or block_checksum(data) == expected

@@ -313,6 +313,13 @@ class Residency:
                 break
         return removed
 
+    def drop_unpinned(self, block: Block) -> bool:
+        """Remove one READY block now if nothing pins it (not counted as an eviction)."""
+        if block.state is not BlockState.READY or block.refcount:
+            return False
+        self._remove(block)
+        return True
+
     def clear(self) -> list[Block]:
         """Remove every READY unpinned block (not counted as evictions); returns them."""
         removed = self._lru.evictable()

@@ -22,6 +22,7 @@ from kvstore.errors import (
 from kvstore.events import CacheEvent
 from kvstore.layout import NamespaceSpec
 from kvstore.lease import Lease, LeaseTable
+from kvstore.limits import StoreLimits
 from kvstore.results import (
     BlockInfo,
     BlockRef,
@@ -34,38 +35,7 @@ from kvstore.results import (
     ReserveResult,
 )
 from kvstore.stamps import GenerationCounter, StampSink, stamp_ident
-from kvstore.types import MAX_CHAIN_BLOCKS, BlockHash, LeaseId, NamespaceId, SlotId, TenantId
-
-WRITE_QUARANTINE = 300.0
-"""Default seconds a slot taken from an expired writer rests before reuse.
-
-A lease expires because its runner stopped renewing: it died, or it is
-stalled (suspended, swapped out, stuck in a long synchronous call) and may
-wake up in the middle of a copy into the slot. The SDK checks its lease
-before each block copy, so such a late write can only come from a copy that
-had started before the lease ran out; five minutes outlasts any copy of one
-block by orders of magnitude, and costs only the few slots a dead runner was
-writing (``docs/leases.md``, "Late writers")."""
-
-
-@dataclass(frozen=True, slots=True)
-class StoreLimits:
-    """Bounds that keep one client from exhausting the node."""
-
-    max_chain_blocks: int = MAX_CHAIN_BLOCKS
-    """Longest chain one call may name (the node passes its ``max_chain_blocks`` setting)."""
-    max_pins_per_lease: int = 0
-    """Pins one lease may hold at once (0 = unbounded)."""
-    max_leases_per_tenant: int = 0
-    """Live leases per tenant (0 = unbounded)."""
-    max_lease_ttl: float = 3600.0
-    """Longest TTL a lease may ask for, in seconds."""
-    max_namespaces: int = 64
-    """Namespaces one node holds."""
-    write_quarantine: float = WRITE_QUARANTINE
-    """Seconds the slots of an expired lease's unfinished writes stay unused (0 = none)."""
-    max_tenant_counters: int = 0
-    """Tenants with their own lookup counters per namespace; the rest share one (0 = no bound)."""
+from kvstore.types import BlockHash, LeaseId, NamespaceId, SlotId, TenantId
 
 
 @dataclass(frozen=True, slots=True)
@@ -469,6 +439,12 @@ class Store:
     def evict(self, namespace: NamespaceId, n: int, now: float) -> int:
         """Evict up to ``n`` evictable blocks of a namespace."""
         return self.table(namespace).evict(n, now)
+
+    def drop_corrupt(
+        self, namespace: NamespaceId, tenant: TenantId, block_hash: BlockHash, now: float
+    ) -> bool:
+        """Remove a block whose bytes failed their checksum (see `BlockTable.drop_corrupt`)."""
+        return self.table(namespace).drop_corrupt(tenant, block_hash, now)
 
     def clear(self, namespace: NamespaceId, now: float) -> ClearReport:
         """Remove every unpinned READY block of a namespace."""

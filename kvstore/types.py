@@ -30,7 +30,7 @@ HASH_BYTES = 32
 """Length of every `BlockHash`."""
 
 MAX_CHAIN_BLOCKS = 16384
-"""Longest chain one call may name, by default: `kvstore.store.StoreLimits` and the
+"""Longest chain one call may name, by default: `kvstore.limits.StoreLimits` and the
 node's ``max_chain_blocks`` setting (the operator's knob) both start from it."""
 
 SHARED_SCOPE = TenantId("")

@@ -18,17 +18,17 @@ from typing import TypeVar
 import kvstore
 from kvstore.api.wire import EVENT_TIER_DISK, EVENT_TIER_MEMORY
 from kvstore.block_table import BlockTable
-from kvstore.errors import PermissionDenied, UnknownNamespace
+from kvstore.errors import UnknownNamespace
 from kvstore.events import CacheEvent
 from kvstore.layout import NamespaceSpec
+from kvstore.limits import StoreLimits
 from kvstore.ops.plural import plural
 from kvstore.pool.base import BlockPool
 from kvstore.results import ExpiryReport, LookupResult, NamespaceStats
-from kvstore.store import DropReport, Store, StoreLimits, StoreStats
-from kvstore.types import SHARED_SCOPE, BlockHash, LeaseId, NamespaceId, TenantId
+from kvstore.store import DropReport, Store, StoreStats
+from kvstore.types import BlockHash, LeaseId, NamespaceId, TenantId
 from kvstore.v1 import kvstore_pb2 as pb
 from service.api import translate
-from service.api.decode import Context
 from service.cluster.agent import RedisAgent
 from service.cluster.lookup import LookupCall, lookup
 from service.cluster.nixl_transport import NixlTransport
@@ -42,8 +42,8 @@ from service.memory.budget import PoolManager
 from service.memory.policy import NamespaceMemory
 from service.ops.metrics import Metrics
 from service.ops.watch_hub import WatchHub
-from service.tenancy import auth
-from service.tenancy.callers import Caller, ChainRoots, TenantResolver
+from service.tenancy.access import TenantAccess
+from service.tenancy.callers import ChainRoots, TenantResolver
 from service.tenancy.tenants import TenantDirectory, TenantsFileError
 from service.vllm_events.engine_index import ChainStart, EngineIndex
 from service.vllm_events.metrics import EventsCollector
@@ -57,7 +57,7 @@ Clock = Callable[[], float]
 """Monotonic seconds; injectable so tests can move time."""
 
 
-class Node:
+class Node(TenantAccess):
     """Store + pools + tenancy + events + metrics of one cache node."""
 
     def __init__(
@@ -149,46 +149,6 @@ class Node:
     def to_unix(self, t: float) -> float:
         """Unix seconds of a store time."""
         return self.wall() - (self.clock() - t)
-
-    def caller(self, context: Context) -> Caller:
-        """Who is calling (`TenantResolver.caller`): tenant, admin, policy."""
-        return self.tenants.caller(context.invocation_metadata())
-
-    def tenant(self, context: Context) -> TenantId:
-        """The calling tenant, for cache operations (the admin is no tenant)."""
-        caller = self.caller(context)
-        if caller.admin:
-            raise PermissionDenied(
-                "the admin token names no tenant: use a tenant's token for cache operations"
-            )
-        return caller.tenant
-
-    def require_admin(self, context: Context) -> None:
-        """Raise unless the caller may use the admin verbs (`service.tenancy.auth`)."""
-        if not self.tenants.auth_on:
-            self.tenant(context)  # a malformed tenant header is still INVALID_ARGUMENT
-        auth.require_admin(context, self.config.admin_token, loopback_ok=not self.tenants.auth_on)
-
-    def check_model(self, tenant: TenantId, model_id: str) -> None:
-        """Raise `PermissionDenied` unless ``tenant`` may use ``model_id``'s namespace."""
-        if self.directory is None:
-            return
-        policy = self.directory.policy(tenant)
-        if policy is None or not policy.may_use(model_id):
-            raise PermissionDenied(
-                f"tenant {tenant!r} may not use model {model_id!r} "
-                "(its namespaces in the tenants file)"
-            )
-
-    def quota_of(self, scope: TenantId) -> int:
-        """Resident blocks a scope may hold per namespace (shared scopes: no quota)."""
-        if self.directory is None or scope == SHARED_SCOPE:
-            return 0
-        return self.directory.max_blocks(scope)
-
-    def is_shared(self, model_id: str) -> bool:
-        """Whether the operator made this model's blocks shared between tenants."""
-        return model_id in self.config.shared_namespaces
 
     def stats_response(
         self, visible: Callable[[NamespaceStats], NamespaceStats | None] | None = None
@@ -350,6 +310,36 @@ class Node:
             tier,
             holder,
         )
+
+    def drop_corrupt(
+        self, namespace: NamespaceId, tenant: TenantId, hashes: Sequence[BlockHash]
+    ) -> int:
+        """Drop the blocks a runner found corrupt whose slots, checked here, fail too.
+
+        A runner that checked its copy of a hit (`Hit.check_bytes`) reports the
+        blocks that failed with its release (``ReleaseRequest.packed_corrupt``);
+        without this every later load would recompute them. The node believes
+        no one: it hashes each slot itself (a false report drops nothing), counts
+        a failure in ``kvstore_checksum_failures_total{tier="local"}`` and drops
+        the block unless a pin still holds it (its reader reports it in turn).
+        Blocks without a checksum (a CUDA pool's) are never dropped.
+
+        Returns:
+            Blocks dropped.
+        """
+        table = self.store.table(namespace)
+        pool = self.pool(namespace)
+        scope = table.scope_of(tenant)
+        dropped = 0
+        for block_hash in dict.fromkeys(hashes):
+            ref = table.ready_ref(scope, block_hash)
+            if ref is None or not ref.checksum or pool.checksum(ref.slot) == ref.checksum:
+                continue
+            self.checksum_failed(namespace, "local", block_hash, self.node_id)
+            dropped += self.store.drop_corrupt(namespace, tenant, block_hash, self.now())
+        if dropped:
+            self.publish_events()
+        return dropped
 
     async def drop(self, namespace: NamespaceId, force: bool) -> tuple[DropReport, int]:
         """Drop a namespace (`Store.drop_namespace`) and give its pool back to the budget.

@@ -10,6 +10,7 @@ import hashlib
 from kvstore.v1 import kvstore_pb2 as pb
 from tests.inproc import LAYOUT
 from tests.replies import entries_of
+from tests.stand_ins import stand_in_checksums
 
 ALICE_TOKEN = "alice-token-0123456789"
 BOB_TOKEN = "bob-token-0123456789abc"
@@ -59,7 +60,12 @@ async def store(stub, token: str, ns: str, lease: int, tokens: list[int]) -> lis
     hashes = [e.hash for e in entries_of(resp) if e.status == pb.RESERVE_STATUS_RESERVED]
     if hashes:
         await stub.Commit(
-            pb.CommitRequest(namespace_id=ns, lease_id=lease, packed_hashes=b"".join(hashes)),
+            pb.CommitRequest(
+                namespace_id=ns,
+                lease_id=lease,
+                packed_hashes=b"".join(hashes),
+                packed_checksums=stand_in_checksums(b"".join(hashes)),
+            ),
             metadata=bearer(token),
             timeout=5,
         )

@@ -18,7 +18,8 @@ from kvstore.client.errors import (
     error_from_rpc,
     error_from_status,
 )
-from kvstore.client.handles import BlockLocation, Hit, Namespace, StoreResult, Verification
+from kvstore.client.handles import Namespace, StoreResult
+from kvstore.client.hit import BlockLocation, Hit, Verification
 from kvstore.client.lease_keeper import LeaseGrant, LeaseKeeper
 from kvstore.client.query import PrefixAnswer, PrefixHolder
 from kvstore.client.retry import Backoff, RetryPolicy

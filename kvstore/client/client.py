@@ -33,17 +33,18 @@ from __future__ import annotations
 
 import asyncio
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from types import TracebackType
-from typing import Any
 
 from kvstore.client import methods
 from kvstore.client.background import quietly
 from kvstore.client.blocks import BlockSupplier
 from kvstore.client.errors import PoolEpochChanged
-from kvstore.client.handles import Hit, Namespace, StoreResult
+from kvstore.client.handles import Namespace, StoreResult
+from kvstore.client.hit import Hit
 from kvstore.client.lease_keeper import LeaseKeeper
 from kvstore.client.query import PrefixQueries
+from kvstore.client.release_after_reads import ReleaseAfterReads
 from kvstore.client.releases import Releases, new_release_id
 from kvstore.client.replies import hit_from_proto, request_fields
 from kvstore.client.retry import RetryPolicy
@@ -60,7 +61,7 @@ from kvstore.v1 import kvstore_pb2 as pb
 __all__ = ["Client"]
 
 
-class Client(PrefixQueries):
+class Client(PrefixQueries, ReleaseAfterReads):
     """Async gRPC client of one cache node; owns its channel, lease and mappings."""
 
     def __init__(
@@ -335,102 +336,17 @@ class Client(PrefixQueries):
         release_id: int,
         call: asyncio.Future[pb.LookupResponse],
     ) -> None:
+        """A pinned Lookup whose caller was cancelled: once the node answers, release
+        what it pinned, through the one release route (`Releases.submit`: retried
+        and sent again under the lookup's id until the node answers it)."""
         try:
             resp = await call
         except KVStoreError:
             return
-        hashes = resp.hit_hashes
-        if resp.pinned and hashes:
+        if resp.pinned and resp.hit_hashes:
             # Under the lease that pinned them: if it was replaced meanwhile,
             # the new lease's pins of the same blocks are not ours to drop.
-            req = pb.ReleaseRequest(namespace_id=ns.id, lease_id=lease_id, packed_hashes=hashes)
-            if release_id:
-                req.release_ids.append(release_id)  # exactly the pins that lookup took
-            await quietly("release", self._rpc.call(methods.RELEASE, req, None, idempotent=False))
-
-    async def release(
-        self,
-        hit: Hit,
-        *,
-        streams: Sequence[Any] | None = None,
-        timeout: float | None = None,
-    ) -> int:
-        """Drop the pins of a hit once the GPU has finished reading it.
-
-        A released slot may be evicted and rewritten by another runner at
-        once, and kernels reading a CUDA pool's views run after the call that
-        queued them returns. So for a CUDA pool, ``Release`` is sent only
-        after the reads queued so far are complete: an event is recorded on
-        each stream the caller read on, and waited for (in a worker thread,
-        the event loop stays free). Host pools wait for nothing.
-
-        Releases that come while another of the same lease is in flight are
-        sent together, as one call, when it returns (`kvstore.client.releases`).
-
-        Args:
-            hit: a hit of `lookup`. Once the node answered, a second release
-                (or one of an unpinned hit) sends nothing; after a failure or a
-                timeout, a second one sends the hit's release again under the
-                same id, which the node applies once.
-            streams: the ``torch.cuda.Stream`` objects the hit's views were read on,
-                or ``torch.cuda.Event`` objects recorded after the reads. None (the
-                default): the calling thread's current streams on the pool's
-                GPU and the runner's GPU (the whole GPUs when torch has not
-                initialised CUDA). ``()``: nothing to wait for.
-            timeout: how long to wait for the node's answer; the release goes
-                on in the background after it (`DeadlineExceeded`), as it does
-                when the caller is cancelled.
-
-        Returns:
-            Pins the node released.
-        """
-        if not hit.pinned or not hit.hit_blocks:
-            hit.release.settle()  # nothing to release; no views either
-            return 0
-        if hit.release.answered:
-            return 0  # the node dropped this hit's pins already
-        hit.release.begin()  # no new views from here on, whatever happens next
-        if hit.lease_generation != self._lease.generation:
-            hit.release.settle()
-            return 0  # that lease is gone, and its pins with it
-        reads_done = hit.mapping.read_fence(streams) if hit.mapping is not None else None
-        if reads_done is not None:
-            try:
-                await asyncio.to_thread(reads_done)
-            except asyncio.CancelledError:
-                # Not sent yet: the background waits for the reads, then sends it.
-                self._background.spawn(self._release_after(hit, reads_done))
-                raise
-        # Once handed over, the release goes out even if this caller is cancelled;
-        # after a failure or a timeout, calling release again is safe (same id).
-        return await self._send_release(hit, timeout)
-
-    async def _release_after(self, hit: Hit, reads_done: Callable[[], None]) -> None:
-        """A release whose caller was cancelled while the GPU reads ran: finish it."""
-        await asyncio.to_thread(reads_done)
-        await quietly("release", self._send_release(hit))
-
-    async def _send_release(
-        self,
-        hit: Hit,
-        timeout: float | None = None,
-    ) -> int:
-        if hit.lease_id is None:  # the pins' lease, never a replacement's
-            return 0
-        if not hit.release_id:
-            # Not from `lookup` (no id names its pins): one pin per block, by
-            # hash, never retried (a retry could drop another hit's pins).
-            req = pb.ReleaseRequest(
-                namespace_id=hit.namespace.id, lease_id=hit.lease_id, packed_hashes=hit.hit_hashes
-            )
-            resp = await self._rpc.call(methods.RELEASE, req, timeout, idempotent=False)
-            hit.release.settle()
-            return int(resp.released)
-        count = await self._releases.release(
-            hit.namespace.id, hit.lease_id, hit.hit_hashes, hit.release_id, timeout
-        )
-        hit.release.settle()
-        return count
+            self._releases.submit(ns.id, lease_id, resp.hit_hashes, release_id)
 
     # --- writes and data ----------------------------------------------------------------
 

@@ -53,18 +53,24 @@ class PoolEpochChanged(FailedPrecondition):
 
 
 class BlocksMoved(FailedPrecondition):
-    """A load copied blocks whose slot stamps moved: those bytes must not be used.
+    """A load copied blocks whose slot stamps moved, or whose bytes failed their
+    writer's checksum: those bytes must not be used.
 
     Raised by `Hit.copy_into` after its copy (`Hit.verify` says the same as a
     value). The blocks before ``intact`` were proven; recompute from there.
     """
 
-    def __init__(self, message: str, intact: int, moved: tuple[int, ...]) -> None:
+    def __init__(
+        self, message: str, intact: int, moved: tuple[int, ...], corrupt: tuple[int, ...] = ()
+    ) -> None:
         super().__init__(message)
         self.intact = intact
         """Leading blocks whose copied bytes are proven (usable)."""
         self.moved = moved
         """Indices of the blocks whose stamp moved."""
+        self.corrupt = corrupt
+        """Indices of the blocks whose copy did not have their writer's checksum: report
+        them with the release (``Client.release(hit, corrupt=...)``)."""
 
 
 class Unauthenticated(PermissionDenied):

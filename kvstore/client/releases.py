@@ -15,6 +15,10 @@ A queued release waits at most for the calls in flight of its lane. Each caller 
 waits for the node's answer for its own hit and gets its own count
 (``run_released``); a failed call fails every caller in it.
 
+This module is the SDK's one route for a release: `Client.release`, a
+release whose caller was cancelled, and a pinned Lookup cancelled in flight
+(released here once the node answers it) all go through `Releases.submit`.
+
 Pins are dropped exactly once per hit, whatever happens to the caller:
 
 * Every call is a background task (`Background`), so a caller that is
@@ -79,6 +83,8 @@ class _Waiting:
     packed: bytes
     release_id: int
     done: asyncio.Future[int]
+    corrupt: bytes = b""
+    """Hashes of this hit's blocks whose bytes failed their checksum (``packed_corrupt``)."""
     resent: bool = False
     """A re-send (`Releases._resend`): its failure is that loop's to handle."""
 
@@ -118,22 +124,24 @@ class Releases:
         """Hits' releases sent inside a Lookup, less those sent again after it (for tests)."""
 
     def submit(
-        self, namespace_id: str, lease_id: int, packed: bytes, release_id: int
+        self, namespace_id: str, lease_id: int, packed: bytes, release_id: int, corrupt: bytes = b""
     ) -> asyncio.Future[int]:
         """Hand one hit's release (its hashes, packed; its id) over; the pins it dropped.
 
         Sent at once when no call of its lane is in flight (no Release, no
         pinned Lookup), else queued. The release goes out whatever happens
         to the returned future (cancelling it only stops the waiting); the
-        future's result is the node's count.
+        future's result is the node's count. ``corrupt``: the hashes of this
+        hit's blocks whose bytes failed their checksum, which the node checks
+        and drops (``ReleaseRequest.packed_corrupt``).
         """
-        return self._enqueue((namespace_id, lease_id), packed, release_id, resent=False)
+        return self._enqueue((namespace_id, lease_id), packed, release_id, corrupt, resent=False)
 
     def _enqueue(
-        self, key: _Key, packed: bytes, release_id: int, *, resent: bool
+        self, key: _Key, packed: bytes, release_id: int, corrupt: bytes, *, resent: bool
     ) -> asyncio.Future[int]:
         loop = asyncio.get_running_loop()
-        waiting = _Waiting(packed, release_id, loop.create_future(), resent)
+        waiting = _Waiting(packed, release_id, loop.create_future(), corrupt, resent)
         waiting.done.add_done_callback(_retrieve)  # a caller may have stopped waiting
         lane = self._lanes.get(key)
         if lane is None:
@@ -150,6 +158,7 @@ class Releases:
         packed: bytes,
         release_id: int,
         timeout: float | None,
+        corrupt: bytes = b"",
     ) -> int:
         """Release one hit's pins and wait (at most ``timeout``) for the node's count.
 
@@ -157,7 +166,7 @@ class Releases:
             DeadlineExceeded: no answer in time; the release is still on its
                 way (a repeat with the same id is safe).
         """
-        done = self.submit(namespace_id, lease_id, packed, release_id)
+        done = self.submit(namespace_id, lease_id, packed, release_id, corrupt)
         try:
             return await asyncio.wait_for(asyncio.shield(done), timeout or self._rpc.timeout)
         except TimeoutError:
@@ -184,6 +193,7 @@ class Releases:
         batch = _take(lane.queued)
         req.release.packed_hashes = b"".join(w.packed for w in batch)
         req.release.release_ids.extend(w.release_id for w in batch)
+        req.release.packed_corrupt = b"".join(w.corrupt for w in batch)
         if len(batch) > 1:
             req.release.runs.extend(len(w.packed) // HASH_BYTES for w in batch)
         self.carried += len(batch)
@@ -241,6 +251,7 @@ class Releases:
                 lease_id=key[1],
                 packed_hashes=b"".join(w.packed for w in batch),
                 release_ids=[w.release_id for w in batch],
+                packed_corrupt=b"".join(w.corrupt for w in batch),
             )
             if len(batch) > 1:
                 req.runs.extend(len(w.packed) // HASH_BYTES for w in batch)
@@ -277,16 +288,17 @@ class Releases:
             self._next(key, lane)
 
     def _spawn_resend(self, key: _Key, batch: list[_Waiting]) -> None:
-        task = asyncio.ensure_future(self._resend(key, [(w.packed, w.release_id) for w in batch]))
+        releases = [(w.packed, w.release_id, w.corrupt) for w in batch]
+        task = asyncio.ensure_future(self._resend(key, releases))
         self._resends.add(task)
         task.add_done_callback(self._resends.discard)
 
-    async def _resend(self, key: _Key, releases: list[tuple[bytes, int]]) -> None:
+    async def _resend(self, key: _Key, releases: list[tuple[bytes, int, bytes]]) -> None:
         """Send releases again, after `RESEND_BACKOFF`, until the node answers each of them
         (the same ids: a release it had applied drops nothing more) or refuses it."""
         for failures in itertools.count(1):
             await asyncio.sleep(RESEND_BACKOFF.compute(failures))
-            sent = [self._enqueue(key, packed, rid, resent=True) for packed, rid in releases]
+            sent = [self._enqueue(key, *release, resent=True) for release in releases]
             outcomes = await asyncio.gather(*sent, return_exceptions=True)
             unanswered = []
             for release, outcome in zip(releases, outcomes, strict=True):

@@ -12,7 +12,8 @@ from typing import Literal, TypedDict, overload
 
 from kvstore.api import wire
 from kvstore.api.wire import pack_hashes, unpack_hashes
-from kvstore.client.handles import Hit, Namespace
+from kvstore.client.handles import Namespace
+from kvstore.client.hit import Hit
 from kvstore.errors import InvalidArgument
 from kvstore.hashing import Extra, Tokens
 from kvstore.pool import ArenaSpec, PoolDescriptor

@@ -29,7 +29,8 @@ from typing import Any
 
 from kvstore.client.blocks import BlockSupplier
 from kvstore.client.client import Client
-from kvstore.client.handles import Hit, Namespace, StoreResult
+from kvstore.client.handles import Namespace, StoreResult
+from kvstore.client.hit import Hit
 from kvstore.errors import FailedPrecondition, InvalidArgument
 from kvstore.hashing import Extra, HashScheme, Tokens
 from kvstore.layout import KVLayout
@@ -215,10 +216,16 @@ class ShardedClient:
         )
 
     async def release(
-        self, hit: Hit, *, streams: Sequence[Any] | None = None, timeout: float | None = None
+        self,
+        hit: Hit,
+        *,
+        streams: Sequence[Any] | None = None,
+        timeout: float | None = None,
+        corrupt: Sequence[int] = (),
     ) -> int:
         """`Client.release` through the node that pinned the hit."""
-        return await self._owner(hit).release(hit, streams=streams, timeout=timeout)
+        owner = self._owner(hit)
+        return await owner.release(hit, streams=streams, timeout=timeout, corrupt=corrupt)
 
     async def read_blocks(self, hit: Hit, *, timeout: float | None = None) -> list[bytes]:
         """`Client.read_blocks` from the node that pinned the hit."""

@@ -25,7 +25,8 @@ from typing import Any, TypeVar
 
 from kvstore.client.blocks import BlockSupplier
 from kvstore.client.client import Client
-from kvstore.client.handles import Hit, Namespace, StoreResult
+from kvstore.client.handles import Namespace, StoreResult
+from kvstore.client.hit import Hit
 from kvstore.client.query import PrefixAnswer
 from kvstore.hashing import Extra, HashScheme, Tokens
 from kvstore.layout import KVLayout
@@ -156,7 +157,12 @@ class SyncClient:
         self._run(self._client.follow_epoch(ns, epoch, timeout=timeout))
 
     def release(
-        self, hit: Hit, *, streams: Sequence[Any] | None = None, timeout: float | None = None
+        self,
+        hit: Hit,
+        *,
+        streams: Sequence[Any] | None = None,
+        timeout: float | None = None,
+        corrupt: Sequence[int] = (),
     ) -> int:
         """See `Client.release`: the GPU reads are waited for first, here in the calling thread.
 
@@ -168,7 +174,7 @@ class SyncClient:
             reads_done = hit.mapping.read_fence(streams)
             if reads_done is not None:
                 reads_done()
-        return self._run(self._client.release(hit, streams=(), timeout=timeout))
+        return self._run(self._client.release(hit, streams=(), timeout=timeout, corrupt=corrupt))
 
     def read_blocks(self, hit: Hit, *, timeout: float | None = None) -> list[bytes]:
         """See `Client.read_blocks`."""

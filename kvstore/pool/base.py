@@ -94,6 +94,13 @@ class PoolDescriptor:
     pool or gives one back (it only grows within an epoch). A Lookup or Reserve answer
     with another version means: attach again, then `PoolMapping.refresh`."""
 
+    @property
+    def checksummed(self) -> bool:
+        """Every block in this pool carries its writer's checksum (`kvstore.checksum`):
+        true of host pools, whose writers hash what they copy; a CUDA pool's writers
+        send none (no device kernel for it yet, docs/cuda.md)."""
+        return self.kind == "host"
+
     def __post_init__(self) -> None:
         if self.kind not in POOL_KINDS:
             raise InvalidArgument(f"pool kind {self.kind!r} is not one of {POOL_KINDS}")

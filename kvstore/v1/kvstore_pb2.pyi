@@ -896,10 +896,20 @@ class ReleaseRequest(_message.Message):
     PACKED_HASHES_FIELD_NUMBER: _builtins.int
     RUNS_FIELD_NUMBER: _builtins.int
     RELEASE_IDS_FIELD_NUMBER: _builtins.int
+    PACKED_CORRUPT_FIELD_NUMBER: _builtins.int
     namespace_id: _builtins.str
     lease_id: _builtins.int
     packed_hashes: _builtins.bytes
     """the blocks' hashes, concatenated (32 bytes each)"""
+    packed_corrupt: _builtins.bytes
+    """Hashes (32 bytes each) of released blocks whose bytes did not have their
+    writer's checksum when the runner checked its copy (Hit.check_bytes). After
+    the runs are released the node checks each one's slot itself, and drops a
+    block whose bytes fail and that nothing pins any more (counted in
+    kvstore_checksum_failures_total{tier="local"}); one that holds its bytes,
+    or that another hit still pins, stays (that reader reports it in turn).
+    At most max_chain_blocks. Empty: nothing to report.
+    """
     @_builtins.property
     def runs(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """Several hits' releases in one call: the hashes are runs back to back, run i
@@ -929,10 +939,11 @@ class ReleaseRequest(_message.Message):
         packed_hashes: _builtins.bytes = ...,
         runs: _abc.Iterable[_builtins.int] | None = ...,
         release_ids: _abc.Iterable[_builtins.int] | None = ...,
+        packed_corrupt: _builtins.bytes = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["lease_id", b"lease_id", "namespace_id", b"namespace_id", "packed_hashes", b"packed_hashes", "release_ids", b"release_ids", "runs", b"runs"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["lease_id", b"lease_id", "namespace_id", b"namespace_id", "packed_corrupt", b"packed_corrupt", "packed_hashes", b"packed_hashes", "release_ids", b"release_ids", "runs", b"runs"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -944,8 +955,11 @@ class ReleaseResponse(_message.Message):
 
     RELEASED_FIELD_NUMBER: _builtins.int
     RUN_RELEASED_FIELD_NUMBER: _builtins.int
+    DROPPED_CORRUPT_FIELD_NUMBER: _builtins.int
     released: _builtins.int
     """pins released, all runs together"""
+    dropped_corrupt: _builtins.int
+    """blocks of packed_corrupt the node dropped"""
     @_builtins.property
     def run_released(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """per run, when runs were sent"""
@@ -955,10 +969,11 @@ class ReleaseResponse(_message.Message):
         *,
         released: _builtins.int = ...,
         run_released: _abc.Iterable[_builtins.int] | None = ...,
+        dropped_corrupt: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["released", b"released", "run_released", b"run_released"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["dropped_corrupt", b"dropped_corrupt", "released", b"released", "run_released", b"run_released"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -63,7 +63,13 @@ class BlockRpcs(ServicerBase):
         released = None
         if carried is not None:  # applied right before the lookup: no await between
             released = releases.apply(
-                node.store, namespace, tenant, LeaseId(request.lease_id), carried, node.now()
+                node.store,
+                namespace,
+                tenant,
+                LeaseId(request.lease_id),
+                carried,
+                node.now(),
+                node.drop_corrupt,
             )
             node.publish_events()
         result = await node.lookup(
@@ -164,9 +170,8 @@ class BlockRpcs(ServicerBase):
         """Make written blocks READY."""
         node = self.node
         named = self._named_blocks(request, context, node.config.max_chain_blocks)
-        checksums = None
-        if request.packed_checksums:
-            checksums = validate.checksums(request.packed_checksums, len(named[3]))
+        required = node.pool(named[0]).descriptor.checksummed
+        checksums = validate.checksums(request.packed_checksums, len(named[3]), required)
         return pb.CommitResponse(committed=node.commit(*named, checksums=checksums))
 
     @guard_unary("Abort")
@@ -188,6 +193,8 @@ class BlockRpcs(ServicerBase):
         namespace = self.namespace(request.namespace_id, tenant)
         lease_id = validate.lease_id(request.lease_id)
         checked = releases.plan(request, node.config.max_chain_blocks)
-        reply = releases.apply(node.store, namespace, tenant, lease_id, checked, node.now())
+        reply = releases.apply(
+            node.store, namespace, tenant, lease_id, checked, node.now(), node.drop_corrupt
+        )
         node.publish_events()
         return reply

@@ -93,6 +93,21 @@ def named_hashes(request: HashesRequest, max_blocks: int) -> list[BlockHash]:
     return hashes
 
 
+def corrupt_hashes(request: pb.ReleaseRequest, max_blocks: int) -> list[BlockHash]:
+    """A Release's ``packed_corrupt`` (32 bytes each, at most ``max_blocks``; may be empty).
+
+    Raises:
+        FieldError: a length that is not a multiple of 32, over ``max_blocks`` hashes.
+    """
+    packed = request.packed_corrupt
+    if len(packed) // HASH_BYTES > max_blocks:
+        raise FieldError(
+            "packed_corrupt",
+            f"names {len(packed) // HASH_BYTES} blocks, at most {max_blocks} (max_chain_blocks)",
+        )
+    return unpacked(wire.unpack_hashes, packed, "packed_corrupt")
+
+
 def hashed_from(
     query_tokens: int, chain: Sequence[bytes], from_tokens: bool, block_size: int
 ) -> int:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Sequence
 
-from kvstore import checksum
+from kvstore.checksum import NOT_COMPUTED, block_checksum
 from kvstore.results import BlockRef
 from kvstore.types import BlockHash, LeaseId, SlotId
 from kvstore.v1 import kvstore_pb2 as pb
@@ -89,14 +89,17 @@ class DataRpcs(ServicerBase):
                     "block",
                     f"at most {node.config.max_chain_blocks} blocks a call (max_chain_blocks)",
                 )
-            if not checksum.matches(item.data, item.checksum):
+            # The checksum of the bytes as received (the source, never the slot
+            # after the write): kept even when the writer sent none.
+            received = block_checksum(item.data)
+            if item.checksum not in (NOT_COMPUTED, received):
                 raise FieldError(
                     "block.checksum",
                     f"block {hash_.hex()[:16]}'s data does not have the checksum sent with it",
                 )
             slot = node.store.writing_slot(namespace, tenant, lease_id, hash_, node.now())
             pool.write(slot, item.data)
-            written[hash_] = item.checksum
+            written[hash_] = received
         committed = 0
         if header.commit and written:
             committed = node.commit(

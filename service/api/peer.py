@@ -78,7 +78,7 @@ async def peek_with_disk(
     promoter = node.promoter
     if promoter is None or result.miss_reason is not MissReason.ABSENT:
         return result
-    if not await promoter.promote(namespace, tenant, chain, result.hit_blocks):
+    if not (await promoter.promote(namespace, tenant, chain, result.hit_blocks)).look_again:
         return result
     return node.store.lookup(namespace, tenant, chain, node.now(), peek=True)
 

@@ -3,11 +3,14 @@
 Shared by the ``Release`` RPC and the releases a pinned ``Lookup`` carries
 (``LookupRequest.release``): both check every bound before any pin is
 dropped (a bad request applies nothing), then release each run as one
-`Store.release`, under its release id when the client sent ids.
+`Store.release`, under its release id when the client sent ids; then the
+blocks the runner found corrupt (``packed_corrupt``) go to
+`Node.drop_corrupt`, which checks them itself.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvstore.store import Store
@@ -24,6 +27,8 @@ class ReleasePlan:
     hashes: list[BlockHash]
     runs: list[int] | None
     ids: list[int]
+    corrupt: list[BlockHash]
+    """Blocks whose bytes the runner found not to have their checksum."""
 
 
 def plan(request: pb.ReleaseRequest, max_blocks: int) -> ReleasePlan:
@@ -36,7 +41,8 @@ def plan(request: pb.ReleaseRequest, max_blocks: int) -> ReleasePlan:
     runs = chains.release_runs(request, max_blocks) if request.runs else None
     ids = chains.release_ids(request, len(runs) if runs is not None else 1)
     limit = max_blocks * len(runs) if runs is not None else max_blocks
-    return ReleasePlan(chains.named_hashes(request, limit), runs, ids)
+    corrupt = chains.corrupt_hashes(request, max_blocks)
+    return ReleasePlan(chains.named_hashes(request, limit), runs, ids, corrupt)
 
 
 def carried(request: pb.LookupRequest, max_blocks: int) -> ReleasePlan | None:
@@ -71,8 +77,10 @@ def apply(
     lease_id: LeaseId,
     checked: ReleasePlan,
     now: float,
+    drop_corrupt: Callable[[NamespaceId, TenantId, list[BlockHash]], int],
 ) -> pb.ReleaseResponse:
-    """Release each run of a checked plan; the answer a ``Release`` of it gets."""
+    """Release each run of a checked plan, then hand its corrupt blocks to
+    ``drop_corrupt`` (`Node.drop_corrupt`); the answer a ``Release`` of it gets."""
     counts = []
     start = 0
     ids = checked.ids
@@ -88,6 +96,7 @@ def apply(
             )
         )
         start += n
+    dropped = drop_corrupt(namespace, tenant, checked.corrupt) if checked.corrupt else 0
     if checked.runs is None:
-        return pb.ReleaseResponse(released=counts[0])
-    return pb.ReleaseResponse(released=sum(counts), run_released=counts)
+        return pb.ReleaseResponse(released=counts[0], dropped_corrupt=dropped)
+    return pb.ReleaseResponse(released=sum(counts), run_released=counts, dropped_corrupt=dropped)

@@ -51,12 +51,27 @@ def block_hash(value: bytes, field: str) -> BlockHash:
     return BlockHash(value)
 
 
-def checksums(packed: bytes, count: int, field: str = "packed_checksums") -> array[int]:
-    """Per-block checksums packed as little-endian uint64, one per named hash (or none)."""
+def checksums(
+    packed: bytes, count: int, required: bool, field: str = "packed_checksums"
+) -> array[int]:
+    """Per-block checksums packed as little-endian uint64, one per named hash (or none).
+
+    ``required`` (a host pool, `PoolDescriptor.checksummed`): every block needs
+    one, never `checksum.NOT_COMPUTED`. A writer that could leave it out would
+    turn every reader's check off for its blocks (issue 40, item 3).
+    """
     try:
-        return checksum.unpack_checksums(packed, count)
+        values = checksum.unpack_checksums(packed, count)
     except InvalidArgument as exc:
         raise FieldError(field, str(exc).removeprefix(f"{field} ")) from None
+    missing = checksum.first_missing(values) if required else None
+    if missing is not None:
+        raise FieldError(
+            field,
+            f"block {missing} has no checksum: a host pool's writer sends the xxh3-64 of "
+            "every block it wrote (kvstore.checksum), none 0",
+        )
+    return values
 
 
 def block_hashes(

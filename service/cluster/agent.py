@@ -3,9 +3,10 @@
 One background task owns every write to Redis, so ordering is simple:
 
     loop:
-        if the directory needs a resync: wipe this node's entries, rewrite
-            them from a store snapshot, heartbeat at once
-        every heartbeat_seconds: registry heartbeat + per-namespace liveness
+        if the directory needs a resync: heartbeat, then wipe this node's
+            entries and rewrite them from a store snapshot
+        every heartbeat_seconds: registry heartbeat + per-namespace liveness;
+            this node missing from the registry: resync
         flush: queued directory changes and events, one pipeline
         Redis error: count the node as disconnected, mark for resync, wait
             backoff.compute(failures) (redis-py's backoff), try again
@@ -17,8 +18,13 @@ ever waits on Redis. While Redis is away,
 directory changes are buffered up to `directory_queue_blocks`, then dropped
 (a resync rewrites them anyway), and events are buffered up to the same bound
 (oldest dropped, counted). A resync happens at start, after every failed
-Redis command, and after an overflow: the node's whole entry is rebuilt from
-its store, so a restarted or cleared node never leaves stale entries.
+Redis command, after an overflow, and when a heartbeat finds this node's
+registry entry gone although no command failed (Redis restarted empty within
+redis-py's silent reconnect, or flushed; or this node stalled past its TTL):
+the node's whole entry is rebuilt from its store, so a restarted or cleared
+node never leaves stale entries, and a Redis that lost them gets them back
+within one heartbeat. Each resync beats first, so a loss after that beat is
+seen by the next one.
 
 Reads (`locate`, `live_nodes`) fail fast to "nothing known" while Redis is
 away: a lookup with ``allow_remote`` is then answered from the local cache.
@@ -195,11 +201,17 @@ class RedisAgent:
                     and (self.engines.queue.needs_resync)
                 )
                 if self.queue.needs_resync or engines_lost:
-                    await self._resync()
-                    next_beat = 0.0
-                if loop.time() >= next_beat:
+                    # Registry first: whatever Redis loses after this beat, the
+                    # next one finds this node gone and resyncs again (below).
                     await self._heartbeat()
+                    await self._resync()
                     next_beat = loop.time() + config.heartbeat_seconds
+                elif loop.time() >= next_beat:
+                    if await self._heartbeat():
+                        self._lost_entry()
+                        next_beat = 0.0  # the resync's own beat comes at once
+                    else:
+                        next_beat = loop.time() + config.heartbeat_seconds
                 await self._beat_new_namespaces()
                 await self._flush()
             except REDIS_ERRORS as exc:
@@ -266,6 +278,20 @@ class RedisAgent:
             plural(len(snapshot), "namespace"),
         )
 
+    def _lost_entry(self) -> None:
+        """A heartbeat found this node's registry entry gone, with no command failing:
+        Redis restarted empty within redis-py's silent reconnect (or was flushed), or
+        this node stalled past ``node_ttl_seconds``. Its directory entry went the
+        same way: rebuild it (issue 40, item 4)."""
+        log.warning(
+            "node %s was missing from the registry (Redis restarted empty or flushed, "
+            "or this node stalled past its TTL): resyncing its directory entry",
+            self.node.node_id,
+        )
+        self.queue.clear()
+        self.queue.needs_resync = True
+        self._engines_lost()
+
     def _engines_lost(self) -> None:
         """Changes to engine sets may be lost: drop the queue, rewrite them at the resync."""
         if self.engines is not None and self.engines.queue is not None:
@@ -292,7 +318,8 @@ class RedisAgent:
             snapshot[table.namespace] = members
         return snapshot
 
-    async def _heartbeat(self) -> None:
+    async def _heartbeat(self) -> bool:
+        """Beat in the registry and in each namespace; whether this node (re)joined now."""
         node = self.node
         stats = node.store.stats()
         used = sum((ns.ready + ns.writing) * ns.block_bytes for ns in stats.namespaces)
@@ -317,6 +344,7 @@ class RedisAgent:
             pipe = self.client.pipeline(transaction=False)
             self.engine_sets.refresh(pipe, self.engines.live_sets())
             await pipe.execute()
+        return bool(joined)
 
     async def _beat_new_namespaces(self) -> None:
         """Write this node's liveness in namespaces registered since the last heartbeat.

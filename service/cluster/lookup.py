@@ -22,7 +22,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 from kvstore.errors import KVStoreError
 from kvstore.results import LookupResult, MissReason
@@ -39,13 +39,21 @@ class Fetcher(Protocol):
         """Copy blocks ``chain[have:]`` from the best peer; how many arrived."""
 
 
+class Promotion(Protocol):
+    """What a promotion did (`service.disk.promote.Promotion`)."""
+
+    @property
+    def look_again(self) -> bool:
+        """Whether the pool may hold more of the chain now."""
+
+
 class Promoter(Protocol):
     """What a lookup needs of the disk tier (`service.disk.promote.DiskPromoter`)."""
 
     async def promote(
         self, namespace: NamespaceId, tenant: TenantId, chain: Sequence[BlockHash], have: int
-    ) -> int:
-        """Read blocks ``chain[have:]`` back from disk into the pool; how many were committed."""
+    ) -> Promotion:
+        """Read blocks ``chain[have:]`` back from disk into the pool; what it did."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,14 +84,24 @@ async def lookup(
     """
     result = _look_up(node, call)
     if disk is not None and result.miss_reason is MissReason.ABSENT:
-        result = await _filled(node, call, result, disk.promote)
+        promoter = disk
+
+        async def promoted(*args: Any) -> bool:
+            return (await promoter.promote(*args)).look_again
+
+        result = await _filled(node, call, result, promoted)
     if not call.allow_remote or peers is None or result.miss_reason is not MissReason.ABSENT:
         return result
-    return await _filled(node, call, result, peers.fetch)
+    fetcher = peers
+
+    async def fetched(*args: Any) -> bool:
+        return await fetcher.fetch(*args) > 0
+
+    return await _filled(node, call, result, fetched)
 
 
-Fill = Callable[[NamespaceId, TenantId, Sequence[BlockHash], int], Awaitable[int]]
-"""Bring blocks ``chain[have:]`` into the pool from elsewhere; how many arrived."""
+Fill = Callable[[NamespaceId, TenantId, Sequence[BlockHash], int], Awaitable[bool]]
+"""Bring blocks ``chain[have:]`` into the pool from elsewhere; whether any may have arrived."""
 
 
 async def _filled(

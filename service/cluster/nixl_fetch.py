@@ -261,11 +261,15 @@ class NixlPuller:
 
         def first_bad() -> int:
             for k, (slot, want) in enumerate(todo):
-                if want and pool.checksum(slot) != want:
+                # A host pool's blocks always carry one: none offered is a failed
+                # check there (pool.checksum is never 0).
+                if (want or checksummed) and pool.checksum(slot) != want:
                     return k
             return len(todo)
 
-        bad = await asyncio.to_thread(first_bad) if any(w for _, w in todo) else len(todo)
+        checksummed = pool.descriptor.checksummed
+        checked = checksummed or any(w for _, w in todo)
+        bad = await asyncio.to_thread(first_bad) if checked else len(todo)
         if bad < len(good):
             self.node.checksum_failed(namespace, "peer", good[bad], holder.node_id)
         return good[:bad]

@@ -22,8 +22,10 @@ The caller's lookup is then redone against the local store.
   `kvstore.checksum`); a mismatch ends the fetch there (that block and the
   rest of the chain are aborted: a miss), is counted in
   ``kvstore_checksum_failures_total{tier="peer"}`` and logged with the
-  block, the tier and the holder. A block whose writer sent no checksum (0)
-  is taken unchecked and stays 0 here.
+  block, the tier and the holder. A block that comes without a checksum (0:
+  a CUDA holder's) fails the check when this pool is a host pool, whose
+  blocks always carry one (`PoolDescriptor.checksummed`); a CUDA pool takes
+  it unchecked and keeps 0.
 - Tenants: the directory is asked with the caller's scope, and the peer
   reads in the tenant's scope, so a fetch only ever copies the caller's
   own tenant's blocks (or a shared namespace's). The internal lease is the
@@ -187,6 +189,7 @@ class PeerFetcher:
         store = node.store
         pool = node.pool(namespace)
         block_bytes = pool.descriptor.block_bytes
+        checksummed = pool.descriptor.checksummed
         request = pb.FetchBlocksRequest(
             namespace_id=namespace, tenant=tenant, hashes=target, skip=have
         )
@@ -224,7 +227,10 @@ class PeerFetcher:
                         pool.write(slot, item.data)
                         # Checked where it landed: a torn or misdirected write on
                         # either side, or bytes flipped on the way, is a miss.
-                        if item.checksum and pool.checksum(slot) != item.checksum:
+                        # A host pool's blocks always carry one: none sent is a
+                        # failed check there (pool.checksum is never 0).
+                        want = item.checksum
+                        if (want or checksummed) and pool.checksum(slot) != want:
                             self.failed_fetches += 1
                             node.checksum_failed(namespace, "peer", block_hash, holder.node_id)
                             break  # this block and the rest stay uncommitted: aborted

@@ -163,8 +163,9 @@ class Config:
     """Peer fetches running at once; more lookups with allow_remote are served locally."""
     peer_fetch_timeout: float = 5.0
     """Seconds a peer fetch (locate + stream) may take before it counts as a miss."""
-    verify_checksums: str = "peer"
-    """Block checksums checked on peer fetches ("peer"), or also on runners' local loads ("all")."""
+    verify_checksums: str = "all"
+    """Block checksums checked on runners' local loads too ("all", the default: a late
+    writer's bytes are caught by every reader), or on peer fetches only ("peer")."""
     kv_events_endpoint: str = ""
     """ZMQ PUB endpoint of the node's block events in vLLM's format (tcp://*:5560); empty = off."""
     kv_events_replay_endpoint: str = ""

@@ -10,10 +10,17 @@ against the store (`service.cluster.lookup`).
 
 - **Verified**: the tier checks each block's slot header (identity) and
   checksum after the read; a block that fails is a miss, and so is the rest
-  of the chain after it. A failure the tier counted as corrupt bytes is also
-  counted in ``kvstore_checksum_failures_total{tier="disk"}`` and logged.
-  Promoted blocks are committed with their checksum, computed where they
-  landed, so later readers (peers, ``verify_checksums = "all"``) check them.
+  of the chain after it. A block whose own verdict (`DiskTier.read_many`,
+  never a tier-wide count: up to `MAX_PROMOTIONS` run at once) is corrupt
+  bytes is also counted in ``kvstore_checksum_failures_total{tier="disk"}``
+  and logged; a failed read (EIO) or a block gone meanwhile is only a miss.
+- **Typed outcome**: `promote` answers a `Promotion` (committed, or still
+  running past ``disk_promote_timeout``), never a made-up count.
+  Promoted blocks are committed with the checksum their read was verified
+  against (the disk's), after the bytes where they landed were hashed and
+  found to match it: a late write into a promotion's slot is a miss, never
+  a block committed with a checksum of the wrong bytes. Later readers
+  (peers, local loads) check them against it.
 - **Bounded**: a lookup waits at most ``disk_promote_timeout`` for its
   promotion, then answers what memory holds (the blocks still being read
   are WRITING: a retry finds them READY). At most `MAX_PROMOTIONS` run at
@@ -34,6 +41,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import TypeVar
 
 from prometheus_client import CollectorRegistry, Histogram
@@ -44,8 +52,9 @@ from kvstore.pool.base import BlockPool
 from kvstore.types import BlockHash, LeaseId, NamespaceId, SlotId, TenantId
 from service.cluster.fetch_lease import close_fetch_lease, open_fetch_lease, reserve_missing
 from service.cluster.local import LocalNode
+from service.disk.jobs import ReadResult
 from service.disk.node_tier import NodeDisk
-from service.disk.tier import DiskKey, DiskTier
+from service.disk.tier import DiskKey
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +65,26 @@ MAX_PROMOTIONS = 8
 
 PROMOTION_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 """Seconds from the index's answer to the commit (a 4 KiB-1 MiB block reads in 0.1-2 ms)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Promotion:
+    """What a lookup's promotion did by the time the lookup stopped waiting for it."""
+
+    committed: int
+    """Blocks read back and committed READY."""
+    pending: bool = False
+    """The promotion outlived ``disk_promote_timeout``: it goes on in the background,
+    and some of its blocks may be READY already."""
+
+    @property
+    def look_again(self) -> bool:
+        """Whether the pool may hold more of the chain now: redo the lookup."""
+        return self.committed > 0 or self.pending
+
+
+NOTHING = Promotion(0)
+"""A promotion that did not start, or committed nothing."""
 
 
 class DiskPromoter:
@@ -80,30 +109,33 @@ class DiskPromoter:
 
     async def promote(
         self, namespace: NamespaceId, tenant: TenantId, chain: Sequence[BlockHash], have: int
-    ) -> int:
-        """Read ``chain[have:]``'s blocks on disk into the pool; how many were committed.
+    ) -> Promotion:
+        """Read ``chain[have:]``'s blocks on disk into the pool; what it committed.
 
-        Waits at most ``disk_promote_timeout``; a timeout or a cancellation
-        leaves the promotion to finish in the background.
+        Waits at most ``disk_promote_timeout``; a timeout (`Promotion.pending`)
+        or a cancellation leaves the promotion to finish in the background.
         """
         node = self.node
         if have >= len(chain) or len(self.disk.promotions) >= MAX_PROMOTIONS:
-            return 0
+            return NOTHING
         table = node.table(namespace)
         on_disk = self.disk.run_after(table.spec, table.scope_of(tenant), chain, have)
         if not on_disk:
-            return 0
+            return NOTHING
         task = asyncio.ensure_future(
             self._promote(namespace, tenant, list(chain[: have + on_disk]))
         )
         self.disk.promotions.add(task)
         task.add_done_callback(self.disk.promotions.discard)
         try:
-            return await asyncio.wait_for(asyncio.shield(task), node.config.disk_promote_timeout)
+            committed = await asyncio.wait_for(
+                asyncio.shield(task), node.config.disk_promote_timeout
+            )
         except TimeoutError:
             self.timeouts += 1
             log.info("promotion from disk in %s past disk_promote_timeout: served", namespace)
-            return 1  # some blocks may be READY already: look again
+            return Promotion(0, pending=True)  # some blocks may be READY already
+        return Promotion(committed)
 
     async def _promote(
         self, namespace: NamespaceId, tenant: TenantId, target: list[BlockHash]
@@ -160,21 +192,34 @@ class DiskPromoter:
         size = pool.descriptor.block_bytes
         present = [tier.length_of(key) == size for key in keys]
         n = present.index(False) if False in present else len(keys)  # evicted meanwhile
+        # What each read is verified against, and what the block is committed with:
+        # never a hash of the slot alone, which a late writer may have changed.
+        expected = [tier.checksum_of(key) for key in keys[:n]]
         cuda = pool.descriptor.kind == "cuda"
         dests = [memoryview(bytearray(size)) if cuda else pool.view(slot) for slot in slots[:n]]
-        corrupt = _corrupt_reads(tier)
-        landed = await tier.read_many(keys[:n], dests)  # returns once every read has landed
-        run = landed.index(False) if False in landed else n
-        if run < n and tier.length_of(keys[run]) is None and _corrupt_reads(tier) > corrupt:
-            # Discarded by the tier for its header or checksum: corrupt bytes, not a miss.
+        verdicts = await tier.read_many(keys[:n], dests)  # returns once every read has landed
+        ok = [v is ReadResult.OK for v in verdicts]
+        run = ok.index(False) if False in ok else n
+        if run < n and verdicts[run] in (ReadResult.IDENTITY, ReadResult.CHECKSUM):
+            # This block's own verdict (other promotions run beside this one):
+            # discarded by the tier for its header or checksum, corrupt bytes.
             self.checksum_failures += 1
             self.node.checksum_failed(namespace, "disk", todo[run], self.node.node_id)
         loop = asyncio.get_running_loop()
-        return await _landed(loop.run_in_executor(None, _settle, pool, slots[:run], dests[:run]))
+        landed = await _landed(loop.run_in_executor(None, _settle, pool, slots[:run], dests[:run]))
+        # The bytes hashed where they landed, after the tier verified them: a
+        # late write into the slot in between is a miss, not a commit (issue 40).
+        same = [got == want for got, want in zip(landed, expected, strict=False)]
+        good = same.index(False) if False in same else len(landed)
+        if good < len(landed):
+            self.checksum_failures += 1
+            self.node.checksum_failed(namespace, "local", todo[good], self.node.node_id)
+        return [int(c) for c in expected[:good] if c is not None]
 
 
 def _settle(pool: BlockPool, slots: list[SlotId], landed: list[memoryview]) -> list[int]:
-    """In a worker thread: copy host staging into a CUDA pool's slots; the checksums."""
+    """In a worker thread: copy host staging into a CUDA pool's slots; the checksums of
+    the bytes as they landed (a CUDA pool: of the staging copied from)."""
     if pool.descriptor.kind == "cuda":
         for slot, staging in zip(slots, landed, strict=True):
             pool.write(slot, staging)
@@ -189,9 +234,3 @@ async def _landed(job: asyncio.Future[T]) -> T:
     except asyncio.CancelledError:
         await asyncio.wait({job})
         raise
-
-
-def _corrupt_reads(tier: DiskTier) -> int:
-    """Reads the tier discarded for a header or checksum that did not verify, ever."""
-    stats = tier.stats()
-    return stats.read_failures_checksum + stats.read_failures_identity

@@ -45,6 +45,7 @@ import numpy as np
 from service.disk.checkpoint import write_checkpoint
 from service.disk.entry import Key
 from service.disk.format import DiskKey, SlotHeader, Superblock
+from service.disk.in_flight import InFlight
 from service.disk.index import DiskIndex
 from service.disk.io import DiskTierError, TierFile, open_tier_file
 from service.disk.jobs import (
@@ -109,8 +110,7 @@ class DiskTier:
             self._write_done,
         )
         self._queued = 0
-        self._in_flight = 0  # writes + invalidations
-        self._idle: asyncio.Event | None = None
+        self._in_flight = InFlight()  # writes + invalidations
         self._closed = False
         self._degraded = False
         self._c: dict[str, int] = dict.fromkeys(TIER_COUNTERS, 0)
@@ -226,7 +226,7 @@ class DiskTier:
             return None
         buf = self._buffers.take(res.slot_bytes)
         self._queued += 1
-        self._begin()
+        self._in_flight.begin()
         return PendingWrite(done, res, buf, length, checksum)
 
     def submit_write(self, pending: PendingWrite) -> None:
@@ -264,7 +264,7 @@ class DiskTier:
                 self._c["write_bytes"] += pending.length
                 self.events.add(DiskEventKind.STORED, DiskKey(*e.key))
         self._collect()
-        self._end()
+        self._in_flight.end()
 
     def _write_error(self, exc: BaseException) -> None:
         self._c["write_errors"] += 1
@@ -291,6 +291,12 @@ class DiskTier:
         e = self._index.ready((key.namespace, key.scope, key.block_hash))
         return None if e is None else e.length
 
+    def checksum_of(self, key: DiskKey) -> int | None:
+        """The payload checksum of a block on disk (what its reads are verified
+        against), or None when it is not there."""
+        e = self._index.ready((key.namespace, key.scope, key.block_hash))
+        return None if e is None else e.checksum
+
     async def read_into(self, key: DiskKey, dest: memoryview) -> bool:
         """Read a block into ``dest`` (its length must be the block's) off the loop.
 
@@ -305,12 +311,18 @@ class DiskTier:
         Raises:
             ValueError: ``dest`` is not the block's length or not writable.
         """
-        return (await self.read_many([key], [dest]))[0]
+        return (await self.read_many([key], [dest]))[0] is ReadResult.OK
 
-    async def read_many(self, keys: Sequence[DiskKey], dests: Sequence[memoryview]) -> list[bool]:
+    async def read_many(
+        self, keys: Sequence[DiskKey], dests: Sequence[memoryview]
+    ) -> list[ReadResult | None]:
         """`read_into` for many blocks at once (a chain's promotion): all are
         handed to the I/O threads together, and the loop wakes once when the
-        last has landed. Returns, per block, whether ``dests[i]`` holds it.
+        last has landed. Returns each block's verdict: `ReadResult.OK` when
+        ``dests[i]`` holds it; IDENTITY or CHECKSUM when its bytes on disk were
+        corrupt, ERROR when the read failed (each discarded and counted); None
+        when it was not on disk (or the tier is closed). A caller running
+        beside others learns its own blocks' verdicts, never a tier-wide count.
 
         Raises:
             ValueError: a destination is not its block's length or not writable
@@ -319,7 +331,7 @@ class DiskTier:
         if len(keys) != len(dests):
             raise ValueError(f"read_many: {len(keys)} keys, {len(dests)} destinations")
         if self._closed:
-            return [False] * len(keys)
+            return [None] * len(keys)
         index = self._index
         entries = [index.begin_read((k.namespace, k.scope, k.block_hash)) for k in keys]
         for e, dest in zip(entries, dests, strict=True):
@@ -363,7 +375,10 @@ class DiskTier:
                         discard=result not in (None, ReadResult.OK),
                     )
             self._collect()
-        return [count_read(self._c, e, r) for e, r in zip(entries, batch.results, strict=True)]
+        verdicts = batch.results
+        for e, verdict in zip(entries, verdicts, strict=True):
+            count_read(self._c, e, verdict)
+        return [v if e is not None else None for e, v in zip(entries, verdicts, strict=True)]
 
     # -- removal, events, figures ----------------------------------------------
 
@@ -414,7 +429,7 @@ class DiskTier:
         jobs = self._index.take_invalidations()
         if not jobs or self._done is None or self._closed:
             return  # closed: they stay in limbo, zeroed at the next open
-        self._begin()
+        self._in_flight.begin()
         self._pool.submit(self._invalidate_task, self._done, jobs)
 
     def _invalidate_task(self, done: Completions, jobs: list[tuple[int, int, int]]) -> None:
@@ -436,31 +451,13 @@ class DiskTier:
                 self._index.invalidated(region, slot)
         elif not (isinstance(exc, OSError) and exc.errno == errno.ECANCELED):
             self._write_error(exc)  # those slots stay in limbo: never reused
-        self._end()
-
-    def _begin(self) -> None:
-        self._in_flight += 1
-        if self._idle is not None:
-            self._idle.clear()
-
-    def _end(self) -> None:
-        self._in_flight -= 1
-        if self._in_flight == 0 and self._idle is not None:
-            self._idle.set()
+        self._in_flight.end()
 
     # -- stop ----------------------------------------------------------------
 
     async def flush(self, timeout: float) -> bool:  # noqa: ASYNC109 (a bool, not a raise)
         """Wait until the queued writes have completed; False if ``timeout`` ran out."""
-        if self._in_flight == 0:
-            return True
-        if self._idle is None:
-            self._idle = asyncio.Event()
-        try:
-            await asyncio.wait_for(self._idle.wait(), timeout)
-        except TimeoutError:
-            return False
-        return True
+        return await self._in_flight.wait_idle(timeout)
 
     async def close(self, *, checkpoint: bool = True) -> None:
         """Stop: queued writes not yet started are dropped (call `flush` first

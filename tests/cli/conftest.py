@@ -28,6 +28,7 @@ from kvstore.v1 import kvstore_pb2_grpc
 from service.config import Config
 from service.server import Server
 from tests.replies import entries_of
+from tests.stand_ins import stand_in_checksums
 
 BLOCK_SIZE = 4
 LAYOUT = pb.KVLayout(
@@ -131,6 +132,7 @@ def store_prompt(
                 namespace_id=ns,
                 lease_id=lid,
                 packed_hashes=b"".join([e.hash for e in entries_of(res)]),
+                packed_checksums=stand_in_checksums(b"".join([e.hash for e in entries_of(res)])),
             ),
             metadata=metadata,
             timeout=5,
@@ -152,7 +154,12 @@ def populate(node: LiveNode) -> str:
             )
             fresh = [e.hash for e in entries_of(res) if e.status == pb.RESERVE_STATUS_RESERVED]
             stub.Commit(
-                pb.CommitRequest(namespace_id=ns, lease_id=lid, packed_hashes=b"".join(fresh)),
+                pb.CommitRequest(
+                    namespace_id=ns,
+                    lease_id=lid,
+                    packed_hashes=b"".join(fresh),
+                    packed_checksums=stand_in_checksums(b"".join(fresh)),
+                ),
                 timeout=5,
             )
         for tokens in REQUESTS[:3]:

@@ -12,6 +12,7 @@ from kvstore.cli.live import event_json, event_line
 from kvstore.v1 import kvstore_pb2 as pb
 from tests.cli.conftest import BLOCK_SIZE, free_port, kvstore
 from tests.replies import entries_of
+from tests.stand_ins import stand_in_checksums
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -112,8 +113,11 @@ def test_watch_streams_events(live_node):
             res = stub.Reserve(pb.ReserveRequest(namespace_id=live_node.namespace, lease_id=lid,
                                                  tokens=tokens), timeout=5)  # fmt: skip
             hashes = [e.hash for e in entries_of(res)]
+            packed = b"".join(hashes)
             stub.Commit(pb.CommitRequest(namespace_id=live_node.namespace, lease_id=lid,
-                                         packed_hashes=b"".join(hashes)), timeout=5)  # fmt: skip
+                                         packed_hashes=packed,
+                                         packed_checksums=stand_in_checksums(packed)),
+                        timeout=5)  # fmt: skip
             stub.CloseLease(pb.CloseLeaseRequest(lease_id=lid), timeout=5)
         out, err = proc.communicate(timeout=30)
     finally:

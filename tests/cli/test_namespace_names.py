@@ -24,6 +24,7 @@ from tests.cli.conftest import (
     stop_node,
 )
 from tests.replies import entries_of
+from tests.stand_ins import stand_in_checksums
 
 
 @pytest.fixture(scope="module")
@@ -89,7 +90,12 @@ def _store_one(node: LiveNode, namespace: str, first_token: int) -> list[bytes]:
         )
         hashes = [e.hash for e in entries_of(res)]
         stub.Commit(
-            pb.CommitRequest(namespace_id=namespace, lease_id=lid, packed_hashes=b"".join(hashes)),
+            pb.CommitRequest(
+                namespace_id=namespace,
+                lease_id=lid,
+                packed_hashes=b"".join(hashes),
+                packed_checksums=stand_in_checksums(b"".join(hashes)),
+            ),
             timeout=5,
         )
         stub.CloseLease(pb.CloseLeaseRequest(lease_id=lid), timeout=5)

@@ -18,7 +18,7 @@ import pytest
 
 from kvstore.client import transfer
 from kvstore.client.blocks import slot_runs
-from kvstore.client.handles import BlockLocation, Hit
+from kvstore.client.hit import BlockLocation, Hit
 from kvstore.client.replies import Reservation, reservation_from_proto
 from kvstore.client.transfer import _copy_in
 from kvstore.errors import FailedPrecondition, InvalidArgument, LeaseExpired
@@ -49,6 +49,7 @@ class _Ns:
     def __init__(self, mapping: HostMapping) -> None:
         self.mapping = mapping
         self.layout = LAYOUT
+        self.verify_loads = True  # the node default (verify_checksums = "all")
 
 
 def _reserved(pairs: list[tuple[int, int]]) -> Reservation:

@@ -183,3 +183,33 @@ async def test_closing_the_client_stops_sending_releases_again(
     await asyncio.wait_for(kv.close(), timeout=10)
     await asyncio.sleep(0)
     assert not kv._releases._resends
+
+
+async def test_a_cancelled_pinned_lookups_release_is_sent_again_until_the_node_answers(
+    kv: Client, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 40, item 5: a pinned Lookup cancelled in flight is released once the node
+    answers it; that release used to be one bare call, so a node unavailable at that
+    moment left the pins for the lease's life (the runner's). It now takes the one
+    release route: retried, and sent again until the node answers."""
+    ns, prompts = await stored_chains(kv, 1)
+    calls = fail_releases(kv, monkeypatch, times=3)
+    held = asyncio.Event()
+    unavailable = kv._rpc.call
+
+    async def slow_lookup(method: Unary, request: object, *args: object, **kw: object) -> object:
+        if method.name == "Lookup":
+            held.set()
+            await asyncio.sleep(0.05)  # the caller gives up meanwhile; the node pins
+        return await unavailable(method, request, *args, **kw)
+
+    monkeypatch.setattr(kv._rpc, "call", slow_lookup)
+    looking = asyncio.ensure_future(kv.lookup(ns, prompts[0], pin=True))
+    await held.wait()
+    looking.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await looking
+    await until(lambda: calls, ok=lambda c: c[-1:] == ["sent"])
+    await until(lambda: kv._releases._resends, ok=lambda tasks: not tasks)
+    assert calls == ["failed", "failed", "failed", "sent"]
+    assert (await kv.stats()).namespaces[0].pinned == 0

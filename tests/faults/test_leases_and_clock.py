@@ -33,6 +33,7 @@ from service.node import Node
 from service.server import Server
 from tests.inproc import BLOCK_BYTES, ManualClock, RegisteredNamespace
 from tests.replies import blocks_of, entries_of
+from tests.stand_ins import stand_in_checksums
 from tests.waiting import until
 
 HASHES = [bytes([i]) * 32 for i in range(1, 9)]
@@ -49,7 +50,12 @@ async def store(stub, ns: RegisteredNamespace, lease: int, hashes: list[bytes]) 
     )
     assert all(e.status == pb.RESERVE_STATUS_RESERVED for e in entries_of(resp))
     await stub.Commit(
-        pb.CommitRequest(namespace_id=ns.id, lease_id=lease, packed_hashes=b"".join(hashes)),
+        pb.CommitRequest(
+            namespace_id=ns.id,
+            lease_id=lease,
+            packed_hashes=b"".join(hashes),
+            packed_checksums=stand_in_checksums(b"".join(hashes)),
+        ),
         timeout=5,
     )
 
@@ -96,7 +102,12 @@ async def test_a_runner_that_stops_renewing_loses_its_pins_and_writes(
         (stub.KeepAlive, pb.KeepAliveRequest(lease_id=slow)),
         (
             stub.Commit,
-            pb.CommitRequest(namespace_id=ns.id, lease_id=slow, packed_hashes=b"".join(HASHES[4:])),
+            pb.CommitRequest(
+                namespace_id=ns.id,
+                lease_id=slow,
+                packed_hashes=b"".join(HASHES[4:]),
+                packed_checksums=stand_in_checksums(b"".join(HASHES[4:])),
+            ),
         ),
         (
             stub.Release,

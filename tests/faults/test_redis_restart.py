@@ -129,3 +129,50 @@ async def test_directory_converges_to_the_nodes_contents_after_a_redis_restart(t
         for server in list(factory.servers):
             await factory.stop(server)
         redis_server.stop()
+
+
+async def _one_node_with_five_blocks(tmp_path):
+    redis_server = RedisServer(tmp_path / "redis").start()
+    factory = NodeFactory(tmp_path, redis_server.url)
+    server = await factory.start("node-a")
+    rpc = Rpc(server.address)
+    await rpc.register()
+    chain = await rpc.store(seed=1, blocks=5)
+    await until(lambda: converged(redis_server.url, {"node-a": rpc}), what="first sync")
+    await located(redis_server.url, rpc.namespace, chain, {"node-a": 5})
+    return redis_server, factory, server, rpc, chain
+
+
+async def test_a_redis_flushed_under_a_live_connection_gets_the_directory_back(tmp_path):
+    """Issue 40, item 4, made deterministic: Redis loses everything with no command of
+    the node ever failing (FLUSHALL on the same connection's server). The agent used to
+    resync only after a failed command: the entry stayed at 0 of 5 blocks for good."""
+    redis_server, factory, server, rpc, chain = await _one_node_with_five_blocks(tmp_path)
+    agent = server.node.cluster
+    try:
+        resyncs = agent.resyncs
+        with redis_server.client() as r:
+            r.flushall()
+        await located(redis_server.url, rpc.namespace, chain, {"node-a": 5})
+        assert await converged(redis_server.url, {"node-a": rpc})
+        assert agent.resyncs == resyncs + 1
+    finally:
+        await rpc.close()
+        await factory.stop(server)
+        redis_server.stop()
+
+
+async def test_a_redis_restarted_empty_within_the_reconnect_window_is_resynchronised(tmp_path):
+    """Issue 40, item 4 as reproduced: SIGKILL and an empty restart on the same port in
+    tens of milliseconds, between two heartbeats, so redis-py's pool reconnects silently."""
+    redis_server, factory, server, rpc, chain = await _one_node_with_five_blocks(tmp_path)
+    try:
+        for _ in range(3):
+            redis_server.kill()
+            redis_server.start()  # empty, within ~50 ms here
+            await located(redis_server.url, rpc.namespace, chain, {"node-a": 5})
+            assert await converged(redis_server.url, {"node-a": rpc})
+    finally:
+        await rpc.close()
+        await factory.stop(server)
+        redis_server.stop()

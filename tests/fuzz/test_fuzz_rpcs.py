@@ -39,6 +39,7 @@ from kvstore.v1 import kvstore_pb2_grpc
 from service.server import Server
 from tests.fuzz.node import LAYOUT, config
 from tests.replies import Location, blocks_of, chain_of, entries_of
+from tests.stand_ins import stand_in_checksums
 
 EXAMPLES = int(os.environ.get("KVSTORE_FUZZ_EXAMPLES", "2000"))
 
@@ -254,6 +255,7 @@ async def setup_real(stub: Any) -> None:
             namespace_id=REAL.namespace_id,
             lease_id=lease,
             packed_hashes=b"".join([e.hash for e in entries_of(res)]),
+            packed_checksums=stand_in_checksums(b"".join([e.hash for e in entries_of(res)])),
         ),
         timeout=5,
     )

@@ -12,8 +12,8 @@ from __future__ import annotations
 import pytest
 
 from kvstore import LeaseExpired, LeaseId, NotWriter, Store, StoreLimits
+from kvstore.limits import WRITE_QUARANTINE
 from kvstore.results import ReserveResult, ReserveStatus
-from kvstore.store import WRITE_QUARANTINE
 from kvstore.types import SlotId
 
 from .conftest import ALICE, BOB, NS, SPEC, chain, prompt

@@ -12,6 +12,7 @@ from kvstore.v1 import kvstore_pb2_grpc
 from service.server import Server
 from service.tenancy.tenants import TenantDirectory, TenantsFileError
 from tests.inproc import ManualClock
+from tests.stand_ins import stand_in_checksums
 from tests.tenants import (
     ADMIN_TOKEN,
     ALICE_TOKEN,
@@ -75,7 +76,10 @@ async def test_namespace_permission(auth_stub):
         ),
         auth_stub.Commit(
             pb.CommitRequest(
-                namespace_id=other, lease_id=lease, packed_hashes=b"".join([bytes(32)])
+                namespace_id=other,
+                lease_id=lease,
+                packed_hashes=b"".join([bytes(32)]),
+                packed_checksums=stand_in_checksums(b"".join([bytes(32)])),
             ),
             metadata=meta,
         ),

@@ -13,6 +13,7 @@ from kvstore.v1 import kvstore_pb2_grpc
 from service.server import Server
 from tests.inproc import ManualClock
 from tests.replies import entries_of
+from tests.stand_ins import stand_in_checksums
 from tests.tenants import ALICE_TOKEN, BOB_TOKEN, bearer, open_lease, register, store
 
 
@@ -107,6 +108,9 @@ async def test_pins_per_lease_bound(server_config):
                     namespace_id=ns,
                     lease_id=lease,
                     packed_hashes=b"".join([e.hash for e in entries_of(resp)]),
+                    packed_checksums=stand_in_checksums(
+                        b"".join([e.hash for e in entries_of(resp)])
+                    ),
                 )
             )
             with pytest.raises(grpc.aio.AioRpcError) as err:

@@ -26,6 +26,7 @@ from service.server import Server
 from service.tenancy.callers import ROOT_CACHE_SIZE
 from tests.inproc import BLOCK_SIZE, LAYOUT, ManualClock
 from tests.replies import entries_of
+from tests.stand_ins import stand_in_checksums
 from tests.tenants import ALICE_TOKEN, BOB_TOKEN, bearer, register
 
 TENANTS = 100_000
@@ -92,6 +93,9 @@ async def test_100k_made_up_tenants_leave_the_node_bounded(open_node: Server):
                     namespace_id=ns,
                     lease_id=lid,
                     packed_hashes=b"".join([e.hash for e in entries_of(res)]),
+                    packed_checksums=stand_in_checksums(
+                        b"".join([e.hash for e in entries_of(res)])
+                    ),
                 ),
                 metadata=md,
                 timeout=30,
@@ -181,6 +185,7 @@ async def test_tenants_holding_blocks_fold_too(server_config: Config):
                         namespace_id=ns,
                         lease_id=lid,
                         packed_hashes=b"".join([entries_of(res)[0].hash]),
+                        packed_checksums=stand_in_checksums(b"".join([entries_of(res)[0].hash])),
                     ),
                     metadata=md,
                 )

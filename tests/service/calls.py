@@ -12,6 +12,7 @@ from grpc_status import rpc_status
 
 from kvstore.v1 import kvstore_pb2 as pb
 from tests.replies import entries_of
+from tests.stand_ins import stand_in_checksums
 
 INVALID = grpc.StatusCode.INVALID_ARGUMENT
 
@@ -21,7 +22,12 @@ async def store(stub, ns: str, lease: int, tokens: list[int]) -> list[bytes]:
     reserved = await stub.Reserve(pb.ReserveRequest(namespace_id=ns, lease_id=lease, tokens=tokens))
     hashes = [e.hash for e in entries_of(reserved)]
     await stub.Commit(
-        pb.CommitRequest(namespace_id=ns, lease_id=lease, packed_hashes=b"".join(hashes))
+        pb.CommitRequest(
+            namespace_id=ns,
+            lease_id=lease,
+            packed_hashes=b"".join(hashes),
+            packed_checksums=stand_in_checksums(b"".join(hashes)),
+        )
     )
     return hashes
 

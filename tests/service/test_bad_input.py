@@ -12,6 +12,7 @@ from kvstore.v1 import kvstore_pb2 as pb
 from tests.inproc import BLOCK_BYTES, BLOCK_SIZE, LAYOUT, tenant
 from tests.replies import blocks_of, entries_of
 from tests.service.calls import INVALID, expect
+from tests.stand_ins import stand_in_checksums
 
 NOT_FOUND = grpc.StatusCode.NOT_FOUND
 PRECONDITION = grpc.StatusCode.FAILED_PRECONDITION
@@ -172,7 +173,14 @@ async def test_reserve_commit_abort_release(stub, namespace, lease, clock):
         stub,
         PRECONDITION,
         "not being written",
-        stub.Commit(pb.CommitRequest(namespace_id=ns, lease_id=lease, packed_hashes=H)),
+        stub.Commit(
+            pb.CommitRequest(
+                namespace_id=ns,
+                lease_id=lease,
+                packed_hashes=H,
+                packed_checksums=stand_in_checksums(H),
+            )
+        ),
     )
     clock.advance(11)
     await expect(
@@ -187,7 +195,11 @@ async def test_read_blocks(stub, namespace, lease):
     ns = namespace.id
     res = await stub.Reserve(pb.ReserveRequest(namespace_id=ns, lease_id=lease, packed_hashes=H))
     loc = entries_of(res)[0].location
-    await stub.Commit(pb.CommitRequest(namespace_id=ns, lease_id=lease, packed_hashes=H))
+    await stub.Commit(
+        pb.CommitRequest(
+            namespace_id=ns, lease_id=lease, packed_hashes=H, packed_checksums=stand_in_checksums(H)
+        )
+    )
     # A commit stamps the slot with a new (READY) generation: the one Lookup answers.
     ready = blocks_of(await stub.Lookup(pb.LookupRequest(namespace_id=ns, packed_hashes=H)))[0]
     assert ready.slot == loc.slot and ready.generation != loc.generation

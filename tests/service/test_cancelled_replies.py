@@ -16,6 +16,7 @@ from kvstore.v1 import kvstore_pb2 as pb
 from service.api import blocks as blocks_module
 from service.api import chains as chains_module
 from tests.replies import entries_of
+from tests.stand_ins import stand_in_checksums
 from tests.waiting import until
 
 TOKENS = list(range(1, 33))  # 8 blocks of the test layout
@@ -53,6 +54,7 @@ async def test_a_lookup_cancelled_in_flight_leaves_no_pins(stub, namespace, monk
             namespace_id=ns,
             lease_id=lease,
             packed_hashes=b"".join([e.hash for e in entries_of(res)]),
+            packed_checksums=stand_in_checksums(b"".join([e.hash for e in entries_of(res)])),
         )
     )
     entered, cancelled = asyncio.Event(), asyncio.Event()

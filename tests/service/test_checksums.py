@@ -29,7 +29,7 @@ async def reserve(stub, ns: str, lease: int, hashes: list[bytes]) -> None:
 async def test_commit_keeps_checksums_and_lookup_answers_them(stub, namespace, lease) -> None:
     ns = namespace.id
     await reserve(stub, ns, lease, [H1, H2])
-    sums = [0x1122334455667788, 0]  # the second block's writer computed none
+    sums = [0x1122334455667788, 0x99AABBCCDDEEFF00]
     commit = pb.CommitRequest(
         namespace_id=ns,
         lease_id=lease,
@@ -55,6 +55,42 @@ async def test_a_checksum_length_that_does_not_match_the_hashes_is_invalid(
     # Nothing was committed by the refused calls.
     found = await stub.Lookup(pb.LookupRequest(namespace_id=ns, packed_hashes=b"".join([H1])))
     assert found.hit_blocks == 0
+
+
+@pytest.mark.parametrize("sums", [None, [0x1122334455667788, 0], [0, 0]])
+async def test_a_host_pool_commit_without_a_checksum_for_every_block_is_invalid(
+    stub, namespace, lease, sums: list[int] | None
+) -> None:
+    # Issue 40, item 3: a Commit that left the checksums out (or sent 0) was
+    # taken as "none", and every reader then skipped its check of those blocks.
+    ns = namespace.id
+    await reserve(stub, ns, lease, [H1, H2])
+    request = pb.CommitRequest(
+        namespace_id=ns,
+        lease_id=lease,
+        packed_hashes=H1 + H2,
+        packed_checksums=b"" if sums is None else pack_checksums(sums),
+    )
+    await expect(stub, INVALID, "packed_checksums: block", stub.Commit(request))
+    found = await stub.Lookup(pb.LookupRequest(namespace_id=ns, packed_hashes=H1 + H2))
+    assert found.hit_blocks == 0  # nothing was committed by the refused call
+
+
+async def test_write_blocks_without_a_checksum_keeps_the_one_of_the_bytes_received(
+    stub, namespace, lease
+) -> None:
+    ns = namespace.id
+    await reserve(stub, ns, lease, [H1])
+    data = bytes(range(256)) * (namespace.block_bytes // 256)
+
+    async def messages() -> AsyncIterator[pb.WriteBlocksRequest]:
+        header = pb.WriteBlocksHeader(namespace_id=ns, lease_id=lease, commit=True)
+        yield pb.WriteBlocksRequest(header=header)
+        yield pb.WriteBlocksRequest(block=pb.BlockData(hash=H1, data=data))  # no checksum
+
+    assert (await stub.WriteBlocks(messages())).committed == 1
+    found = await stub.Lookup(pb.LookupRequest(namespace_id=ns, packed_hashes=H1))
+    assert blocks_of(found)[0].checksum == block_checksum(data)  # never 0
 
 
 async def test_write_blocks_refuses_data_that_does_not_have_its_checksum(
@@ -109,3 +145,12 @@ async def test_register_namespace_advertises_local_verification(
             assert resp.verify_local_loads is advertised
     finally:
         await server.stop(0.1)
+
+
+async def test_a_release_reporting_corrupt_blocks_with_a_bad_length_is_invalid(
+    stub, namespace, lease
+) -> None:
+    request = pb.ReleaseRequest(
+        namespace_id=namespace.id, lease_id=lease, packed_hashes=H1, packed_corrupt=bytes(33)
+    )
+    await expect(stub, INVALID, "packed_corrupt", stub.Release(request))

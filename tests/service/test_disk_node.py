@@ -9,24 +9,28 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import errno
 import re
 import threading
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import grpc
 import numpy as np
 import pytest
 
 from kvstore.cli.reads import disk_line
-from kvstore.client import Client, SyncClient
+from kvstore.client import Client, Namespace, SyncClient
+from kvstore.client.replies import request_fields
 from kvstore.ops.summary import status_json
 from kvstore.types import BlockHash, LeaseId, TenantId
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc
 from service.config import Config
 from service.disk import DiskKey, DiskTierError
+from service.disk.io import TierFile
 from service.server import Server
 from tests.client.blocks import LAYOUT
 from tests.conftest import started
@@ -71,6 +75,19 @@ def flip_a_bit_of(tier_file: Path, block: bytes) -> None:
     with open(tier_file, "r+b") as f:
         f.seek(at + 17)
         f.write(bytes([image[at + 17] ^ 0x01]))
+
+
+def offset_in(tier_file: Path, block: bytes) -> int:
+    """Where ``block``'s payload lies in the tier file."""
+    at = tier_file.read_bytes().find(block)
+    assert at > 0
+    return at
+
+
+def chain_of(ns: Namespace, tokens: list[int]) -> list[BlockHash]:
+    """The chain a lookup of ``tokens`` sends (hashed here: no lookup, no promotion)."""
+    packed = request_fields(ns, tokens, None, None, query_tokens=False)["packed_hashes"]
+    return [BlockHash(packed[i : i + 32]) for i in range(0, len(packed), 32)]
 
 
 def metric(server: Server, name: str, **labels: str) -> float:
@@ -338,3 +355,106 @@ async def test_a_slot_reused_during_its_copy_is_not_written(disk_config: Config)
         payload = [bytes([7 + i]) * LAYOUT.block_bytes for i in range(2)]
         assert (await kv.store(ns, tokens, payload)).committed == 2
         await until(lambda: disk.stats().blocks == 2, what="2 blocks on disk")
+
+
+async def test_concurrent_promotions_blame_only_their_own_corrupt_blocks(
+    disk_config: Config, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 40, item 6: a promotion decided "corrupt" by comparing the tier-wide
+    counters before and after its read, while others ran beside it. Chain A has a
+    flipped bit; chain B's read fails (EIO) while A's is counted: B was blamed for a
+    checksum failure it never had. Each now goes by its own block's verdict."""
+    a_blocks, b_blocks = random_blocks(7), random_blocks(8)
+    b_tokens = [t + 10_000 for t in TOKENS]
+    async with (
+        started(disk_config, ManualClock()) as server,
+        Client(server.address, tenant="a") as kv,
+    ):
+        ns = await kv.register_namespace("disk-model", LAYOUT)
+        assert (await kv.store(ns, TOKENS, a_blocks)).committed == BLOCKS
+        assert (await kv.store(ns, b_tokens, b_blocks)).committed == BLOCKS
+    tier_file = Path(disk_config.disk_path)
+    flip_a_bit_of(tier_file, a_blocks[2])
+    b_at = offset_in(tier_file, b_blocks[1])
+    real_read_into = TierFile.read_into
+
+    def failing_read_into(self: TierFile, buffers: list[Any], offset: int) -> int:
+        end = offset + sum(memoryview(b).nbytes for b in buffers)
+        if offset <= b_at < end:
+            raise OSError(errno.EIO, "the disk is gone")
+        return real_read_into(self, buffers, offset)
+
+    monkeypatch.setattr(TierFile, "read_into", failing_read_into)
+    async with (
+        started(disk_config, ManualClock()) as server,
+        Client(server.address, tenant="a") as kv,
+    ):
+        ns = await kv.register_namespace("disk-model", LAYOUT)
+        disk = server.node.disk
+        assert disk is not None
+        b_started, a_done = asyncio.Event(), asyncio.Event()
+        real_read = disk.tier.read_many
+
+        async def ordered(keys: list[DiskKey], dests: list[memoryview]) -> list[Any]:
+            # Both promotions under way, then A's corrupt block is counted, then
+            # B's read fails: the order the report's concurrent lookups hit.
+            if keys[0].block_hash == a_first[0]:
+                await b_started.wait()
+                try:
+                    return await real_read(keys, dests)
+                finally:
+                    a_done.set()
+            b_started.set()
+            await a_done.wait()
+            return await real_read(keys, dests)
+
+        a_first = chain_of(ns, TOKENS)
+        disk.tier.read_many = ordered  # type: ignore[method-assign]
+        a_hit, b_hit = await asyncio.gather(kv.lookup(ns, TOKENS), kv.lookup(ns, b_tokens))
+        assert (a_hit.hit_blocks, b_hit.hit_blocks) == (2, 1)
+        assert metric(server, "kvstore_checksum_failures_total", namespace=ns.id, tier="disk") == 1
+        assert server.node.promoter is not None and server.node.promoter.checksum_failures == 1
+
+
+async def test_a_promotion_past_its_timeout_says_so(disk_config: Config) -> None:
+    """Issue 40, item 6: `promote` answered a made-up 1 ("how many were committed") on a
+    timeout; it now answers a typed outcome: nothing committed yet, still running."""
+    blocks = random_blocks(9)
+    await store_and_stop(disk_config, blocks)
+    config = replace(disk_config, disk_promote_timeout=1e-6)
+    async with started(config, ManualClock()) as server, Client(server.address, tenant="a") as kv:
+        ns = await kv.register_namespace("disk-model", LAYOUT)
+        chain = chain_of(ns, TOKENS)
+        promoter = server.node.promoter
+        assert promoter is not None
+        outcome = await promoter.promote(ns.id, TenantId("a"), chain, 0)
+        assert (outcome.committed, outcome.pending, outcome.look_again) == (0, True, True)
+        await until(lambda: promoter.promoted_blocks, what="the promotion to finish on its own")
+
+
+async def test_a_late_write_into_a_promotions_slot_is_a_miss(disk_config: Config) -> None:
+    """The promotion hashed its slots after the tier's verified read and committed that
+    hash (issue 40, item 2's gap, on the node's side): a late writer's copy landing in
+    between was committed as good. It is now compared with the disk's checksum."""
+    blocks = random_blocks(10)
+    await store_and_stop(disk_config, blocks)
+    async with (
+        started(disk_config, ManualClock()) as server,
+        Client(server.address, tenant="a") as kv,
+    ):
+        ns = await kv.register_namespace("disk-model", LAYOUT)
+        disk = server.node.disk
+        assert disk is not None
+        real_read = disk.tier.read_many
+
+        async def late_write_after_the_read(keys: list[DiskKey], dests: list[memoryview]) -> Any:
+            verdicts = await real_read(keys, dests)
+            dests[1][:] = bytes([0xEE]) * len(dests[1])  # a late copy lands on block 1's slot
+            return verdicts
+
+        disk.tier.read_many = late_write_after_the_read  # type: ignore[method-assign]
+        hit = await kv.lookup(ns, TOKENS, pin=True)
+        assert hit.hit_blocks == 1  # block 1 (and the rest of the chain) is a miss
+        assert await kv.read_blocks(hit) == blocks[:1]
+        await kv.release(hit)
+        assert metric(server, "kvstore_checksum_failures_total", namespace=ns.id, tier="local") == 1

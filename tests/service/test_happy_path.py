@@ -10,6 +10,7 @@ import pytest
 from kvstore.v1 import kvstore_pb2 as pb
 from tests.inproc import BLOCK_BYTES, BLOCK_SIZE, LAYOUT
 from tests.replies import blocks_of, chain_of, entries_of
+from tests.stand_ins import stand_in_checksums
 
 TOKENS = list(range(100, 100 + 3 * BLOCK_SIZE + 2))  # 3 full blocks and a partial one
 
@@ -72,7 +73,12 @@ async def test_life_cycle(stub, namespace):
     assert wrote.written == 3 and wrote.committed == 0
 
     committed = await stub.Commit(
-        pb.CommitRequest(namespace_id=ns, lease_id=lid, packed_hashes=b"".join(chain_of(miss)))
+        pb.CommitRequest(
+            namespace_id=ns,
+            lease_id=lid,
+            packed_hashes=b"".join(chain_of(miss)),
+            packed_checksums=stand_in_checksums(b"".join(chain_of(miss))),
+        )
     )
     assert committed.committed == 3
 
@@ -160,7 +166,12 @@ async def test_list_blocks_pages(stub, namespace):
     )
     hashes = [e.hash for e in entries_of(res)]
     await stub.Commit(
-        pb.CommitRequest(namespace_id=ns, lease_id=lid, packed_hashes=b"".join(hashes))
+        pb.CommitRequest(
+            namespace_id=ns,
+            lease_id=lid,
+            packed_hashes=b"".join(hashes),
+            packed_checksums=stand_in_checksums(b"".join(hashes)),
+        )
     )
     seen: list[bytes] = []
     token = ""
@@ -188,7 +199,12 @@ async def test_evict_and_clear(stub, namespace):
     )
     hashes = [e.hash for e in entries_of(res)]
     await stub.Commit(
-        pb.CommitRequest(namespace_id=ns, lease_id=lid, packed_hashes=b"".join(hashes))
+        pb.CommitRequest(
+            namespace_id=ns,
+            lease_id=lid,
+            packed_hashes=b"".join(hashes),
+            packed_checksums=stand_in_checksums(b"".join(hashes)),
+        )
     )
     evicted = await stub.Evict(pb.EvictRequest(namespace_id=ns, blocks=1))
     assert evicted.evicted == 1

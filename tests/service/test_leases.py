@@ -5,6 +5,7 @@ from __future__ import annotations
 from kvstore.v1 import kvstore_pb2 as pb
 from tests.inproc import BLOCK_SIZE
 from tests.replies import entries_of
+from tests.stand_ins import stand_in_checksums
 from tests.waiting import until
 
 
@@ -15,7 +16,12 @@ async def test_expiry_frees_pins_and_writes(stub, namespace, clock, kv_server):
     res = await stub.Reserve(pb.ReserveRequest(namespace_id=ns, lease_id=lid, tokens=tokens))
     first, second = (e.hash for e in entries_of(res))
     await stub.Commit(
-        pb.CommitRequest(namespace_id=ns, lease_id=lid, packed_hashes=b"".join([first]))
+        pb.CommitRequest(
+            namespace_id=ns,
+            lease_id=lid,
+            packed_hashes=b"".join([first]),
+            packed_checksums=stand_in_checksums(b"".join([first])),
+        )
     )
     await stub.Lookup(
         pb.LookupRequest(namespace_id=ns, lease_id=lid, pin=True, packed_hashes=b"".join([first]))

@@ -32,6 +32,7 @@ from kvstore.v1 import kvstore_pb2_grpc
 from service.config import Config
 from tests.fuzz.wire import varint
 from tests.replies import entries_of
+from tests.stand_ins import stand_in_checksums
 from tests.waiting import until
 
 BOUND_SECONDS = 0.25
@@ -124,6 +125,9 @@ async def test_a_hostile_lookup_does_not_stall_the_loop(tmp_path) -> None:
                     namespace_id=ns,
                     lease_id=lease,
                     packed_hashes=b"".join([e.hash for e in entries_of(stored)]),
+                    packed_checksums=stand_in_checksums(
+                        b"".join([e.hash for e in entries_of(stored)])
+                    ),
                 ),
                 timeout=30,
             )

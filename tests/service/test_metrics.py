@@ -10,6 +10,7 @@ import pytest
 
 from kvstore.v1 import kvstore_pb2 as pb
 from tests.inproc import BLOCK_SIZE
+from tests.stand_ins import stand_in_checksums
 
 
 async def test_lookup_and_occupancy_metrics(stub, namespace, kv_server):
@@ -20,7 +21,12 @@ async def test_lookup_and_occupancy_metrics(stub, namespace, kv_server):
     await stub.Reserve(pb.ReserveRequest(namespace_id=ns, lease_id=lid, tokens=tokens))
     with pytest.raises(grpc.aio.AioRpcError):
         await stub.Commit(
-            pb.CommitRequest(namespace_id=ns, lease_id=lid, packed_hashes=b"".join([b"\0" * 32]))
+            pb.CommitRequest(
+                namespace_id=ns,
+                lease_id=lid,
+                packed_hashes=b"".join([b"\0" * 32]),
+                packed_checksums=stand_in_checksums(b"".join([b"\0" * 32])),
+            )
         )
     registry = kv_server.node.metrics.registry
 

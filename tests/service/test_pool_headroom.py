@@ -30,6 +30,7 @@ from service.server import Server
 from tests.inproc import BLOCK_BYTES, BLOCK_SIZE, LAYOUT
 from tests.replies import entries_of
 from tests.service.pool_stores import REAL_LAYOUT, store
+from tests.stand_ins import stand_in_checksums
 from tests.waiting import until
 
 ARENA_BLOCKS = 16
@@ -154,6 +155,7 @@ async def test_a_commit_into_the_headroom_grows_the_pool_in_the_background(node:
                 namespace_id=ns,
                 lease_id=lid,
                 packed_hashes=b"".join([e.hash for e in entries_of(res)]),
+                packed_checksums=stand_in_checksums(b"".join([e.hash for e in entries_of(res)])),
             )
         ),
         5,

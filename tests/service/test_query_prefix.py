@@ -24,6 +24,7 @@ from service.ops import query_http
 from tests.inproc import BLOCK_SIZE, tenant
 from tests.redis.server import free_port
 from tests.replies import entries_of
+from tests.stand_ins import stand_in_checksums
 
 MODEL = "test-model"
 PROMPT = list(range(1000, 1000 + 6 * BLOCK_SIZE + 2))
@@ -43,7 +44,12 @@ async def store(stub, ns: str, tokens: list[int], who=()) -> list[bytes]:
     )
     fresh = [e.hash for e in entries_of(res) if e.status == pb.RESERVE_STATUS_RESERVED]
     await stub.Commit(
-        pb.CommitRequest(namespace_id=ns, lease_id=lid, packed_hashes=b"".join(fresh)),
+        pb.CommitRequest(
+            namespace_id=ns,
+            lease_id=lid,
+            packed_hashes=b"".join(fresh),
+            packed_checksums=stand_in_checksums(b"".join(fresh)),
+        ),
         metadata=who,
         timeout=5,
     )

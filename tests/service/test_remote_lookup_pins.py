@@ -17,6 +17,7 @@ from dataclasses import replace
 import grpc
 import pytest
 
+from kvstore.checksum import block_checksum
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc
 from service.cluster.directory import PeerHolder
@@ -26,6 +27,7 @@ from tests.inproc import BLOCK_BYTES, BLOCK_SIZE, LAYOUT, tenant
 from tests.redis.server import free_port
 from tests.replies import chain_of, entries_of
 from tests.service.peers import StoringPeers
+from tests.stand_ins import stand_in_checksums
 from tests.waiting import until
 
 
@@ -49,7 +51,12 @@ async def _store_prefix(stub, ns: str, tokens: list[int], blocks: int) -> None:
     res = await stub.Reserve(pb.ReserveRequest(namespace_id=ns, lease_id=lid, tokens=tokens))
     hashes = [e.hash for e in entries_of(res)[:blocks]]
     await stub.Commit(
-        pb.CommitRequest(namespace_id=ns, lease_id=lid, packed_hashes=b"".join(hashes))
+        pb.CommitRequest(
+            namespace_id=ns,
+            lease_id=lid,
+            packed_hashes=b"".join(hashes),
+            packed_checksums=stand_in_checksums(b"".join(hashes)),
+        )
     )
     await stub.CloseLease(pb.CloseLeaseRequest(lease_id=lid))
 
@@ -132,7 +139,8 @@ class FakePeer(kvstore_pb2_grpc.KVStoreServicer):
         self.calls += 1
         try:
             for h in request.hashes[request.skip :]:
-                yield pb.BlockData(hash=h, data=bytes([7]) * self.block_bytes)
+                data = bytes([7]) * self.block_bytes
+                yield pb.BlockData(hash=h, data=data, checksum=block_checksum(data))
             if self.hang:
                 await asyncio.Event().wait()
         finally:  # cancelled: grpc closes the generator (GeneratorExit)
@@ -178,7 +186,12 @@ async def test_a_dead_holder_evicts_nothing(stub, namespace, kv_server):
     )
     hashes = [e.hash for e in entries_of(res)]
     await stub.Commit(
-        pb.CommitRequest(namespace_id=namespace.id, lease_id=lid, packed_hashes=b"".join(hashes)),
+        pb.CommitRequest(
+            namespace_id=namespace.id,
+            lease_id=lid,
+            packed_hashes=b"".join(hashes),
+            packed_checksums=stand_in_checksums(b"".join(hashes)),
+        ),
         metadata=md,
     )
     await stub.CloseLease(pb.CloseLeaseRequest(lease_id=lid), metadata=md)

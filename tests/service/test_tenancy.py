@@ -12,6 +12,7 @@ from service.server import Server
 from service.tenancy.callers import ChainRoots
 from tests.inproc import BLOCK_SIZE, LAYOUT, tenant
 from tests.replies import chain_of, entries_of
+from tests.stand_ins import stand_in_checksums
 
 TOKENS = list(range(2 * BLOCK_SIZE))
 A, B = tenant("alice"), tenant("bob")
@@ -24,7 +25,12 @@ async def store_as(stub, ns: str, who) -> list[bytes]:
     )
     hashes = [e.hash for e in entries_of(res)]
     await stub.Commit(
-        pb.CommitRequest(namespace_id=ns, lease_id=lid, packed_hashes=b"".join(hashes)),
+        pb.CommitRequest(
+            namespace_id=ns,
+            lease_id=lid,
+            packed_hashes=b"".join(hashes),
+            packed_checksums=stand_in_checksums(b"".join(hashes)),
+        ),
         metadata=who,
     )
     return hashes

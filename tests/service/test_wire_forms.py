@@ -12,6 +12,7 @@ from kvstore.v1 import kvstore_pb2 as pb
 from tests.inproc import BLOCK_BYTES, BLOCK_SIZE
 from tests.replies import entries_of
 from tests.service.calls import INVALID, field_of, pin, store
+from tests.stand_ins import stand_in_checksums
 
 TOKENS = list(range(7, 7 + 5 * BLOCK_SIZE + 1))  # 5 full blocks and a partial one
 
@@ -79,7 +80,12 @@ async def test_packed_reserve_commit_and_abort(stub, namespace, lease):
         pb.AbortRequest(namespace_id=ns, lease_id=lease, packed_hashes=hashes[4])
     )
     committed = await stub.Commit(
-        pb.CommitRequest(namespace_id=ns, lease_id=lease, packed_hashes=b"".join(hashes[:4]))
+        pb.CommitRequest(
+            namespace_id=ns,
+            lease_id=lease,
+            packed_hashes=b"".join(hashes[:4]),
+            packed_checksums=stand_in_checksums(b"".join(hashes[:4])),
+        )
     )
     assert (aborted.aborted, committed.committed) == (1, 4)
     again = await stub.Reserve(

@@ -4,6 +4,7 @@ one preadv, every block still checked, at most io_threads reads in flight."""
 from __future__ import annotations
 
 import asyncio
+import errno
 import mmap
 import threading
 import time
@@ -15,6 +16,7 @@ import pytest
 from service.disk import DiskTier
 from service.disk.format import DATA_START, PAGE, SlotHeader, slot_bytes_for
 from service.disk.io import TierFile
+from service.disk.jobs import ReadResult
 from service.disk.reads import RUN_BYTES, SlotRead, plan_runs
 from tests.service.disk.test_disk_tier import CAP, REGION, _flip, fill, k, payload
 
@@ -83,7 +85,8 @@ async def test_a_run_with_a_stale_header_reports_that_block_alone(path: str) -> 
     _flip(path, DATA_START + PAGE + 2 * slot_bytes_for(size) + 50)  # block 2's header
     slots = mmap.mmap(-1, 5 * size)
     dests = [memoryview(slots)[i * size : (i + 1) * size] for i in range(5)]
-    assert await tier.read_many([k(h) for h in range(5)], dests) == [True, True, False, True, True]
+    ok, stale = ReadResult.OK, ReadResult.IDENTITY
+    assert await tier.read_many([k(h) for h in range(5)], dests) == [ok, ok, stale, ok, ok]
     assert all(bytes(dests[h]) == blocks[h] for h in (0, 1, 3, 4))
     s = tier.stats()
     assert (s.reads, s.read_failures_identity, s.blocks) == (4, 1, 4)
@@ -129,7 +132,40 @@ async def test_reads_in_flight_never_exceed_io_threads(path: str) -> None:
         *(tier.read_many([k(h) for h in range(i, 12, 4)], dests[i::4]) for i in range(4)),
         *(tier.read_into(k(h), singles[h]) for h in range(4)),
     )
-    assert all(all(g) if isinstance(g, list) else g for g in got)
+    ok = ReadResult.OK
+    assert all(all(v is ok for v in g) if isinstance(g, list) else g for g in got)
     assert all(bytes(dests[h]) == blocks[h] for h in range(12))
     assert files[0].most == 2
+    await tier.close()
+
+
+async def test_read_many_gives_each_block_its_own_verdict(path: str) -> None:
+    """Issue 40, item 6: a promotion decided "corrupt" from tier-wide counters while up
+    to 8 ran at once, so one's checksum failure was blamed on another's failed read.
+    `read_many` now says per block: corrupt, failed, absent, or there."""
+    size = 32 << 10
+    failing: list[int] = []
+
+    class _FailingFile(TierFile):
+        def read_into(self, buffers: list[Any], offset: int) -> int:
+            end = offset + sum(memoryview(b).nbytes for b in buffers)
+            if any(offset <= at < end for at in failing):
+                raise OSError(errno.EIO, "the disk is gone")
+            return super().read_into(buffers, offset)
+
+    tier = DiskTier.open(
+        path,
+        CAP,
+        region_bytes=REGION,
+        io_threads=1,
+        wrap=lambda f: _FailingFile(f.fd, f.size, f.direct),
+    )
+    blocks = {h: payload(h, size) for h in range(3)}
+    await fill(tier, blocks)
+    slot = slot_bytes_for(size)
+    _flip(path, DATA_START + PAGE + slot + PAGE + 50)  # block 1's payload
+    failing.append(DATA_START + PAGE + 2 * slot + PAGE + 50)  # block 2's read fails
+    dests = [memoryview(bytearray(size)) for _ in range(4)]  # bounced: a read per block
+    verdicts = await tier.read_many([k(h) for h in range(4)], dests)  # 3 was never stored
+    assert verdicts == [ReadResult.OK, ReadResult.CHECKSUM, ReadResult.ERROR, None]
     await tier.close()

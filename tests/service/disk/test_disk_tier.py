@@ -20,6 +20,7 @@ from kvstore.checksum import block_checksum
 from service.disk import DiskEventKind, DiskKey, DiskTier, DiskTierError
 from service.disk.format import DATA_START, PAGE, checkpoint_offset, file_bytes_for, slot_bytes_for
 from service.disk.io import TierFile
+from service.disk.jobs import ReadResult
 
 NS = b"n" * 16
 REGION = 1 << 20
@@ -429,7 +430,8 @@ async def test_read_many_reads_a_chain_and_reports_each_block(path: str) -> None
     slots = mmap.mmap(-1, 8 * (32 << 10))
     dests = [memoryview(slots)[i * (32 << 10) : (i + 1) * (32 << 10)] for i in range(7)]
     got = await tier.read_many([k(h) for h in range(7)], dests)  # 6 is not on disk
-    assert got == [True, True, False, True, True, True, False]
+    ok = ReadResult.OK
+    assert got == [ok, ok, ReadResult.CHECKSUM, ok, ok, ok, None]
     assert all(bytes(dests[h]) == blocks[h] for h in (0, 1, 3, 4, 5))
     s = tier.stats()
     assert (s.reads, s.read_failures_checksum, s.blocks) == (5, 1, 5)
