@@ -148,6 +148,9 @@ class KVStoreWorkerReport(KVConnectorWorkerMetadata):
     the byte budget); True when it must start again from block 0."""
     poisoned: set[str] = field(default_factory=set)
     """Requests whose save was refused: their blocks touch a failed load's blocks."""
+    corrupt: dict[tuple[str, int], tuple[int, ...]] = field(default_factory=dict)
+    """Per (request, unit): pool slots whose bytes failed their writer's checksum in this
+    worker's load: reported with the unit's release, so the node drops those blocks."""
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         """Union of two workers' reports."""
@@ -164,4 +167,8 @@ class KVStoreWorkerReport(KVConnectorWorkerMetadata):
             saved=self.saved | other.saved,  # each unit is saved by one rank
             unsaved=unsaved,
             poisoned=self.poisoned | other.poisoned,
+            corrupt={
+                key: tuple(sorted({*self.corrupt.get(key, ()), *other.corrupt.get(key, ())}))
+                for key in self.corrupt.keys() | other.corrupt.keys()
+            },
         )

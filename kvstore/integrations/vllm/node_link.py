@@ -15,11 +15,12 @@ the worker's background threads):
   interval, not one per request;
 - `submit` starts a call of the async client on its loop and returns a
   future (the scheduler polls it: a lookup in flight is vLLM's "ask again");
-- `release` drops a hit's pins in the background, and sends it again after
-  UNAVAILABLE or a deadline until the node answers or the lease is gone.
-  Sending it twice is safe: each hit's Release carries its own id, which
-  the node applies once per lease, so a repeat never drops a pin that
-  another request of this engine holds on the same blocks.
+- `release` drops a hit's pins in the background; the SDK sends it again
+  after UNAVAILABLE or a deadline until the node answers or the lease is
+  gone (`kvstore.client.releases`: the one release route). Sending it twice
+  is safe: each hit's Release carries its own id, which the node applies
+  once per lease, so a repeat never drops a pin that another request of
+  this engine holds on the same blocks.
 
 The client and the namespace (with its pool mapping) are made on first use
 and kept; the client SDK re-registers and re-maps by itself after a node
@@ -48,9 +49,6 @@ T = TypeVar("T")
 
 ClientFactory = Callable[[ConnectorConfig, str], SyncClient]
 """Makes the client of a link (a seam for tests): ``(config, client_name) -> SyncClient``."""
-
-RELEASE_RETRY_CAP = 5.0
-"""Longest pause, in seconds, between two tries of a Release that could not be sent."""
 
 
 def default_client(config: ConnectorConfig, client_name: str) -> SyncClient:
@@ -256,30 +254,29 @@ class NodeLink:
         client = self._client
         return client.pins_held_until(hit) if client is not None else 0.0
 
-    def release(self, hit: Hit) -> None:
-        """Drop ``hit``'s pins in the background (see the module docstring); never waits."""
+    def release(self, hit: Hit, corrupt: Sequence[int] = ()) -> None:
+        """Drop ``hit``'s pins in the background (see the module docstring); never waits.
+
+        ``corrupt``: indices of hit blocks whose bytes failed their checksum in a
+        worker's load: the node checks and drops them (`Client.release`).
+        """
         client = self._client
         if client is None or hit.released or not hit.pinned:
             return
-        self.submit(self._release(client, hit))
+        self.submit(self._release(client, hit, corrupt))
 
-    async def _release(self, client: SyncClient, hit: Hit) -> None:
-        failures = 0
-        while not self._closed:
-            try:
-                # The worker's copies finished before it reported the load: nothing to
-                # wait for on any stream.
-                await client.client.release(hit, streams=(), timeout=self.config.lookup_timeout)
-                return
-            except ServerUnavailable as exc:  # a deadline too: sent again, same id
-                failures += 1
-                self.failed("release pins on", exc)
-            except KVStoreError as exc:  # the lease is gone (its pins with it), or a bug
-                log.debug("kvstore: release not retried: %s", exc)
-                return
-            if hit.lease_generation != client.client.lease.generation:
-                return  # the lease was lost: its pins are gone
-            await asyncio.sleep(min(0.1 * 2**failures, RELEASE_RETRY_CAP))
+    async def _release(self, client: SyncClient, hit: Hit, corrupt: Sequence[int]) -> None:
+        try:
+            # The worker's copies finished before it reported the load: nothing to wait
+            # for on any stream. A release the node does not answer is sent again by
+            # the SDK (same id) until it answers or the lease is gone.
+            await client.client.release(
+                hit, streams=(), timeout=self.config.lookup_timeout, corrupt=corrupt
+            )
+        except ServerUnavailable as exc:
+            self.failed("release pins on", exc)
+        except KVStoreError as exc:  # the lease is gone (its pins with it), or a bug
+            log.debug("kvstore: release failed: %s", exc)
 
     # --- life cycle --------------------------------------------------------------------
 

@@ -158,3 +158,6 @@ class TrackedRequest:
     """Leading full blocks saved or planned for saving."""
     poisoned: bool = False
     """Never save this request (its blocks touched a failed load's)."""
+    corrupt: dict[int, set[int]] = field(default_factory=dict)
+    """LOADING, DRAINING: per unit, pool slots a worker found corrupt (reported with the
+    unit's release)."""

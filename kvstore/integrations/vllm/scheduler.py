@@ -213,6 +213,10 @@ class SchedulerSide:
         if not isinstance(report, KVStoreWorkerReport):
             return
         self._failures_seen = max(self._failures_seen, report.failure_seq)
+        for (req_id, unit), slots in report.corrupt.items():
+            tracked = self._requests.get(req_id)
+            if tracked is not None:
+                tracked.corrupt.setdefault(unit, set()).update(slots)
         for req_id, rank in report.loaded:
             self._rank_loaded(req_id, rank)
         for req_id in report.poisoned:
@@ -249,9 +253,10 @@ class SchedulerSide:
         tracked.pending -= mine
         still = {unit for unit, _ in tracked.pending}
         if tracked.hits is not None:
-            for unit, _ in mine:
-                if unit not in still:
-                    self.link.release(tracked.hits[unit])
+            for unit in {unit for unit, _ in mine} - still:
+                hit, bad = tracked.hits[unit], tracked.corrupt.pop(unit, set())
+                corrupt = [i for i, slot in enumerate(hit.slots.tolist()) if slot in bad]
+                self.link.release(hit, corrupt)
         if tracked.pending:
             return
         tracked.hits = None

@@ -316,6 +316,10 @@ class WorkerSide:
             bad[wrong] = True
             with self._lock:
                 self._stats.add("load_checksum_failed_blocks", len(wrong))
+                # Reported with the release: the node drops them (no recompute forever).
+                self._report.corrupt[(load.request_id, load.unit)] = tuple(
+                    load.slots[i] for i in wrong
+                )
             log.warning(
                 "kvstore: %d blocks of request %s do not match their writer's checksum "
                 "(tier local, first slot %d); vLLM recomputes them",
@@ -445,7 +449,9 @@ class WorkerSide:
             report, self._report = self._report, KVStoreWorkerReport()
             report.failure_seq = self._failure_seq
         # A failed load is always among `loaded`: nothing else can be pending.
-        if not (report.loaded or report.saved or report.unsaved or report.poisoned):
+        if not (
+            report.loaded or report.saved or report.unsaved or report.poisoned or report.corrupt
+        ):
             return None
         return report
 
