@@ -28,6 +28,7 @@ from tests.integrations.vllm.common import (
 )
 from tests.integrations.vllm.engines import Engine, Node, running
 from tests.integrations.vllm.models import SLIDING_WINDOW, make_model
+from tests.waiting import wait_until
 
 pytestmark = [pytest.mark.vllm, pytest.mark.e2e, pytest.mark.timeout(1200)]
 
@@ -172,15 +173,27 @@ def test_mla_at_tp2_is_stored_once_and_loaded_by_every_rank(
         run(e["one"], SYSTEM + USER_1)
         run(e["two"], SYSTEM + USER_1)
         wait_saved(node, SYSTEM, HIT // 16)
+
+        def by_tp() -> dict[str, Any]:
+            return {ns.model_id.rsplit("#", 1)[1]: ns for ns in namespace_stats(node)}
+
+        # The same prompt at TP=1 and TP=2 (its decode blocks too: saves land behind the
+        # answers): one namespace at TP=2, not one a rank, holding the same bytes.
+        stats = wait_until(
+            by_tp,
+            ok=lambda s: len(s) == 2 and s["tp-2"].ready == s["g0-mla"].ready,
+            what="both engines' saves of the prompt",
+            within=60,
+            interval=0.5,
+        )
+        assert sorted(stats) == ["g0-mla", "tp-2"]
+        tp1, tp2 = stats["g0-mla"], stats["tp-2"]
+        assert tp2.ready * tp2.block_bytes == tp1.ready * tp1.block_bytes  # node bytes 1.0x
         got = run(e["two"], SYSTEM + USER_2)
         assert got["external_hits"] == HIT
         assert got["kvstore_loaded"] == 2 * HIT // 16  # each rank copied every block
         assert got["tokens"] == cold["tokens"]
         assert max_logprob_diff(got, cold) <= TOLERANCE
-        stats = {ns.model_id.rsplit("#", 1)[1]: ns for ns in namespace_stats(node)}
-        assert sorted(stats) == ["g0-mla", "tp-2"]  # one namespace at TP=2, not one a rank
-        tp1, tp2 = stats["g0-mla"], stats["tp-2"]
-        assert tp2.ready * tp2.block_bytes == tp1.ready * tp1.block_bytes  # node bytes 1.0x
         assert_nothing_pinned(node)
 
 

@@ -290,14 +290,6 @@ def test_a_bit_flipped_in_a_committed_block_is_recomputed(engines, node) -> None
     assert_exact(got, run(ref, prompt))
     assert_nothing_pinned(node)
 
-    # The engine reported the block with its release: the node checked the slot and
-    # dropped it, so the next load is a miss from there on, not a recompute per load.
-    def held() -> int:
-        with SyncClient(node.target, tenant="acme", timeout=10.0) as client:
-            return client.lookup(client.register_namespace(model, layout), prompt).hit_blocks
-
-    assert wait_until(held, ok=lambda n: n == 1, what="the corrupt block dropped", within=30) == 1
-
 
 WRITER = """
 import sys, time, numpy as np
