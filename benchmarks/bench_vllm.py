@@ -3,7 +3,7 @@ and vLLM's own in-process prefix-cache hit (the limit), in one run.
 
     KVSTORE_VLLM_PYTHON=... python -m benchmarks.bench_vllm [--lengths 1024,2048,4096,8192]
         [--layers 6 --hidden 768] [--repeats 3] [--settle 2] [--quick] [--cluster]
-        [--verify-checksums peer|all] [--disk] [--max-tokens 1]
+        [--verify-checksums peer|all] [--disk] [--max-tokens 1] [--family gemma3,sliding,mla]
 
 Makes a random Llama offline (float32), starts a cache node and two vLLM
 engines with the kvstore connector (`tests/integrations/vllm/driver.py`):
@@ -30,6 +30,9 @@ the JSON adds ``exact`` (B's outputs from memory and from disk against R's:
 tokens equal, largest logprob difference, and R's own prefix-cache hit's
 difference as the yardstick) and ``node_disk``, the restarted node's /metrics
 deltas around the disk request (blocks promoted, promotion seconds).
+
+With ``--family`` each model family named (a Gemma-3-style hybrid, an
+all-sliding-window model, MLA) is measured instead: `bench_vllm_family`.
 
 Each request is the system prompt plus a 16-token user prompt and
 ``--max-tokens`` generated tokens (1 by default). Prints one JSON object: per
@@ -206,7 +209,15 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--disk-capacity", default="2GiB", help="the disk tier's size (--disk)")
     parser.add_argument("--max-tokens", type=int, default=1, help="tokens each request generates")
+    parser.add_argument(
+        "--family",
+        default="",
+        help="model families instead of the Llama (comma-separated: gemma3, sliding, mla; "
+        "benchmarks/bench_vllm_family.py)",
+    )
     args = parser.parse_args(argv)
+    if args.family:
+        return run_families(args)
     if args.quick:
         args.lengths, args.repeats, args.layers, args.hidden = "1024", 1, 2, 256
     if args.disk and args.cluster:
@@ -363,6 +374,25 @@ def main(argv: list[str] | None = None) -> int:
             redis.stop()
         (work / "kvstore.disk").unlink(missing_ok=True)  # preallocated: --disk-capacity
     print(json.dumps(out, indent=2))
+    return 0
+
+
+def run_families(args: argparse.Namespace) -> int:
+    """``--family``: `benchmarks.bench_vllm_family` for each family named."""
+    from benchmarks import bench_vllm_family
+
+    python = vllm_python()
+    if python is None:
+        print(json.dumps({"error": "no python with vLLM (set KVSTORE_VLLM_PYTHON)"}))
+        return 2
+    families = [f for f in args.family.split(",") if f]
+    unknown = sorted(set(families) - set(bench_vllm_family.BLOCKS))
+    if unknown:
+        print(
+            json.dumps({"error": f"unknown families {unknown}: {sorted(bench_vllm_family.BLOCKS)}"})
+        )
+        return 2
+    print(json.dumps(bench_vllm_family.main(python, families, args), indent=2))
     return 0
 
 
