@@ -198,8 +198,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--verify-checksums",
         choices=("peer", "all"),
-        default="peer",
-        help="the nodes' verify_checksums: 'all' checks every local load's bytes too",
+        default="all",
+        help="the nodes' verify_checksums: 'all' (the node's default) checks every local "
+        "load's bytes too; 'peer' only what crosses a host or a tier",
     )
     parser.add_argument(
         "--disk",
