@@ -10,8 +10,10 @@ parts, so every save lands whatever its size:
 - a running request's first part now, reported saved so far (`SaveEnd.PARTIAL`):
   the scheduler plans the rest again next step, its blocks still vLLM's;
 - a finished request's, whose blocks vLLM keeps until it is reported sent
-  (``finished_sending``), part by part in the save thread as the budget
-  allows; it is reported sent once its last part is stored (or failed).
+  (``finished_sending``), part by part in the save thread, each part what
+  the budget has room for (one block at least: the saves holding the rest
+  are queued behind it on that thread, so it never waits for them); it is
+  reported sent once its last part is stored (or failed).
 
 Each save's end goes to the worker (`SaveEnd`), which reports it to the
 scheduler side.
@@ -82,8 +84,8 @@ class SaveStager:
         self.max_pending_save_bytes = max_pending_save_bytes
         self._report = report
         self._saver = ThreadPoolExecutor(1, thread_name_prefix="kvstore-save")
-        self._room = threading.Condition()
-        """Guards `_pending_bytes` and `_sent`; notified when staged bytes leave."""
+        self._lock = threading.Lock()
+        """Guards `_pending_bytes` and `_sent`."""
         self._pending_bytes = 0
         self._sent: set[str] = set()
         """Finished requests whose last blocks were copied out (or skipped): vLLM may
@@ -94,13 +96,13 @@ class SaveStager:
 
     def mark_sent(self, request_id: str) -> None:
         """vLLM may free the finished request's blocks (reported by `take_sent`)."""
-        with self._room:
+        with self._lock:
             self._sent.add(request_id)
 
     def take_sent(self) -> set[str]:
         """Finished requests whose blocks vLLM may free now (their last save was copied
         out, or skipped), since the last call."""
-        with self._room:
+        with self._lock:
             sent, self._sent = self._sent, set()
         return sent
 
@@ -114,7 +116,9 @@ class SaveStager:
         least one when nothing is staged, so a block over the budget still goes."""
         if not self._pending_bytes:
             return max(1, min(wanted, self.max_pending_save_bytes // block_bytes))
-        return min(wanted, (self.max_pending_save_bytes - self._pending_bytes) // block_bytes)
+        return max(
+            0, min(wanted, (self.max_pending_save_bytes - self._pending_bytes) // block_bytes)
+        )
 
     def stage(self, save: SaveSpec, copy: UnitCopy) -> bool:
         """Copy out what fits in ``max_pending_save_bytes`` and hand it to the save thread.
@@ -126,19 +130,20 @@ class SaveStager:
         """
         new_ids = save.block_ids[save.first_new :]
         block_bytes = copy.layout.block_bytes
-        with self._room:
-            if self.link.down:
-                self._report(save, SaveEnd.RETRY, 0)
-                return False
+        if self.link.down:
+            self._report(save, SaveEnd.RETRY, 0)
+            return False
+        with self._lock:
             fits = self._room_for(block_bytes, len(new_ids)) if new_ids else 0
-            if new_ids and fits < len(new_ids) and save.frees_blocks:
-                self._saver.submit(self._run_save_in_parts, save, copy)
-                return True
-            if new_ids and fits <= 0:
-                self._report(save, SaveEnd.RETRY, 0)
-                return False
-            nbytes = fits * block_bytes
-            self._pending_bytes += nbytes
+            if not new_ids or len(new_ids) <= fits or not save.frees_blocks:
+                self._pending_bytes += fits * block_bytes
+        if new_ids and fits < len(new_ids) and save.frees_blocks:
+            self._saver.submit(self._run_save_in_parts, save, copy)
+            return True
+        if new_ids and fits <= 0:
+            self._report(save, SaveEnd.RETRY, 0)
+            return False
+        nbytes = fits * block_bytes
         part = save
         if fits < len(new_ids):
             end = save.first_new + fits
@@ -192,9 +197,11 @@ class SaveStager:
         block_bytes = copy.layout.block_bytes
         try:
             while first < total and not self._closed:
-                with self._room:
-                    while (fits := self._room_for(block_bytes, total - first)) <= 0:
-                        self._room.wait(1.0)
+                # Never waits for room: the saves that hold the rest of the budget are
+                # queued behind this one on the same thread, so at worst a part of one
+                # block goes over the budget for the time of its store.
+                with self._lock:
+                    fits = max(1, self._room_for(block_bytes, total - first))
                     self._pending_bytes += fits * block_bytes
                 nbytes = fits * block_bytes
                 try:
@@ -255,9 +262,8 @@ class SaveStager:
         return len(save.hashes)
 
     def _release_bytes(self, nbytes: int) -> None:
-        with self._room:
+        with self._lock:
             self._pending_bytes -= nbytes
-            self._room.notify_all()
 
     def _ended(self, save: SaveSpec, nbytes: int, end: SaveEnd, blocks: int = 0) -> None:
         """A save (or its part) ended: its bytes leave the budget, the worker reports it

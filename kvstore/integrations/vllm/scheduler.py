@@ -74,7 +74,6 @@ class SchedulerSide:
         self.link = link
         self.units = list(units) if units is not None else default_units(link)
         self.tp = tp if tp is not None else len(self.units)
-        self.groups = sorted({unit.group.index for unit in self.units})
         self.block_size = block_size
         self.load = load
         self.save = save
