@@ -9,7 +9,7 @@ its copy lands on one of ``a``'s committed blocks. Engines that load the
 prompt afterwards must never use A's bytes: with the default settings their
 loads check every block against its writer's checksum, the block is a load
 error (recomputed), the count is on vLLM's /metrics, and the engine reports
-it with its release.
+it with its release, so the node drops it and no later load fails on it.
 """
 
 from __future__ import annotations
@@ -128,8 +128,10 @@ def test_a_late_write_into_a_saved_prefix_never_reaches_an_engine(engines, node)
         assert got["tokens"] == cold["tokens"]  # 0 wrong outputs
         assert max_logprob_diff(got, cold) <= 1e-3
         assert_nothing_pinned(node)
-        # Engines keep loading the prefix: the late bytes are refused every time.
+        # Engines keep loading the prefix; b reported the block with its release and
+        # the node dropped it, so no later load fails on it again.
         again = run(b, system(7) + USER_2)
+        assert again["kvstore_checksum_failed"] == 0 and again["kvstore_load_errors"] == 0
         assert again["tokens"] == cold["tokens"]
         assert max_logprob_diff(again, cold) <= 1e-3
     finally:
